@@ -1,0 +1,39 @@
+# Two commands do everything on a fresh machine:
+#   make demo   - set up, then run the main job (the training demo)
+#   make check  - set up, then lint, type-check and run every test
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo check lint typecheck test bench plan clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ppswap demo
+
+check: lint typecheck test
+
+lint: $(STAMP)
+	$(BIN)/ruff check ppswap tests benchmarks examples
+	$(BIN)/ruff format --check ppswap tests benchmarks examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP)
+	$(BIN)/pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+plan: $(STAMP)
+	$(BIN)/ppswap plan --schedule gpipe --pp 4 --micro 8 --swap
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,193 @@
+"""The MetaStep IR: one typed, frozen, hashable step of a rank's finalized order.
+
+A rank's order is a ``tuple[MetaStep, ...]`` of top-level steps. Every scheduler pass is a
+pure function from orders to new orders; nothing here ever mutates.
+
+Conventions (fixed here, relied on everywhere):
+
+- ``stage`` is a *global* stage index ``0 .. pp*vpp-1``; stage ``s`` lives on rank ``s % pp``.
+- For P2P steps ``stage`` is the *local* stage (the sender's stage for SEND_*, the
+  receiver's stage for RECV_*) and ``peer`` is the remote rank.
+  ``SEND_F(s, i)`` on rank(s) pairs with ``RECV_F(s + 1, i)`` on rank(s + 1);
+  ``SEND_B(s, i)`` on rank(s) pairs with ``RECV_B(s - 1, i)`` on rank(s - 1).
+- FSDP steps are per stage, not per micro-batch: ``micro == -1``.
+- Containers (BATCH_SEND_RECV) and composites (OVERLAP_B_F / OVERLAP_F_B) carry the stage
+  and micro of their first sub-step; their meaning is in ``sub_steps``.
+- Swap steps name the chunk ``(stage, micro)`` they move.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "COMPOSITE_KINDS",
+    "COMPUTE_KINDS",
+    "FSDP_KINDS",
+    "P2P_KINDS",
+    "SWAP_KINDS",
+    "MetaStep",
+    "Order",
+    "StepKind",
+    "iter_leaves",
+]
+
+
+class StepKind(enum.Enum):
+    """What a MetaStep does. The value is the name used in JSON and logs."""
+
+    FWD = "FWD"
+    BWD = "BWD"
+    BWD_INPUT = "BWD_INPUT"
+    BWD_WEIGHT = "BWD_WEIGHT"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    BATCH_SEND_RECV = "BATCH_SEND_RECV"
+    OVERLAP_B_F = "OVERLAP_B_F"
+    OVERLAP_F_B = "OVERLAP_F_B"
+    FSDP_UNSHARD = "FSDP_UNSHARD"
+    FSDP_RESHARD = "FSDP_RESHARD"
+    SWAP_LAUNCH_OFFLOAD = "SWAP_LAUNCH_OFFLOAD"
+    SWAP_WAIT_OFFLOAD = "SWAP_WAIT_OFFLOAD"
+    SWAP_LAUNCH_LOAD = "SWAP_LAUNCH_LOAD"
+    SWAP_WAIT_LOAD = "SWAP_WAIT_LOAD"
+
+
+COMPUTE_KINDS = frozenset(
+    {StepKind.FWD, StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT}
+)
+COMPOSITE_KINDS = frozenset({StepKind.OVERLAP_B_F, StepKind.OVERLAP_F_B})
+P2P_KINDS = frozenset({StepKind.SEND_F, StepKind.RECV_F, StepKind.SEND_B, StepKind.RECV_B})
+FSDP_KINDS = frozenset({StepKind.FSDP_UNSHARD, StepKind.FSDP_RESHARD})
+SWAP_KINDS = frozenset(
+    {
+        StepKind.SWAP_LAUNCH_OFFLOAD,
+        StepKind.SWAP_WAIT_OFFLOAD,
+        StepKind.SWAP_LAUNCH_LOAD,
+        StepKind.SWAP_WAIT_LOAD,
+    }
+)
+
+_SHORT: dict[StepKind, str] = {
+    StepKind.FWD: "F",
+    StepKind.BWD: "B",
+    StepKind.BWD_INPUT: "I",
+    StepKind.BWD_WEIGHT: "W",
+    StepKind.SEND_F: "SF",
+    StepKind.RECV_F: "RF",
+    StepKind.SEND_B: "SB",
+    StepKind.RECV_B: "RB",
+    StepKind.BATCH_SEND_RECV: "BATCH",
+    StepKind.OVERLAP_B_F: "OBF",
+    StepKind.OVERLAP_F_B: "OFB",
+    StepKind.FSDP_UNSHARD: "UN",
+    StepKind.FSDP_RESHARD: "RE",
+    StepKind.SWAP_LAUNCH_OFFLOAD: "LO",
+    StepKind.SWAP_WAIT_OFFLOAD: "WO",
+    StepKind.SWAP_LAUNCH_LOAD: "LL",
+    StepKind.SWAP_WAIT_LOAD: "WL",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MetaStep:
+    """One step of a rank's order. Frozen and hashable; compare by value."""
+
+    kind: StepKind
+    stage: int
+    micro: int
+    peer: int | None = None
+    sub_steps: tuple[MetaStep, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, StepKind):
+            raise TypeError(f"MetaStep.kind must be a StepKind, got {self.kind!r}")
+        for name in ("stage", "micro"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"MetaStep.{name} must be an int, got {value!r}")
+        if self.peer is not None and (not isinstance(self.peer, int) or self.peer < 0):
+            raise TypeError(f"MetaStep.peer must be None or an int >= 0, got {self.peer!r}")
+        if self.kind in P2P_KINDS and self.peer is None:
+            raise ValueError(f"{self.kind.value} needs a peer rank")
+        is_container = self.kind is StepKind.BATCH_SEND_RECV or self.kind in COMPOSITE_KINDS
+        if is_container and not self.sub_steps:
+            raise ValueError(f"{self.kind.value} needs sub_steps")
+        if not is_container and self.sub_steps:
+            raise ValueError(f"{self.kind.value} cannot hold sub_steps")
+
+    # -- classification -------------------------------------------------------------
+    @property
+    def is_compute(self) -> bool:
+        """A compute slot: a compute leaf or a composite (one slot for both leaves)."""
+        return self.kind in COMPUTE_KINDS or self.kind in COMPOSITE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        """Communication: a P2P step, a BATCH_SEND_RECV container or an FSDP action."""
+        return (
+            self.kind in P2P_KINDS
+            or self.kind is StepKind.BATCH_SEND_RECV
+            or self.kind in FSDP_KINDS
+        )
+
+    @property
+    def is_swap(self) -> bool:
+        return self.kind in SWAP_KINDS
+
+    @property
+    def chunk(self) -> tuple[int, int]:
+        """The logical chunk key ``(stage, micro)``."""
+        return (self.stage, self.micro)
+
+    # -- text and JSON ---------------------------------------------------------------
+    def short(self) -> str:
+        """Compact text for grids: ``F3.0`` is FWD of micro 3 on stage 0."""
+        if self.sub_steps:
+            inner = "+".join(s.short() for s in self.sub_steps)
+            return f"{_SHORT[self.kind]}[{inner}]"
+        if self.kind in FSDP_KINDS:
+            return f"{_SHORT[self.kind]}.s{self.stage}"
+        return f"{_SHORT[self.kind]}{self.micro}.{self.stage}"
+
+    def __str__(self) -> str:
+        return self.short()
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind.value, "stage": self.stage, "micro": self.micro}
+        if self.peer is not None:
+            out["peer"] = self.peer
+        if self.sub_steps:
+            out["sub_steps"] = [s.to_dict() for s in self.sub_steps]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MetaStep:
+        try:
+            kind = StepKind(data["kind"])
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"MetaStep.from_dict: bad or missing 'kind' in {data!r}") from exc
+        return cls(
+            kind=kind,
+            stage=data["stage"],
+            micro=data["micro"],
+            peer=data.get("peer"),
+            sub_steps=tuple(cls.from_dict(s) for s in data.get("sub_steps", ())),
+        )
+
+
+Order = tuple[MetaStep, ...]
+
+
+def iter_leaves(order: Order) -> Iterator[MetaStep]:
+    """Every non-container step, depth first, in order (composites and batches expanded)."""
+    for step in order:
+        if step.sub_steps:
+            yield from iter_leaves(step.sub_steps)
+        else:
+            yield step
