@@ -27,9 +27,12 @@ before the input step ``p``:
 - SWAP_LAUNCH_OFFLOAD at ``t(f) + 1``: immediately after the FWD's top-level step (the
   leaf or its composite), hence before that slot's sends and before its FSDP_RESHARD
   (``FWD -> SWAP_LAUNCH_OFFLOAD -> FSDP_RESHARD``).
-- SWAP_WAIT_OFFLOAD at ``t(f + 2)``: after the first intervening compute slot ``f + 1``
-  and the whole contiguous communication block that follows it (sends, FSDP actions,
-  BATCH_SEND_RECV containers, the next slot's recvs), just before the next compute slot.
+- SWAP_WAIT_OFFLOAD: after the first intervening compute slot ``f + 1`` and the
+  contiguous communication block that follows it (sends, FSDP actions, BATCH_SEND_RECV
+  containers, the next slot's recvs), i.e. at ``t(f + 2)`` just before the next compute
+  slot, but ahead of any SWAP_LAUNCH_LOAD placed in that same block: at the earliest
+  LAUNCH_LOAD point of the block when there is one (release device storage before the
+  block allocates it again, so the block never holds both).
 - SWAP_LAUNCH_LOAD:
     * FSDP on the consumer's stage (the order holds FSDP steps for that stage) and the
       consumer starts a use run of that stage (the last FSDP step of the stage before the
@@ -263,12 +266,18 @@ def _launch_load_anchor(
 def _swap_points(order: Order, plans: Sequence[SwapChunkPlan]) -> list[tuple[int, MetaStep]]:
     slots = compute_slots(order)
     fsdp_stages = frozenset(step.stage for step in order if step.kind in FSDP_KINDS)
+    eligible = [plan for plan in plans if plan.eligible]
+    launch_loads: list[int] = []
+    for plan in eligible:
+        anchor = _launch_load_anchor(order, slots, plan, fsdp_stages)
+        launch_loads.append(max(anchor, slots[plan.fwd_slot + 2].index))
     placed: list[tuple[int, MetaStep]] = []
-    for plan in plans:
-        if not plan.eligible:
-            continue
-        wait_offload = slots[plan.fwd_slot + 2].index
-        launch_load = max(_launch_load_anchor(order, slots, plan, fsdp_stages), wait_offload)
+    for plan, launch_load in zip(eligible, launch_loads, strict=True):
+        gap_start = slots[plan.fwd_slot + 1].index
+        wait_offload = min(
+            [slots[plan.fwd_slot + 2].index]
+            + [p for p in launch_loads if gap_start < p <= slots[plan.fwd_slot + 2].index]
+        )
         points = (
             slots[plan.fwd_slot].index + 1,
             wait_offload,

@@ -76,7 +76,7 @@ PP2_BATCH = ScheduleConfig(schedule="gpipe", pp=2, micro=4, swap=True, p2p="batc
 def test_plain_p2p_golden() -> None:
     assert text(inject_swap_steps(GPIPE_PLAIN, PP2, 0)) == (
         "F0.0 LO0.0 SF0.0 F1.0 LO1.0 SF1.0 WO0.0 F2.0 LO2.0 SF2.0 WO1.0 LL0.0 "
-        "F3.0 LO3.0 SF3.0 LL1.0 RB0.0 WO2.0 WL0.0 B0.0 LL2.0 RB1.0 WO3.0 WL1.0 B1.0 "
+        "F3.0 LO3.0 SF3.0 WO2.0 LL1.0 RB0.0 WL0.0 B0.0 WO3.0 LL2.0 RB1.0 WL1.0 B1.0 "
         "LL3.0 RB2.0 WL2.0 B2.0 RB3.0 WL3.0 B3.0"
     )
 
@@ -111,12 +111,23 @@ def test_launch_offload_after_composite_container() -> None:
 
 def test_wait_offload_after_first_intervening_compute_and_comm_block() -> None:
     out = names(inject_swap_steps(GPIPE_PLAIN, PP2, 0))
-    # chunk 2: FWD F2, first intervening compute F3, then its block (SF3, RB0), then B0
-    assert out.index("RB0.0") < out.index("WO2.0") < out.index("B0.0")
-    assert out.index("WO2.0") > out.index("F3.0")
     # chunk 0: first intervening compute F1 and its send SF1, then WO0 right before F2
     assert out[out.index("F2.0") - 1] == "WO0.0"
     assert out[out.index("WO0.0") - 1] == "SF1.0"
+    # chunk 3: first intervening compute B0, then B0's block (WO3 ahead of LL2 and RB1)
+    at = out.index("B0.0")
+    assert out[at : at + 6] == ["B0.0", "WO3.0", "LL2.0", "RB1.0", "WL1.0", "B1.0"]
+
+
+def test_wait_offload_goes_ahead_of_a_launch_load_in_its_block() -> None:
+    # chunk 2: after F3, the block (SF3, RB0) also receives LL1 (before B0's recv), so the
+    # device storage of chunk 2 is released before chunk 1's is allocated again.
+    out = names(inject_swap_steps(GPIPE_PLAIN, PP2, 0))
+    at = out.index("SF3.0")
+    assert out[at : at + 5] == ["SF3.0", "WO2.0", "LL1.0", "RB0.0", "WL0.0"]
+    batch_out = names(inject_swap_steps(GPIPE_BATCH, PP2_BATCH, 0))
+    at = batch_out.index("BATCH[SF3.0+RB0.0]")
+    assert batch_out[at - 2 : at] == ["WO2.0", "LL1.0"]
 
 
 def test_launch_load_at_last_cover_point_before_recvs() -> None:
@@ -139,8 +150,8 @@ def test_batch_container_is_never_split() -> None:
     out = inject_swap_steps(GPIPE_BATCH, PP2_BATCH, 0)
     assert text(out) == (
         "F0.0 LO0.0 BATCH[SF0.0] F1.0 LO1.0 BATCH[SF1.0] WO0.0 F2.0 LO2.0 BATCH[SF2.0] "
-        "WO1.0 LL0.0 F3.0 LO3.0 LL1.0 BATCH[SF3.0+RB0.0] WO2.0 WL0.0 B0.0 "
-        "LL2.0 BATCH[RB1.0] WO3.0 WL1.0 B1.0 LL3.0 BATCH[RB2.0] WL2.0 B2.0 "
+        "WO1.0 LL0.0 F3.0 LO3.0 WO2.0 LL1.0 BATCH[SF3.0+RB0.0] WL0.0 B0.0 "
+        "WO3.0 LL2.0 BATCH[RB1.0] WL1.0 B1.0 LL3.0 BATCH[RB2.0] WL2.0 B2.0 "
         "BATCH[RB3.0] WL3.0 B3.0"
     )
     containers = [s for s in out if s.kind is K.BATCH_SEND_RECV]
