@@ -1,0 +1,158 @@
+"""Property tests of the swap pass on real lowered orders: every family, flag, P2P mode, FSDP.
+
+For every rank: each eligible chunk gets exactly the four swap steps in life-cycle order
+before its consumer and after its FWD; ineligible chunks get none; swap steps never enter
+a container; removing them gives back the swap-free order exactly; the memory with swap
+never exceeds the memory without; and the cross-rank timeline still completes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.simulate import build_timeline, memory_profile
+from ppswap.scheduler.steps import Order, StepKind, iter_leaves
+from ppswap.scheduler.swap_plan import (
+    CONSUMER_KINDS,
+    SWAP_KIND_ORDER,
+    compute_slots,
+    eligible_chunks,
+    inject_swap_steps,
+    plan_swap,
+    strip_swap_steps,
+)
+
+
+@st.composite
+def swap_configs(draw: st.DrawFn) -> ScheduleConfig:
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b"]))
+    pp = draw(st.integers(1, 5))
+    vpp = draw(st.integers(2, 3)) if schedule == "interleaved_1f1b" else 1
+    if schedule == "interleaved_1f1b":
+        micro = pp * draw(st.integers(1, 4))
+    else:
+        micro = draw(st.integers(1, 12))
+    return ScheduleConfig(
+        schedule=schedule,
+        pp=pp,
+        vpp=vpp,
+        micro=micro,
+        split_dw=draw(st.booleans()),
+        overlap_b_f=schedule != "gpipe" and draw(st.booleans()),
+        p2p=draw(st.sampled_from(["plain", "batch", "boundary"])),
+        fsdp=draw(st.booleans()),
+        swap=True,
+        min_swap_gap=draw(st.integers(2, 6)),
+    )
+
+
+def _top_index_of_leaf(order: Order, kinds: frozenset[StepKind]) -> dict[tuple[int, int], int]:
+    found: dict[tuple[int, int], int] = {}
+    for index, step in enumerate(order):
+        for leaf in iter_leaves((step,)):
+            if leaf.kind in kinds and step.is_compute:
+                found[leaf.chunk] = index
+    return found
+
+
+def check_swap_invariants(config: ScheduleConfig) -> None:
+    swapped = build_all_orders(config)
+    plain = build_all_orders(replace(config, swap=False))
+    for rank, (order, base) in enumerate(zip(swapped, plain, strict=True)):
+        assert strip_swap_steps(order) == base
+        assert inject_swap_steps(base, config, rank) == order
+        plans = plan_swap(base, config)
+        eligible = {p.chunk for p in plans if p.eligible}
+        assert eligible_chunks(order) == eligible
+        assert all(p.eligible == (p.gap >= config.min_swap_gap) for p in plans)
+        fwd_at = _top_index_of_leaf(order, frozenset({StepKind.FWD}))
+        consumer_at = _top_index_of_leaf(order, CONSUMER_KINDS)
+        swap_at: dict[tuple[int, int], list[tuple[StepKind, int]]] = {}
+        for index, step in enumerate(order):
+            if step.is_swap:
+                swap_at.setdefault(step.chunk, []).append((step.kind, index))
+            elif step.sub_steps:
+                assert not any(leaf.is_swap for leaf in iter_leaves(step.sub_steps))
+        assert set(swap_at) == eligible
+        for chunk, found in swap_at.items():
+            assert [kind for kind, _ in found] == list(SWAP_KIND_ORDER), chunk
+            positions = [index for _, index in found]
+            assert fwd_at[chunk] < positions[0]
+            assert positions == sorted(positions)
+            assert positions[-1] < consumer_at[chunk]
+            assert positions[-1] == consumer_at[chunk] - 1  # WAIT_LOAD right before
+        # the slot numbers the plan uses are those of the finalized order
+        slots = compute_slots(order)
+        for plan in plans:
+            assert slots[plan.fwd_slot].index == fwd_at[plan.chunk]
+            assert slots[plan.consumer_slot].index == consumer_at[plan.chunk]
+        with_swap = memory_profile(order)
+        without = memory_profile(order, with_swap=False)
+        assert all(a <= b for a, b in zip(with_swap, without, strict=True))
+        assert min(with_swap, default=0) >= 0
+        assert max(without, default=0) == max(memory_profile(base), default=0)
+    timeline = build_timeline(config, swapped)
+    unswapped = build_timeline(config, plain)
+    assert timeline.num_columns == unswapped.num_columns
+    assert timeline.bubbles == unswapped.bubbles
+    assert [[(c.column, c.step) for c in cells] for cells in timeline.cells] == [
+        [(c.column, c.step) for c in cells] for cells in unswapped.cells
+    ]
+    for cells in timeline.cells:
+        columns = [cell.column for cell in cells]
+        assert columns == sorted(set(columns))
+
+
+@settings(max_examples=80, deadline=None)
+@given(swap_configs())
+def test_swap_pass_invariants(config: ScheduleConfig) -> None:
+    check_swap_invariants(config)
+
+
+GRID = [
+    (schedule, split_dw, overlap, p2p, fsdp)
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b")
+    for split_dw in (False, True)
+    for overlap in ((False,) if schedule == "gpipe" else (False, True))
+    for p2p in ("plain", "batch", "boundary")
+    for fsdp in (False, True)
+]
+
+
+@pytest.mark.parametrize(("schedule", "split_dw", "overlap", "p2p", "fsdp"), GRID)
+def test_swap_pass_invariants_pp4_m8_grid(
+    schedule: str, split_dw: bool, overlap: bool, p2p: str, fsdp: bool
+) -> None:
+    check_swap_invariants(
+        ScheduleConfig(
+            schedule=schedule,  # type: ignore[arg-type]
+            pp=4,
+            vpp=2 if schedule == "interleaved_1f1b" else 1,
+            micro=8,
+            split_dw=split_dw,
+            overlap_b_f=overlap,
+            p2p=p2p,  # type: ignore[arg-type]
+            fsdp=fsdp,
+            swap=True,
+        )
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(swap_configs())
+def test_bwd_weight_never_loads_or_releases(config: ScheduleConfig) -> None:
+    for order in build_all_orders(replace(config, split_dw=True, swap=True)):
+        for index, step in enumerate(order):
+            if step.kind is not StepKind.SWAP_WAIT_LOAD:
+                continue
+            own = [leaf for leaf in iter_leaves((order[index + 1],)) if leaf.chunk == step.chunk]
+            assert [leaf.kind for leaf in own] in ([StepKind.BWD], [StepKind.BWD_INPUT])
+        for index, step in enumerate(order):
+            if step.kind is StepKind.BWD_WEIGHT and index > 0:
+                assert not (order[index - 1].is_swap and order[index - 1].chunk == step.chunk)
