@@ -86,6 +86,12 @@ class ScheduleConfig:
                 f"vpp must be 1 for schedule {self.schedule!r}, got {self.vpp!r} "
                 "(virtual stages need schedule='interleaved_1f1b')"
             )
+        if self.overlap_b_f and self.schedule == "gpipe":
+            raise ValueError(
+                "overlap_b_f needs a steady state where a backward is followed by a "
+                "forward; schedule 'gpipe' has none. Use schedule='1f1b' or "
+                "'interleaved_1f1b', or overlap_b_f=False"
+            )
         if self.forward_only and self.swap:
             raise ValueError(
                 "swap must be False for a forward-only run, got swap=True "
