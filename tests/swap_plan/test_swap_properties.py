@@ -27,6 +27,7 @@ from ppswap.scheduler.swap_plan import (
     plan_swap,
     strip_swap_steps,
 )
+from ppswap.scheduler.validate import validate_all
 
 
 @st.composite
@@ -97,6 +98,7 @@ def check_swap_invariants(config: ScheduleConfig) -> None:
         assert all(a <= b for a, b in zip(with_swap, without, strict=True))
         assert min(with_swap, default=0) >= 0
         assert max(without, default=0) == max(memory_profile(base), default=0)
+    validate_all(config, swapped)
     timeline = build_timeline(config, swapped)
     unswapped = build_timeline(config, plain)
     assert timeline.num_columns == unswapped.num_columns

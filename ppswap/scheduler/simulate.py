@@ -1,0 +1,332 @@
+"""Global logical timeline, bubbles and the resident-chunk memory model (RFC 6.8, 8.3).
+
+Timeline
+    Every compute slot (a top-level compute leaf or a composite, see
+    ``swap_plan.compute_slots``) of every rank gets a global *column*: the earliest logical
+    time its data dependencies allow, one compute slot per column per rank, each rank
+    running its slots in its own order. The dependencies between compute leaves are:
+
+    - ``FWD(s, i)`` after ``FWD(s - 1, i)`` (stage 0 has none);
+    - ``BWD(s, i)`` / ``BWD_INPUT(s, i)`` after the backward consumer of ``(s + 1, i)``
+      (BWD or BWD_INPUT), and on the last stage after ``FWD(s, i)``;
+    - ``BWD_WEIGHT(s, i)`` after ``BWD_INPUT(s, i)``.
+
+    A composite depends on what both its leaves depend on. ``column = max(previous slot of
+    the rank + 1, every dependency's column + 1)``. A column is a logical compute slot,
+    not wall-clock time. A *bubble* is a column in ``0 .. num_columns - 1`` where a rank runs
+    no compute.
+
+Memory model (unit: one activation chunk ``(stage, micro)``)
+    Walking one rank's order: +1 when a FWD runs; with swap, -1 at SWAP_WAIT_OFFLOAD (the
+    device storage is released) and +1 at SWAP_LAUNCH_LOAD (it is allocated again); -1
+    when the chunk's BWD or BWD_INPUT completes (BWD_WEIGHT holds nothing). The profile
+    gives one value per top-level step: for a compute slot the chunks resident *while it
+    runs* (the chunk its FWD produces counts from its start, the chunk its consumer reads
+    until it completes, so an OVERLAP_B_F slot holds both), for any other step the chunks
+    resident right after it. The peak is the maximum of the profile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.steps import MetaStep, Order, StepKind
+from ppswap.scheduler.swap_plan import (
+    CONSUMER_KINDS,
+    ComputeSlot,
+    compute_slots,
+    eligible_chunks,
+)
+from ppswap.scheduler.validate import ScheduleDeadlockError
+
+__all__ = [
+    "CopyWindow",
+    "Timeline",
+    "TimelineCell",
+    "build_timeline",
+    "copy_windows",
+    "memory_profile",
+    "memory_table",
+    "resident_by_column",
+    "step_columns",
+]
+
+_Leaf = tuple[StepKind, int, int]
+_LAUNCH_KINDS = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
+_WAIT_OF: dict[StepKind, tuple[StepKind, str]] = {
+    StepKind.SWAP_WAIT_OFFLOAD: (StepKind.SWAP_LAUNCH_OFFLOAD, "offload"),
+    StepKind.SWAP_WAIT_LOAD: (StepKind.SWAP_LAUNCH_LOAD, "load"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineCell:
+    """One compute slot placed on the global timeline.
+
+    ``slot`` is the rank-local compute-slot number, ``index`` the step's top-level index in
+    the rank's order, ``column`` its global logical time.
+    """
+
+    rank: int
+    slot: int
+    index: int
+    column: int
+    step: MetaStep
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """All ranks' compute slots on one logical time axis.
+
+    ``cells[r]`` lists rank ``r``'s cells in slot order; ``bubbles[r]`` counts the columns
+    in ``0 .. num_columns - 1`` where rank ``r`` runs no compute.
+    """
+
+    num_columns: int
+    cells: tuple[tuple[TimelineCell, ...], ...]
+    bubbles: tuple[int, ...]
+
+    def busy_columns(self, rank: int) -> frozenset[int]:
+        """The columns where ``rank`` runs a compute slot."""
+        return frozenset(cell.column for cell in self.cells[rank])
+
+
+def _leaf_deps(
+    leaf: MetaStep, last_stage: int, consumer_kind: dict[tuple[int, int], StepKind]
+) -> list[_Leaf]:
+    stage, micro = leaf.stage, leaf.micro
+    if leaf.kind is StepKind.FWD:
+        return [(StepKind.FWD, stage - 1, micro)] if stage > 0 else []
+    if leaf.kind in CONSUMER_KINDS:
+        if stage == last_stage:
+            return [(StepKind.FWD, stage, micro)]
+        upstream = consumer_kind.get((stage + 1, micro), StepKind.BWD)
+        return [(upstream, stage + 1, micro)]
+    if leaf.kind is StepKind.BWD_WEIGHT:
+        return [(StepKind.BWD_INPUT, stage, micro)]
+    return []
+
+
+def _check_orders(config: ScheduleConfig, orders: Sequence[Order]) -> None:
+    if not isinstance(config, ScheduleConfig):
+        raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
+    if len(orders) != config.pp:
+        raise ValueError(f"orders must hold one order per rank (pp={config.pp}), got {len(orders)}")
+
+
+def build_timeline(config: ScheduleConfig, orders: Sequence[Order]) -> Timeline:
+    """Place every rank's compute slots on the global logical timeline.
+
+    ``orders[r]`` is rank ``r``'s order (compute-only, lowered, with or without swap
+    steps). Raises ValueError when a leaf depends on a step no rank runs, and
+    ``validate.ScheduleDeadlockError`` (a ValueError) when the ranks cannot all finish
+    (their compute slots wait on each other in a cycle); its ``stuck`` maps each stuck rank
+    to the top-level index of the slot it cannot run.
+    """
+    _check_orders(config, orders)
+    slots = [compute_slots(order) for order in orders]
+    last_stage = config.num_stages - 1
+    consumer_kind: dict[tuple[int, int], StepKind] = {}
+    present: set[_Leaf] = set()
+    for rank_slots in slots:
+        for slot in rank_slots:
+            for leaf in slot.leaves:
+                present.add((leaf.kind, leaf.stage, leaf.micro))
+                if leaf.kind in CONSUMER_KINDS:
+                    consumer_kind[leaf.chunk] = leaf.kind
+    deps: list[list[list[_Leaf]]] = []
+    for rank_slots in slots:
+        rank_deps: list[list[_Leaf]] = []
+        for slot in rank_slots:
+            slot_deps = [
+                d for leaf in slot.leaves for d in _leaf_deps(leaf, last_stage, consumer_kind)
+            ]
+            for dep in slot_deps:
+                if dep not in present:
+                    raise ValueError(
+                        f"{slot.step.short()} depends on {dep[0].value}(stage={dep[1]}, "
+                        f"micro={dep[2]}), which no rank's order runs"
+                    )
+            rank_deps.append(slot_deps)
+        deps.append(rank_deps)
+    done: dict[_Leaf, int] = {}
+    columns: list[list[int]] = [[] for _ in orders]
+    progress = True
+    while progress:
+        progress = False
+        for rank, rank_slots in enumerate(slots):
+            while len(columns[rank]) < len(rank_slots):
+                slot = rank_slots[len(columns[rank])]
+                needed = deps[rank][slot.slot]
+                if any(dep not in done for dep in needed):
+                    break
+                column = max([done[dep] + 1 for dep in needed], default=0)
+                if columns[rank]:
+                    column = max(column, columns[rank][-1] + 1)
+                columns[rank].append(column)
+                for leaf in slot.leaves:
+                    done[(leaf.kind, leaf.stage, leaf.micro)] = column
+                progress = True
+    stuck = {
+        rank: rank_slots[len(columns[rank])].index
+        for rank, rank_slots in enumerate(slots)
+        if len(columns[rank]) < len(rank_slots)
+    }
+    if stuck:
+        where = ", ".join(f"rank {r} at {orders[r][i].short()}" for r, i in stuck.items())
+        raise ScheduleDeadlockError(
+            f"orders cannot complete, their compute slots wait on each other: {where}", stuck
+        )
+    num_columns = max((cols[-1] + 1 for cols in columns if cols), default=0)
+    cells = tuple(
+        tuple(
+            TimelineCell(rank=rank, slot=s.slot, index=s.index, column=col, step=s.step)
+            for s, col in zip(rank_slots, columns[rank], strict=True)
+        )
+        for rank, rank_slots in enumerate(slots)
+    )
+    bubbles = tuple(num_columns - len(rank_cells) for rank_cells in cells)
+    return Timeline(num_columns=num_columns, cells=cells, bubbles=bubbles)
+
+
+def _slot_delta(slot: ComputeSlot) -> tuple[int, int]:
+    produced = sum(1 for leaf in slot.leaves if leaf.kind is StepKind.FWD)
+    consumed = sum(1 for leaf in slot.leaves if leaf.kind in CONSUMER_KINDS)
+    return produced, consumed
+
+
+def memory_profile(order: Order, *, with_swap: bool = True) -> tuple[int, ...]:
+    """Resident activation chunks at each top-level step of ``order`` (see module doc).
+
+    With ``with_swap=False`` the swap steps are ignored (they keep their entry, unchanged
+    from the step before), which is the same as the profile of the order without them.
+    """
+    if not isinstance(with_swap, bool):
+        raise TypeError(f"with_swap must be a bool, got {with_swap!r}")
+    slot_at = {slot.index: slot for slot in compute_slots(order)}
+    resident = 0
+    profile: list[int] = []
+    for index, step in enumerate(order):
+        if index in slot_at:
+            produced, consumed = _slot_delta(slot_at[index])
+            profile.append(resident + produced)
+            resident += produced - consumed
+            continue
+        if with_swap and step.kind is StepKind.SWAP_WAIT_OFFLOAD:
+            resident -= 1
+        elif with_swap and step.kind is StepKind.SWAP_LAUNCH_LOAD:
+            resident += 1
+        profile.append(resident)
+    return tuple(profile)
+
+
+def step_columns(timeline: Timeline, rank: int, order: Order) -> tuple[int, ...]:
+    """The logical column of every top-level step of rank ``rank``'s ``order``.
+
+    A compute slot is at its column. Every other step (P2P, FSDP, swap launches and
+    waits) runs as soon as the previous compute slot ends, at that slot's column + 1 (0
+    before the first slot, clamped to the last column after the last one): only compute
+    waits for data from other ranks, so in a bubble the rank's non-compute steps have
+    already run when the bubble starts. A copy is taken to fit in one compute slot.
+    Columns never decrease along the order.
+    """
+    cells = timeline.cells[rank]
+    if len(cells) != len(compute_slots(order)):
+        raise ValueError(
+            f"order does not match the timeline of rank {rank}: "
+            f"{len(compute_slots(order))} compute slots against {len(cells)}"
+        )
+    last = max(timeline.num_columns - 1, 0)
+    column_at = {cell.index: cell.column for cell in cells}
+    out: list[int] = []
+    after_previous = 0
+    for index in range(len(order)):
+        if index in column_at:
+            out.append(column_at[index])
+            after_previous = column_at[index] + 1
+        else:
+            out.append(min(after_previous, last))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyWindow:
+    """A static launch-to-wait window of one chunk's copy on the logical time axis.
+
+    ``kind`` is ``"offload"`` (SWAP_LAUNCH_OFFLOAD to SWAP_WAIT_OFFLOAD) or ``"load"``
+    (SWAP_LAUNCH_LOAD to SWAP_WAIT_LOAD); ``start``/``end`` are columns from
+    ``step_columns`` (``end == start`` when the wait directly follows the launch).
+    """
+
+    kind: str
+    stage: int
+    micro: int
+    start: int
+    end: int
+
+
+def copy_windows(timeline: Timeline, rank: int, order: Order) -> tuple[CopyWindow, ...]:
+    """The offload and load windows of every eligible chunk of ``rank``, by launch order."""
+    columns = step_columns(timeline, rank, order)
+    launched: dict[tuple[StepKind, tuple[int, int]], int] = {}
+    windows: list[tuple[int, CopyWindow]] = []
+    for index, (step, column) in enumerate(zip(order, columns, strict=True)):
+        if step.kind in _LAUNCH_KINDS:
+            launched[(step.kind, step.chunk)] = index
+        elif step.kind in _WAIT_OF:
+            launch_kind, name = _WAIT_OF[step.kind]
+            start_index = launched.pop((launch_kind, step.chunk), None)
+            if start_index is None:
+                raise ValueError(f"{step.short()} of rank {rank} has no launch before it")
+            window = CopyWindow(name, step.stage, step.micro, columns[start_index], column)
+            windows.append((start_index, window))
+    return tuple(window for _, window in sorted(windows, key=lambda item: item[0]))
+
+
+def resident_by_column(
+    timeline: Timeline, rank: int, order: Order, *, with_swap: bool = True
+) -> tuple[int, ...]:
+    """Resident chunks of ``rank`` in every column: the largest profile value of the steps
+    in that column, or the value carried from before when the column has none (a bubble).
+    Its maximum equals ``max(memory_profile(order, with_swap=...))``.
+    """
+    profile = memory_profile(order, with_swap=with_swap)
+    columns = step_columns(timeline, rank, order)
+    per_column: list[int | None] = [None] * timeline.num_columns
+    for column, value in zip(columns, profile, strict=True):
+        current = per_column[column]
+        per_column[column] = value if current is None else max(current, value)
+    out: list[int] = []
+    carried = 0
+    index = 0
+    for column, peak in enumerate(per_column):
+        while index < len(columns) and columns[index] <= column:
+            carried = profile[index]
+            index += 1
+        out.append(carried if peak is None else peak)
+    return tuple(out)
+
+
+def memory_table(config: ScheduleConfig) -> list[dict[str, int]]:
+    """Per rank: eligible chunks and the peak resident chunks without and with swap.
+
+    The orders are lowered with ``swap=True`` whatever ``config.swap`` says (the table is
+    the prediction for a swap run); ``peak_chunks_no_swap`` is the same order with the swap
+    steps ignored. Keys: ``rank``, ``peak_chunks_no_swap``, ``peak_chunks_swap``,
+    ``eligible`` (the number of eligible chunks of the rank).
+    """
+    if not isinstance(config, ScheduleConfig):
+        raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
+    orders = build_all_orders(replace(config, swap=True))
+    return [
+        {
+            "rank": rank,
+            "peak_chunks_no_swap": max(memory_profile(order, with_swap=False), default=0),
+            "peak_chunks_swap": max(memory_profile(order), default=0),
+            "eligible": len(eligible_chunks(order)),
+        }
+        for rank, order in enumerate(orders)
+    ]

@@ -1,0 +1,220 @@
+"""Global logical timeline, bubbles, copy windows and the resident-chunk memory model."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.simulate import (
+    CopyWindow,
+    build_timeline,
+    copy_windows,
+    memory_profile,
+    memory_table,
+    resident_by_column,
+    step_columns,
+)
+from ppswap.scheduler.steps import MetaStep, Order, StepKind
+from ppswap.scheduler.swap_plan import inject_swap_steps
+from ppswap.scheduler.validate import ScheduleDeadlockError
+
+K = StepKind
+
+GPIPE = ScheduleConfig(schedule="gpipe", pp=4, micro=8, swap=True)
+ONE_F_ONE_B = ScheduleConfig(schedule="1f1b", pp=4, micro=8, swap=True)
+INTERLEAVED = ScheduleConfig(schedule="interleaved_1f1b", pp=4, vpp=2, micro=8, swap=True)
+OVERLAP = ScheduleConfig(schedule="1f1b", pp=4, micro=8, overlap_b_f=True, swap=True)
+OVERLAP_DXDW = ScheduleConfig(
+    schedule="1f1b", pp=4, micro=8, overlap_b_f=True, split_dw=True, swap=True
+)
+NAMED = [GPIPE, ONE_F_ONE_B, INTERLEAVED, OVERLAP, OVERLAP_DXDW]
+
+
+def gpipe_one_stage_swapped(micro: int = 4) -> tuple[ScheduleConfig, Order]:
+    config = ScheduleConfig(schedule="gpipe", pp=1, micro=micro, swap=True)
+    order = tuple(MetaStep(K.FWD, 0, i) for i in range(micro)) + tuple(
+        MetaStep(K.BWD, 0, i) for i in range(micro)
+    )
+    return config, inject_swap_steps(order, config, 0)
+
+
+# -- timeline ----------------------------------------------------------------------------
+
+
+def test_gpipe_timeline_columns() -> None:
+    timeline = build_timeline(GPIPE, build_all_orders(GPIPE))
+    # FWD(r, i) at r + i; the last stage's B0 after its F7 (column 10) -> 11, and every
+    # earlier stage one column later: BWD(r, i) at 11 + (3 - r) + i.
+    assert timeline.num_columns == 22
+    for rank, cells in enumerate(timeline.cells):
+        fwd = [c.column for c in cells if c.step.kind is K.FWD]
+        bwd = [c.column for c in cells if c.step.kind is K.BWD]
+        assert fwd == [rank + i for i in range(8)]
+        assert bwd == [11 + (3 - rank) + i for i in range(8)]
+    assert timeline.bubbles == (6, 6, 6, 6)  # 2 * (pp - 1) per rank
+
+
+def test_1f1b_has_the_same_bubble_as_gpipe() -> None:
+    timeline = build_timeline(ONE_F_ONE_B, build_all_orders(ONE_F_ONE_B))
+    assert timeline.num_columns == 22
+    assert timeline.bubbles == (6, 6, 6, 6)
+    assert timeline.busy_columns(3) == frozenset(range(3, 19))
+
+
+def test_composite_takes_one_column() -> None:
+    orders = build_all_orders(OVERLAP)
+    timeline = build_timeline(OVERLAP, orders)
+    for rank, cells in enumerate(timeline.cells):
+        slots = [s for s in orders[rank] if s.is_compute]
+        assert [c.step for c in cells] == slots
+        assert len({c.column for c in cells}) == len(cells)
+        assert timeline.bubbles[rank] == timeline.num_columns - len(slots)
+
+
+def test_deadlock_is_reported() -> None:
+    config = ScheduleConfig(schedule="gpipe", pp=2, micro=1)
+    orders = (
+        (MetaStep(K.FWD, 0, 0), MetaStep(K.BWD, 0, 0)),
+        (MetaStep(K.BWD, 1, 0), MetaStep(K.FWD, 1, 0)),  # BWD before its own FWD
+    )
+    with pytest.raises(ScheduleDeadlockError, match=r"rank 0 at B0\.0, rank 1 at B0\.1") as info:
+        build_timeline(config, orders)
+    assert info.value.stuck == {0: 1, 1: 0}
+
+
+def test_missing_dependency_is_reported() -> None:
+    config = ScheduleConfig(schedule="gpipe", pp=2, micro=1)
+    orders: tuple[Order, ...] = ((), (MetaStep(K.FWD, 1, 0), MetaStep(K.BWD, 1, 0)))
+    with pytest.raises(ValueError, match=r"depends on FWD\(stage=0, micro=0\), which no rank"):
+        build_timeline(config, orders)
+
+
+def test_orders_must_match_pp() -> None:
+    with pytest.raises(ValueError, match="one order per rank"):
+        build_timeline(GPIPE, build_all_orders(GPIPE)[:3])
+
+
+# -- memory model ------------------------------------------------------------------------
+
+
+def test_memory_profile_by_hand() -> None:
+    _, order = gpipe_one_stage_swapped()
+    assert " ".join(s.short() for s in order) == (
+        "F0.0 LO0.0 F1.0 LO1.0 WO0.0 F2.0 LO2.0 WO1.0 LL0.0 F3.0 LO3.0 WO2.0 LL1.0 WL0.0 "
+        "B0.0 WO3.0 LL2.0 WL1.0 B1.0 LL3.0 WL2.0 B2.0 WL3.0 B3.0"
+    )
+    assert memory_profile(order) == (
+        1, 1, 2, 2, 1, 2, 2, 1, 2, 3, 3, 2, 3, 3, 3, 1, 2, 2, 2, 2, 2, 2, 1, 1
+    )  # fmt: skip
+    assert memory_profile(order, with_swap=False) == (
+        1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 1, 1
+    )  # fmt: skip
+
+
+def test_composite_holds_both_chunks_while_it_runs() -> None:
+    order = (
+        MetaStep(K.FWD, 0, 0),
+        MetaStep(K.FWD, 0, 1),
+        MetaStep(K.OVERLAP_B_F, 0, 0, sub_steps=(MetaStep(K.BWD, 0, 0), MetaStep(K.FWD, 0, 2))),
+        MetaStep(K.BWD, 0, 1),
+        MetaStep(K.BWD, 0, 2),
+    )
+    assert memory_profile(order) == (1, 2, 3, 2, 1)
+
+
+def test_memory_profile_rejects_non_bool() -> None:
+    with pytest.raises(TypeError, match="with_swap must be a bool"):
+        memory_profile((), with_swap=1)  # type: ignore[arg-type]
+
+
+def test_gpipe_pp4_m8_memory_table() -> None:
+    # Without swap GPipe holds all 8 forwards before the first backward: peak 8 everywhere.
+    # With swap every chunk has gap >= 8: each is freed after one intervening compute
+    # (WAIT_OFFLOAD before FWD i+2), so the forward phase holds 2 chunks; the peak, 3,
+    # comes at the phase change: F7 runs with chunk 6 (offload not yet waited), chunk 7
+    # and chunk 0 (loaded before F7 to be ready for B0), and from B0 on each BWD holds
+    # its own chunk, the next one being loaded and at most one leftover.
+    assert memory_table(GPIPE) == [
+        {"rank": r, "peak_chunks_no_swap": 8, "peak_chunks_swap": 3, "eligible": 8}
+        for r in range(4)
+    ]
+
+
+def test_1f1b_pp4_m8_memory_table() -> None:
+    # No swap: rank r peaks at warm-up + 1 = pp - r chunks. Rank 0 (all 8 gaps >= 4):
+    # during F3 chunk 1 is already on the host and chunk 0 is loaded back for B0: 3.
+    # Rank 1 peaks during F2 with chunk 0 (gap 3, not eligible), chunk 1 (offload waited
+    # only before F3) and chunk 2: swap cannot lower it. Ranks 2, 3: every gap < 4.
+    rows = [
+        (r["peak_chunks_no_swap"], r["peak_chunks_swap"], r["eligible"])
+        for r in memory_table(ONE_F_ONE_B)
+    ]
+    assert rows == [(4, 3, 8), (3, 3, 6), (2, 2, 0), (1, 1, 0)]
+
+
+def test_interleaved_pp4_vpp2_m8_memory_table() -> None:
+    # No swap: warm-up (pp - r - 1) * 2 + (vpp - 1) * pp forwards plus one: 11, 9, 7, 5.
+    rows = [
+        (r["peak_chunks_no_swap"], r["peak_chunks_swap"], r["eligible"])
+        for r in memory_table(INTERLEAVED)
+    ]
+    assert rows == [(11, 3, 16), (9, 3, 16), (7, 3, 14), (5, 2, 8)]
+
+
+def test_memory_table_forces_swap_and_refuses_forward_only() -> None:
+    no_swap = ScheduleConfig(schedule="gpipe", pp=4, micro=8)
+    assert memory_table(no_swap) == memory_table(GPIPE)
+    with pytest.raises(ValueError, match="swap must be False for a forward-only run"):
+        memory_table(ScheduleConfig(schedule="gpipe", pp=2, micro=2, forward_only=True))
+    with pytest.raises(TypeError, match="config must be a ScheduleConfig"):
+        memory_table("gpipe")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("config", NAMED, ids=lambda c: f"{c.schedule}-{c.overlap_b_f}")
+def test_swap_never_raises_the_peak(config: ScheduleConfig) -> None:
+    for row in memory_table(config):
+        assert row["peak_chunks_swap"] <= row["peak_chunks_no_swap"]
+        if row["eligible"] == 0:
+            assert row["peak_chunks_swap"] == row["peak_chunks_no_swap"]
+
+
+# -- columns of every step, copy windows, memory over columns -----------------------------
+
+
+def test_copy_windows_by_hand() -> None:
+    config, order = gpipe_one_stage_swapped()
+    timeline = build_timeline(config, (order,))
+    assert [c.column for c in timeline.cells[0]] == list(range(8))
+    windows = copy_windows(timeline, 0, order)
+    offload = [(w.micro, w.start, w.end) for w in windows if w.kind == "offload"]
+    load = [(w.micro, w.start, w.end) for w in windows if w.kind == "load"]
+    # offload from the end of F_i to the end of the next compute slot
+    assert offload == [(0, 1, 2), (1, 2, 3), (2, 3, 4), (3, 4, 5)]
+    # load launched after slot c-2 ends, waited when slot c-1 ends
+    assert load == [(0, 3, 4), (1, 4, 5), (2, 5, 6), (3, 6, 7)]
+    assert windows[0] == CopyWindow("offload", 0, 0, 1, 2)
+
+
+@pytest.mark.parametrize("config", NAMED, ids=lambda c: f"{c.schedule}-{c.overlap_b_f}")
+def test_step_columns_and_resident_by_column(config: ScheduleConfig) -> None:
+    orders = build_all_orders(config)
+    timeline = build_timeline(config, orders)
+    for rank, order in enumerate(orders):
+        columns = step_columns(timeline, rank, order)
+        assert list(columns) == sorted(columns)
+        for cell in timeline.cells[rank]:
+            assert columns[cell.index] == cell.column
+        for with_swap in (True, False):
+            per_column = resident_by_column(timeline, rank, order, with_swap=with_swap)
+            assert len(per_column) == timeline.num_columns
+            assert max(per_column) == max(memory_profile(order, with_swap=with_swap))
+        for window in copy_windows(timeline, rank, order):
+            assert 0 <= window.start <= window.end < timeline.num_columns
+
+
+def test_step_columns_rejects_a_foreign_order() -> None:
+    orders = build_all_orders(GPIPE)
+    timeline = build_timeline(GPIPE, orders)
+    with pytest.raises(ValueError, match="does not match the timeline of rank 0"):
+        step_columns(timeline, 0, orders[0][:3])
