@@ -1,0 +1,34 @@
+"""Activation capture and the D2H/H2D state machine of saved tensors (see docs/swap.md).
+
+Selection (``swap_wrapper``, ``swap_tensor_wrapper``) is the user's; timing is the
+pipeline schedule's, executed through a :class:`PipelineSwapSession` per run and rank.
+"""
+
+from ppswap.swap.device import CopyEngine, EmulatedDevice
+from ppswap.swap.errors import SwapError, SwapStateError, SwapTimeoutError, SwapWarning
+from ppswap.swap.group import SwapGroup
+from ppswap.swap.jobs import CopyJob
+from ppswap.swap.manager import SwapManager
+from ppswap.swap.session import PipelineSwapSession, SwapStats
+from ppswap.swap.tensor import Storage, SwapState, SwapTensor
+from ppswap.swap.wrappers import module_state_tensors, swap_tensor_wrapper, swap_wrapper
+
+__all__ = [
+    "CopyEngine",
+    "CopyJob",
+    "EmulatedDevice",
+    "PipelineSwapSession",
+    "Storage",
+    "SwapError",
+    "SwapGroup",
+    "SwapManager",
+    "SwapState",
+    "SwapStateError",
+    "SwapStats",
+    "SwapTensor",
+    "SwapTimeoutError",
+    "SwapWarning",
+    "module_state_tensors",
+    "swap_tensor_wrapper",
+    "swap_wrapper",
+]

@@ -1,0 +1,295 @@
+"""SwapManager (groups by name) and the current collection context (a ContextVar).
+
+The *collection context* is what a chunk's forward runs in: a :class:`Collection` says
+which group (if any) captures saved tensors, which storages must never be offloaded, which
+tensors ``swap_tensor_wrapper`` registered, and where ledger-only saved tensors are
+reported. It lives in one module-level ``contextvars.ContextVar``; :func:`activate` sets it
+for a ``with`` block and restores the previous value on exit, so nested contexts restore
+the outer one, and every thread (fresh context) and every asyncio task (copied context)
+sees only what was set in it. There is no global manager: the runtime owns one
+:class:`SwapManager` per rank and passes it where it is needed.
+
+Storage identity is the storage's base address (``untyped_storage().data_ptr()``). An
+address is only meaningful while the storage is alive, so every structure keyed by
+address here also holds a reference to a tensor of that storage for as long as the key is
+kept (the collection drops them all at :meth:`Collection.close`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mindspore import Parameter, Tensor
+
+from ppswap.swap.accounting import SwapAccounting
+from ppswap.swap.errors import SwapError
+from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
+from ppswap.swap.tensor import StorageInfo
+
+__all__ = [
+    "Collection",
+    "PolicyFn",
+    "SavedTensorSink",
+    "SwapManager",
+    "activate",
+    "current_collection",
+    "tensors_in",
+]
+
+PolicyFn = Callable[[Tensor], bool]
+
+_CURRENT: ContextVar[Collection | None] = ContextVar("ppswap_swap_collection", default=None)
+
+
+def current_collection() -> Collection | None:
+    """The collection context active in this thread/task, or None."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def activate(collection: Collection | None) -> Iterator[Collection | None]:
+    """Make ``collection`` current for the block (``None`` hides an outer one)."""
+    token = _CURRENT.set(collection)
+    try:
+        yield collection
+    finally:
+        _CURRENT.reset(token)
+
+
+def tensors_in(obj: object) -> Iterator[Tensor]:
+    """The tensors of ``obj``: a Tensor, or tuples/lists/dict values nested; others skipped."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, tuple | list):
+        for item in obj:
+            yield from tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item)
+
+
+class SavedTensorSink(Protocol):
+    """Where a collection reports saved tensors it does not capture (the chunk ledger)."""
+
+    def must_stay_resident(self, storage: StorageInfo) -> bool:
+        """True if this storage is already held on device outside the chunk's group."""
+        ...
+
+    def record_resident(self, tensor: Tensor, storage: StorageInfo) -> None:
+        """A saved tensor stays on device (counted, never moved)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Registration:
+    tensor: Tensor
+    tag: str | None
+    group_swap: bool
+
+
+class Collection:
+    """The collection context of one chunk's forward (see the module docstring).
+
+    ``parameters``: storages that are neither captured nor counted (module state:
+    parameters, buffers). ``protected``: storages that are counted but never captured
+    (stage inputs, received buffers). Both match any view of the storage.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: SwapGroup | None,
+        sink: SavedTensorSink | None = None,
+        protected: Iterable[Tensor] = (),
+        parameters: Iterable[Tensor] = (),
+    ) -> None:
+        self.group = group
+        self.sink = sink
+        self._parameters: dict[int, list[Tensor]] = {}
+        self._protected: dict[int, Tensor] = {}
+        self._registered: dict[int, _Registration] = {}
+        self._closed = False
+        for tensor in tensors_in(list(parameters)):
+            self._parameters.setdefault(StorageInfo.of(tensor).ptr, []).append(tensor)
+        for tensor in tensors_in(list(protected)):
+            self._protected[StorageInfo.of(tensor).ptr] = tensor
+
+    def is_parameter(self, storage_ptr: int) -> bool:
+        return storage_ptr in self._parameters
+
+    def is_protected(self, storage_ptr: int) -> bool:
+        return storage_ptr in self._protected or storage_ptr in self._parameters
+
+    @contextmanager
+    def module_state(self, tensors: Iterable[Tensor]) -> Iterator[None]:
+        """Treat ``tensors`` as parameters (never captured or counted) inside the block."""
+        added = []
+        for tensor in tensors:
+            ptr = StorageInfo.of(tensor).ptr
+            self._parameters.setdefault(ptr, []).append(tensor)
+            added.append(ptr)
+        try:
+            yield
+        finally:
+            for ptr in added:
+                held = self._parameters.get(ptr)
+                if held:
+                    held.pop()
+                    if not held:
+                        del self._parameters[ptr]
+
+    def register(self, tensor: Tensor, *, tag: str | None, group_swap: bool) -> None:
+        """Ask for ``tensor``'s storage to be swapped when autograd saves a view of it.
+
+        Parameters are ignored (they are never swapped).
+        """
+        if self._closed:
+            raise SwapError("swap_tensor_wrapper called after its chunk's forward ended")
+        if isinstance(tensor, Parameter):
+            return
+        info = StorageInfo.of(tensor)
+        if info.nbytes:
+            self._registered[info.ptr] = _Registration(tensor, tag, group_swap)
+
+    def pack_saved(
+        self,
+        tensor: Any,
+        *,
+        capture: bool,
+        policy_fn: PolicyFn | None = None,
+        group_swap: bool | None = None,
+        label: str | None = None,
+    ) -> Any:
+        """The pack hook body: return a SwapTensor handle or ``tensor`` itself.
+
+        A tensor is captured when a group is active, it is wanted (``capture`` and the
+        policy says so, or its storage was registered), it is not a parameter, not
+        protected and not held on device elsewhere. Otherwise it is reported to the sink
+        (parameters excepted) and returned unchanged.
+        """
+        if not isinstance(tensor, Tensor):
+            return tensor
+        info = StorageInfo.of(tensor)
+        if info.ptr in self._parameters or info.nbytes == 0:
+            return tensor
+        registration = self._registered.get(info.ptr)
+        wanted = registration is not None or (capture and self._policy_allows(policy_fn, tensor))
+        group = self.group
+        if (
+            wanted
+            and group is not None
+            and info.ptr not in self._protected
+            and not (self.sink is not None and self.sink.must_stay_resident(info))
+        ):
+            if registration is not None:
+                return group.register(
+                    tensor, tag=registration.tag or label, group_swap=registration.group_swap
+                )
+            return group.register(tensor, tag=label, group_swap=group_swap)
+        if self.sink is not None:
+            self.sink.record_resident(tensor, info)
+        return tensor
+
+    @staticmethod
+    def _policy_allows(policy_fn: PolicyFn | None, tensor: Tensor) -> bool:
+        if policy_fn is None:
+            return True
+        verdict = policy_fn(tensor)
+        if not isinstance(verdict, bool):
+            raise TypeError(
+                f"policy_fn must return a bool for each saved tensor, got {verdict!r} "
+                f"for a tensor of shape {tuple(tensor.shape)}"
+            )
+        return verdict
+
+    def close(self) -> None:
+        """End of the forward: forget registrations and protections (drop references)."""
+        self._closed = True
+        self._registered.clear()
+        self._protected.clear()
+        self._parameters.clear()
+
+
+class SwapManager:
+    """The swap groups of one rank, by name. Thread-safe; never a singleton."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: dict[str, SwapGroup] = {}
+
+    def create_group(
+        self,
+        name: str,
+        stage: int,
+        micro: int,
+        *,
+        group_swap: bool = False,
+        bucket_bytes: int = MAX_BUCKET_BYTES,
+        wait_timeout_s: float = 60.0,
+        accounting: SwapAccounting | None = None,
+    ) -> SwapGroup:
+        """Create and register a group; a name still in use raises :class:`SwapError`."""
+        group = SwapGroup(
+            name,
+            stage,
+            micro,
+            group_swap=group_swap,
+            bucket_bytes=bucket_bytes,
+            wait_timeout_s=wait_timeout_s,
+            accounting=accounting,
+        )
+        with self._lock:
+            if name in self._groups:
+                raise SwapError(
+                    f"swap group {name!r} already exists (a stale group of an earlier run "
+                    "or a chunk collected twice); remove it first"
+                )
+            self._groups[name] = group
+        return group
+
+    def get_group(self, name: str) -> SwapGroup:
+        with self._lock:
+            group = self._groups.get(name)
+            if group is None:
+                raise KeyError(f"no swap group named {name!r}; live: {sorted(self._groups)}")
+            return group
+
+    def remove_group(self, name: str) -> SwapGroup:
+        """Unregister the group and return it (releasing it is the caller's job)."""
+        with self._lock:
+            group = self._groups.pop(name, None)
+            if group is None:
+                raise KeyError(f"no swap group named {name!r}; live: {sorted(self._groups)}")
+            return group
+
+    def group_names(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._groups)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._groups)
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._groups
+
+    @contextmanager
+    def collecting(self, name: str) -> Iterator[Collection]:
+        """Make the named group the capture target of ``swap_wrapper`` in the block.
+
+        For use outside a pipeline session (no ledger); the group is sealed on exit.
+        """
+        group = self.get_group(name)
+        collection = Collection(group=group)
+        try:
+            with activate(collection):
+                yield collection
+        finally:
+            collection.close()
+        group.seal()

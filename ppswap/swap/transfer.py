@@ -1,0 +1,145 @@
+"""The copy bodies of a group's offload and load jobs (numpy only, no MindSpore calls).
+
+These functions run on the copy thread. They only see what a job carries: the source
+views, the host buffers, the buckets. They take no locks; the group wraps them.
+
+Bucket layout (``group_swap=True``): members are placed in capture order at 64-byte
+aligned offsets; a bucket never exceeds ``bucket_bytes`` unless it holds one tensor that
+is larger by itself (such a tensor gets a bucket of its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ppswap.swap.device import HOST_ALIGNMENT, Array, CopyEngine
+from ppswap.swap.tensor import SwapTensor
+
+__all__ = [
+    "CopySlot",
+    "HostBucket",
+    "aligned",
+    "pack_buckets",
+    "release_load_buffers",
+    "release_offload_buffers",
+    "run_load",
+    "run_offload",
+]
+
+
+@dataclass(eq=False)
+class CopySlot:
+    """What one entry's copy needs: source, destination, place in its bucket."""
+
+    entry: SwapTensor
+    src: Array | None = None
+    host: Array | None = None
+    loaded: Array | None = None
+    block: tuple[str, int] | None = None
+    offset: int = 0
+    dtype: np.dtype[Any] | None = None
+
+
+@dataclass(eq=False)
+class HostBucket:
+    """A contiguous host buffer holding several entries of one group."""
+
+    nbytes: int
+    members: list[tuple[CopySlot, int]] = field(default_factory=list)
+    raw: Array | None = None
+    holding: int = 0
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the host alignment (64 bytes)."""
+    return -(-nbytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
+
+
+def pack_buckets(slots: list[CopySlot], bucket_bytes: int) -> list[HostBucket]:
+    """Place slots, in order, into buckets of at most ``bucket_bytes`` (see module doc)."""
+    buckets: list[HostBucket] = []
+    current: HostBucket | None = None
+    for slot in slots:
+        size = slot.entry.nbytes
+        if current is not None and aligned(current.nbytes) + size <= bucket_bytes:
+            offset = aligned(current.nbytes)
+        else:
+            current = HostBucket(nbytes=0)
+            buckets.append(current)
+            offset = 0
+        current.members.append((slot, offset))
+        current.nbytes = offset + size
+    return buckets
+
+
+def run_offload(engine: CopyEngine, single: list[CopySlot], buckets: list[HostBucket]) -> None:
+    """Copy every source view to host: one pooled buffer per single slot, one per bucket."""
+    for slot in single:
+        assert slot.src is not None
+        slot.host = engine.d2h(slot.src)
+        slot.src = None
+        slot.entry.verify(slot.host, "D2H")
+    for bucket in buckets:
+        bucket.raw = engine.acquire_host(bucket.nbytes)
+        for slot, offset in bucket.members:
+            src = slot.src
+            assert src is not None
+            dst = bucket.raw[offset : offset + src.nbytes]
+            engine.d2h_into(src, dst)
+            slot.host = dst.view(src.dtype).reshape(src.shape)
+            slot.src = None
+            slot.entry.verify(slot.host, "D2H")
+
+
+def run_load(
+    engine: CopyEngine,
+    single: list[CopySlot],
+    buckets: list[tuple[HostBucket, list[CopySlot]]],
+) -> None:
+    """Copy host data to fresh device arrays; bucket members become slices of one array."""
+    for slot in single:
+        assert slot.host is not None
+        loaded = engine.h2d(slot.host)
+        slot.entry.verify(loaded, "H2D")
+        slot.loaded = loaded
+    for bucket, bucket_slots in buckets:
+        assert bucket.raw is not None
+        device = engine.h2d(bucket.raw)
+        for slot in bucket_slots:
+            raw = device[slot.offset : slot.offset + slot.entry.nbytes]
+            loaded = raw.view(slot.dtype).reshape(slot.entry.storage.shape)
+            slot.entry.verify(loaded, "H2D")
+            slot.loaded = loaded
+
+
+def release_load_buffers(
+    engine: CopyEngine,
+    single: list[CopySlot],
+    buckets: list[tuple[HostBucket, list[CopySlot]]],
+) -> None:
+    """Give a load job's host buffers back to the pool (each exactly once)."""
+    for slot in single:
+        if slot.host is not None:
+            engine.release_host(slot.host)
+            slot.host = None
+    for bucket, _ in buckets:
+        if bucket.raw is not None:
+            engine.release_host(bucket.raw)
+            bucket.raw = None
+
+
+def release_offload_buffers(
+    engine: CopyEngine, slots: list[CopySlot], buckets: list[HostBucket]
+) -> None:
+    """Give an offload job's host buffers back (used when its group was discarded)."""
+    for slot in slots:
+        if slot.host is not None and not slot.entry.bulk:
+            engine.release_host(slot.host)
+        slot.host = None
+    for bucket in buckets:
+        if bucket.raw is not None:
+            engine.release_host(bucket.raw)
+            bucket.raw = None
