@@ -218,3 +218,12 @@ def test_step_columns_rejects_a_foreign_order() -> None:
     timeline = build_timeline(GPIPE, orders)
     with pytest.raises(ValueError, match="does not match the timeline of rank 0"):
         step_columns(timeline, 0, orders[0][:3])
+
+
+@pytest.mark.parametrize("micro", [4, 6, 16])
+def test_gpipe_swap_peak_is_constant_in_micro(micro: int) -> None:
+    # docs/memory-model.md: swap turns GPipe's O(m) activation peak into 3 chunks.
+    for p2p in ("plain", "batch"):
+        config = ScheduleConfig(schedule="gpipe", pp=4, micro=micro, p2p=p2p, swap=True)
+        rows = memory_table(config)
+        assert {(r["peak_chunks_no_swap"], r["peak_chunks_swap"]) for r in rows} == {(micro, 3)}
