@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.lowering import build_all_orders, unshard_index_for
 from ppswap.scheduler.simulate import build_timeline, memory_profile
-from ppswap.scheduler.steps import Order, StepKind, iter_leaves
+from ppswap.scheduler.steps import MetaStep, Order, StepKind, iter_leaves
 from ppswap.scheduler.swap_plan import (
     CONSUMER_KINDS,
     SWAP_KIND_ORDER,
@@ -62,6 +62,26 @@ def _top_index_of_leaf(order: Order, kinds: frozenset[StepKind]) -> dict[tuple[i
     return found
 
 
+def check_fsdp_anchor(
+    order: Order, base: Order, swap_at: dict[tuple[int, int], list[tuple[StepKind, int]]]
+) -> None:
+    """LAUNCH_LOAD agrees with lowering's own notion of the consumer's unshard (RFC 6.6)."""
+    new_index = [i for i, step in enumerate(order) if not step.is_swap]
+    for (stage, _micro), found in swap_at.items():
+        wait_offload, launch_load, wait_load = (index for _, index in found[1:])
+        consumer = wait_load + 1
+        base_consumer = new_index.index(consumer)
+        unshard = unshard_index_for(base, base_consumer, stage)
+        if unshard is None:  # already unsharded: delayed to right before WAIT_LOAD
+            between = order[launch_load + 1 : wait_load]
+        elif new_index[unshard] > wait_offload:  # LAUNCH_LOAD -> FSDP_UNSHARD
+            assert order[new_index[unshard]] == MetaStep(StepKind.FSDP_UNSHARD, stage, -1)
+            between = order[launch_load + 1 : new_index[unshard]]
+        else:  # the unshard came before this chunk's WAIT_OFFLOAD: right after it
+            between = order[wait_offload + 1 : launch_load]
+        assert all(step.is_swap for step in between), [s.short() for s in between]
+
+
 def check_swap_invariants(config: ScheduleConfig) -> None:
     swapped = build_all_orders(config)
     plain = build_all_orders(replace(config, swap=False))
@@ -93,6 +113,8 @@ def check_swap_invariants(config: ScheduleConfig) -> None:
         for plan in plans:
             assert slots[plan.fwd_slot].index == fwd_at[plan.chunk]
             assert slots[plan.consumer_slot].index == consumer_at[plan.chunk]
+        if config.fsdp:
+            check_fsdp_anchor(order, base, swap_at)
         with_swap = memory_profile(order)
         without = memory_profile(order, with_swap=False)
         assert all(a <= b for a, b in zip(with_swap, without, strict=True))
@@ -118,18 +140,19 @@ def test_swap_pass_invariants(config: ScheduleConfig) -> None:
 
 
 GRID = [
-    (schedule, split_dw, overlap, p2p, fsdp)
+    (schedule, split_dw, overlap, p2p, fsdp, min_gap)
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b")
     for split_dw in (False, True)
     for overlap in ((False,) if schedule == "gpipe" else (False, True))
     for p2p in ("plain", "batch", "boundary")
     for fsdp in (False, True)
+    for min_gap in (2, 4)
 ]
 
 
-@pytest.mark.parametrize(("schedule", "split_dw", "overlap", "p2p", "fsdp"), GRID)
+@pytest.mark.parametrize(("schedule", "split_dw", "overlap", "p2p", "fsdp", "min_gap"), GRID)
 def test_swap_pass_invariants_pp4_m8_grid(
-    schedule: str, split_dw: bool, overlap: bool, p2p: str, fsdp: bool
+    schedule: str, split_dw: bool, overlap: bool, p2p: str, fsdp: bool, min_gap: int
 ) -> None:
     check_swap_invariants(
         ScheduleConfig(
@@ -142,6 +165,7 @@ def test_swap_pass_invariants_pp4_m8_grid(
             p2p=p2p,  # type: ignore[arg-type]
             fsdp=fsdp,
             swap=True,
+            min_swap_gap=min_gap,
         )
     )
 
