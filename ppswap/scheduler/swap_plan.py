@@ -38,7 +38,8 @@ before the input step ``p``:
       consumer starts a use run of that stage (the last FSDP step of the stage before the
       consumer is an FSDP_UNSHARD and no compute slot uses the stage in between): at that
       UNSHARD's index, i.e. ``SWAP_LAUNCH_LOAD -> FSDP_UNSHARD -> ... -> SWAP_WAIT_LOAD ->
-      BWD``, so the H2D copy overlaps the all-gather;
+      BWD``, so the H2D copy overlaps the all-gather (the same UNSHARD that
+      ``lowering.unshard_index_for`` returns; a property test checks they agree);
     * FSDP on, but the stage is already unsharded when the consumer runs (no lookahead
       to cover): at ``t(c)``, right before SWAP_WAIT_LOAD ("delayed to avoid bringing the
       activation back too early");
@@ -52,6 +53,11 @@ before the input step ``p``:
   the load is launched right before slot ``c - 1``).
 - SWAP_WAIT_LOAD at ``t(c)``: immediately before the consumer's top-level step, after its
   recvs or BATCH_SEND_RECV container.
+
+P2P modes: ``plain`` and ``boundary`` have the same positions (boundary differs only at
+run time, where the FWD output handed to SEND_F is an alias the session protects);
+``batch`` containers are never split, so an anchor before or after a receive lands
+before or after the whole container.
 
 Swap steps are only ever inserted between top-level steps: never inside a BATCH_SEND_RECV
 or a composite, and no other step moves. Several swap steps at the same point are ordered
