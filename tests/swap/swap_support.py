@@ -1,0 +1,180 @@
+"""Test support for the swap runtime: a real copy thread, small models, gradient checks."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from ppswap.swap import CopyJob, PipelineSwapSession
+
+Grads = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
+
+
+class CopyThread:
+    """A real copy thread running CopyJobs FIFO, as the runtime's copy stream does.
+
+    ``submit`` returns at once; jobs run on this thread in submission order. Exceptions
+    raised by jobs are collected in ``errors`` (the job also keeps its own ``error``).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[CopyJob | None] = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.ran: list[CopyJob] = []
+        self._thread = threading.Thread(target=self._loop, name="swap-copy-test")
+        self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job.run()
+            except BaseException as exc:
+                self.errors.append(exc)
+            self.ran.append(job)
+
+    def submit(self, job: CopyJob) -> CopyJob:
+        self._jobs.put(job)
+        return job
+
+    def run_now(self, job: CopyJob, timeout_s: float = 10.0) -> CopyJob:
+        """Submit and wait until the job is done."""
+        self.submit(job)
+        assert job.done.wait(timeout_s), f"copy job did not finish in {timeout_s} s: {job!r}"
+        return job
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "copy thread did not stop"
+
+
+def full_round_trip(
+    session: PipelineSwapSession, stage: int, micro: int, copy: CopyThread
+) -> tuple[int, int]:
+    """Offload then load one chunk through the copy thread; return (released, restored)."""
+    copy.run_now(session.prepare_offload(stage, micro))
+    released = session.finish_offload(stage, micro)
+    copy.run_now(session.prepare_load(stage, micro))
+    restored = session.finish_load(stage, micro)
+    return released, restored
+
+
+def seeded(shape: Sequence[int], seed: int, scale: float = 1.0) -> Tensor:
+    rng = np.random.default_rng(seed)
+    return Tensor((rng.standard_normal(tuple(shape)) * scale).astype(np.float32))
+
+
+class MLP(nn.Cell):
+    """Residual MLP blocks; each block is a Cell that can be swap-wrapped."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, blocks: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        cells = []
+        for i in range(blocks):
+            block = nn.SequentialCell(nn.Dense(dim, hidden), nn.GELU(), nn.Dense(hidden, dim))
+            for j, param in enumerate(block.trainable_params()):
+                param.set_data(seeded(param.shape, seed * 100 + i * 10 + j, 0.3))
+            cells.append(block)
+        self.layers = nn.CellList(cells)
+
+    def construct(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = ops.tanh(layer(x)) + x
+        return x
+
+
+class Attention(nn.Cell):
+    """A small self-attention block: layernorm, matmul, transpose, softmax."""
+
+    def __init__(self, dim: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm((dim,))
+        self.wq = Parameter(seeded((dim, dim), seed + 1, 0.3), name="wq")
+        self.wk = Parameter(seeded((dim, dim), seed + 2, 0.3), name="wk")
+        self.wv = Parameter(seeded((dim, dim), seed + 3, 0.3), name="wv")
+        self.wo = Parameter(seeded((dim, dim), seed + 4, 0.3), name="wo")
+        self.scale = 1.0 / float(np.sqrt(dim))
+
+    def construct(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        q = ops.matmul(h, self.wq)
+        k = ops.matmul(h, self.wk)
+        v = ops.matmul(h, self.wv)
+        scores = ops.matmul(q, k.transpose(0, 2, 1)) * self.scale
+        attn = ops.softmax(scores, axis=-1)
+        return x + ops.matmul(ops.matmul(attn, v), self.wo)
+
+
+class AttentionStack(nn.Cell):
+    def __init__(self, dim: int = 16, blocks: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        self.layers = nn.CellList([Attention(dim, seed + 10 * i) for i in range(blocks)])
+
+    def construct(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def loss_of(model: nn.Cell) -> Callable[[Tensor], Tensor]:
+    def fn(x: Tensor) -> Tensor:
+        out: Tensor = model(x)
+        return (out * out).mean()
+
+    return fn
+
+
+def forward(
+    fn: Callable[..., Tensor], x: Tensor, params: Sequence[Parameter]
+) -> tuple[Tensor, Callable[[Tensor], Grads]]:
+    out, vjp_fn = ms.vjp(fn, x, weights=list(params))
+    return out, vjp_fn
+
+
+def backward(vjp_fn: Callable[[Tensor], Grads]) -> list[np.ndarray]:
+    dx, dw = vjp_fn(Tensor(1.0, ms.float32))
+    return [g.asnumpy().copy() for g in (*dx, *dw)]
+
+
+def reference_grads(
+    fn: Callable[..., Tensor], x: Tensor, params: Sequence[Parameter]
+) -> list[np.ndarray]:
+    _, vjp_fn = forward(fn, x, params)
+    return backward(vjp_fn)
+
+
+def assert_bit_identical(expected: list[np.ndarray], got: list[np.ndarray]) -> None:
+    assert len(expected) == len(got)
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape, i
+        assert a.tobytes() == b.tobytes(), f"gradient {i} differs (max |d|={np.abs(a - b).max()})"
+
+
+def address_reused(ptr: int, shape: tuple[int, ...], tries: int = 16) -> bool:
+    """Whether MindSpore hands out the memory at ``ptr`` again for a same-size tensor.
+
+    A live storage can never be handed out twice, so reuse proves the storage at ``ptr``
+    was freed. (No reuse within ``tries`` allocations proves nothing by itself; tests pair
+    this with a control in which a reference is deliberately kept.)
+    """
+    allocated: list[Any] = []
+    for _ in range(tries):
+        t = ops.zeros(shape, ms.float32)
+        t.asnumpy()
+        allocated.append(t)
+        if t.untyped_storage().data_ptr() == ptr:
+            return True
+    return False
