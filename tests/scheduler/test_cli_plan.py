@@ -1,0 +1,116 @@
+"""`ppswap plan`: JSON and text output, flags, and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ppswap.cli import main, plan_payload
+from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.schedules import compute_order
+from ppswap.scheduler.steps import MetaStep
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_json_plan_is_the_documented_document(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(
+        capsys,
+        "plan", "--schedule", "interleaved_1f1b", "--pp", "2", "--vpp", "2", "--micro", "4",
+        "--split-dw", "--overlap-b-f", "--p2p", "batch", "--fsdp", "--format", "json",
+    )  # fmt: skip
+    assert status == 0 and err == ""
+    document = json.loads(out)
+    assert list(document) == ["schedule", "pp", "vpp", "micro", "ranks"]
+    assert (document["schedule"], document["pp"], document["vpp"], document["micro"]) == (
+        "interleaved_1f1b", 2, 2, 4,
+    )  # fmt: skip
+    config = ScheduleConfig(
+        schedule="interleaved_1f1b", pp=2, vpp=2, micro=4, split_dw=True, overlap_b_f=True,
+        p2p="batch", fsdp=True,
+    )  # fmt: skip
+    orders = build_all_orders(config)
+    assert [entry["rank"] for entry in document["ranks"]] == [0, 1]
+    for entry, order in zip(document["ranks"], orders, strict=True):
+        assert tuple(MetaStep.from_dict(step) for step in entry["steps"]) == order
+    assert document == plan_payload(config)
+
+
+def test_compute_only_prints_compute_slots(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(
+        capsys, "plan", "--schedule", "1f1b", "--pp", "3", "--micro", "4", "--compute-only",
+        "--format", "json",
+    )  # fmt: skip
+    assert status == 0
+    config = ScheduleConfig(schedule="1f1b", pp=3, micro=4)
+    steps = json.loads(out)["ranks"][1]["steps"]
+    assert tuple(MetaStep.from_dict(s) for s in steps) == compute_order(config, 1)
+
+
+def test_text_plan_is_a_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "plan", "--schedule", "gpipe", "--pp", "2", "--micro", "2")
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("schedule=gpipe pp=2 vpp=1 micro=2 p2p=plain options=none")
+    assert lines[1].startswith("step")
+    assert lines[2].split() == [
+        "rank", "0", "|", "F0.0", "SF0.0", "F1.0", "SF1.0", "RB0.0", "B0.0", "RB1.0", "B1.0",
+    ]  # fmt: skip
+    assert lines[3].startswith("rank 1 |")
+
+
+def test_swap_flags_reach_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ("plan", "--schedule", "gpipe", "--pp", "1", "--micro", "6", "--format", "json")
+    _, without, _ = run(capsys, *base)
+    _, with_swap, _ = run(capsys, *base, "--swap")
+    _, strict_gap, _ = run(capsys, *base, "--swap", "--min-swap-gap", "100")
+
+    def kinds(document: str) -> set[str]:
+        return {step["kind"] for step in json.loads(document)["ranks"][0]["steps"]}
+
+    assert not any(kind.startswith("SWAP_") for kind in kinds(without))
+    assert "SWAP_LAUNCH_OFFLOAD" in kinds(with_swap)
+    assert not any(kind.startswith("SWAP_") for kind in kinds(strict_gap))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--pp", "0", "--micro", "4"), "pp must be an int >= 1, got 0"),
+        (("--pp", "2", "--micro", "0"), "micro must be an int >= 1, got 0"),
+        (("--pp", "2", "--micro", "4", "--vpp", "2"), "vpp must be 1 for schedule '1f1b'"),
+        (("--pp", "2", "--micro", "4", "--min-swap-gap", "1"), "min_swap_gap must be an int >= 2"),
+    ],
+)
+def test_bad_config_exits_2_with_the_message(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str
+) -> None:
+    status, out, err = run(capsys, "plan", "--schedule", "1f1b", *argv)
+    assert status == 2 and out == ""
+    assert err.startswith("ppswap: error: ") and message in err
+
+
+def test_interleaved_and_overlap_refusals(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run(
+        capsys, "plan", "--schedule", "interleaved_1f1b", "--pp", "4", "--vpp", "2", "--micro", "6"
+    )
+    assert status == 2 and "micro must be a multiple of pp=4" in err
+    status, _, err = run(
+        capsys, "plan", "--schedule", "gpipe", "--pp", "2", "--micro", "4", "--overlap-b-f"
+    )
+    assert status == 2 and "overlap_b_f" in err
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["plan", "--schedule", "zigzag", "--pp", "2", "--micro", "2"])
+    assert caught.value.code == 2
+    assert "invalid choice: 'zigzag'" in capsys.readouterr().err
+    assert main([]) == 2
+    assert "plan" in capsys.readouterr().err
