@@ -66,7 +66,6 @@ from ppswap.scheduler.schedules import check_rank, compute_order
 from ppswap.scheduler.steps import (
     COMPOSITE_KINDS,
     COMPUTE_KINDS,
-    P2P_KINDS,
     MetaStep,
     Order,
     StepKind,
@@ -91,6 +90,8 @@ _RECV_F = StepKind.RECV_F
 _SEND_B = StepKind.SEND_B
 _RECV_B = StepKind.RECV_B
 _BATCH = StepKind.BATCH_SEND_RECV
+_OVERLAP_B_F = StepKind.OVERLAP_B_F
+_OVERLAP_F_B = StepKind.OVERLAP_F_B
 _UNSHARD = StepKind.FSDP_UNSHARD
 _RESHARD = StepKind.FSDP_RESHARD
 _BACKWARD_CONSUMERS = frozenset({_BWD, _BWD_INPUT})
@@ -100,9 +101,14 @@ def _leaves_of(slot: MetaStep) -> tuple[MetaStep, ...]:
     return slot.sub_steps if slot.sub_steps else (slot,)
 
 
+_COMPUTE_SLOT_VALUES = frozenset(kind.value for kind in COMPUTE_KINDS | COMPOSITE_KINDS)
+
+
 def _require_compute_only(order: Order, pass_name: str) -> None:
+    slot_values = _COMPUTE_SLOT_VALUES
     for index, step in enumerate(order):
-        if step.kind not in COMPUTE_KINDS and step.kind not in COMPOSITE_KINDS:
+        # by value: a str hash is cached, the Enum's __hash__ is a Python call (hot loop)
+        if step.kind._value_ not in slot_values:
             raise ValueError(
                 f"{pass_name} takes a compute order (compute leaves and composites only), "
                 f"got {step.kind.value} at index {index}"
@@ -240,26 +246,30 @@ def rewrite_p2p(order: Order, config: ScheduleConfig, rank: int) -> Order:
     # into one BATCH_SEND_RECV (batch mode, two or more steps) or as they are.
     out: list[MetaStep] = []
     append = out.append
+    extend = out.extend
     run: list[MetaStep] = []
     for index, step in enumerate(order):
         kind = step.kind
-        sends: tuple[MetaStep, ...] | list[MetaStep] = ()
+        send: MetaStep | None = None
+        more_sends: tuple[MetaStep, ...] = ()
         if kind is _FWD:
             stage = step.stage
             if stage > 0:
                 run.append(step_of(_RECV_F, stage, step.micro, (stage - 1) % pp))
             if stage < last:
-                sends = [step_of(_SEND_F, stage, step.micro, (stage + 1) % pp)]
+                send = step_of(_SEND_F, stage, step.micro, (stage + 1) % pp)
         elif kind is _BWD or kind is _BWD_INPUT:
             stage = step.stage
             if stage < last:
                 run.append(step_of(_RECV_B, stage, step.micro, (stage + 1) % pp))
             if stage > 0:
-                sends = [step_of(_SEND_B, stage, step.micro, (stage - 1) % pp)]
-        elif kind in COMPOSITE_KINDS:
-            recvs, sends = p2p_for_slot(step, config)
+                send = step_of(_SEND_B, stage, step.micro, (stage - 1) % pp)
+        elif kind is _OVERLAP_B_F or kind is _OVERLAP_F_B:
+            recvs, more_sends = p2p_for_slot(step, config)
             run.extend(recvs)
-        elif kind in P2P_KINDS or kind is _BATCH:
+        elif (
+            kind is _SEND_F or kind is _RECV_F or kind is _SEND_B or kind is _RECV_B
+        ) or kind is _BATCH:
             raise ValueError(
                 f"rewrite_p2p takes an order without P2P steps, got {kind.value} at index {index}"
             )
@@ -267,16 +277,18 @@ def rewrite_p2p(order: Order, config: ScheduleConfig, rank: int) -> Order:
             if batch and len(run) > 1:
                 append(step_of(_BATCH, run[0].stage, run[0].micro, None, tuple(run)))
             else:
-                out.extend(run)
-            run = []
+                extend(run)
+            run.clear()
         append(step)
-        if sends:
-            run.extend(sends)
+        if send is not None:
+            run.append(send)
+        elif more_sends:
+            run.extend(more_sends)
     if run:
         if batch and len(run) > 1:
             append(step_of(_BATCH, run[0].stage, run[0].micro, None, tuple(run)))
         else:
-            out.extend(run)
+            extend(run)
     return tuple(out)
 
 

@@ -81,9 +81,6 @@ _BWD_INPUT = StepKind.BWD_INPUT
 _BWD_WEIGHT = StepKind.BWD_WEIGHT
 _OVERLAP_B_F = StepKind.OVERLAP_B_F
 
-# Base-sequence tokens: (is_forward, index into forward_chunks / backward_chunks).
-_Token = tuple[bool, int]
-
 
 def check_rank(config: ScheduleConfig, rank: int) -> None:
     """Raise TypeError/ValueError unless ``rank`` is an int in ``0 .. config.pp - 1``."""
@@ -156,27 +153,28 @@ def weight_lag(config: ScheduleConfig, rank: int) -> int:
     return 2 * rank if config.schedule == "interleaved_1f1b" else rank
 
 
-def _base_sequence(config: ScheduleConfig, rank: int) -> list[_Token]:
-    """The family's F/B sequence (before split and overlap), as index tokens."""
+def _base_sequence(config: ScheduleConfig, rank: int) -> list[int]:
+    """The family's F/B sequence before split and overlap: forward ``k`` is ``k``, backward
+    ``k`` is ``~k`` (negative), indices into forward_chunks / backward_chunks."""
     total = config.micro * config.vpp
     if config.forward_only:
-        return [(True, k) for k in range(total)]
+        return list(range(total))
     if config.schedule == "gpipe":
-        return [(True, k) for k in range(total)] + [(False, k) for k in range(total)]
+        return [*range(total), *(~k for k in range(total))]
     warmup = warmup_count(config, rank)
-    tokens: list[_Token] = [(True, k) for k in range(warmup)]
+    tokens = list(range(warmup))
     for k in range(total - warmup):
-        tokens.append((True, warmup + k))
-        tokens.append((False, k))
-    tokens.extend((False, k) for k in range(total - warmup, total))
+        tokens.append(warmup + k)
+        tokens.append(~k)
+    tokens.extend(~k for k in range(total - warmup, total))
     return tokens
 
 
 def compute_order(config: ScheduleConfig, rank: int) -> Order:
     """The rank's compute slots in execution order (see the module docstring)."""
     check_rank(config, rank)
-    # trusted_step: kinds are constants and (stage, micro) come from the validated config.
-    fwd = [trusted_step(_FWD, stage, micro) for stage, micro in forward_chunks(config, rank)]
+    step_of = trusted_step  # kinds are constants, (stage, micro) come from the config
+    fwd = [step_of(_FWD, stage, micro) for stage, micro in forward_chunks(config, rank)]
     bwd_chunks = backward_chunks(config, rank)
     tokens = _base_sequence(config, rank)
     split = config.split_dw
@@ -184,28 +182,29 @@ def compute_order(config: ScheduleConfig, rank: int) -> Order:
     lag = weight_lag(config, rank)
     pending: deque[MetaStep] = deque()
     out: list[MetaStep] = []
+    append = out.append
     position = 0
     count = len(tokens)
     while position < count:
-        is_forward, index = tokens[position]
+        token = tokens[position]
         position += 1
-        if is_forward:
-            out.append(fwd[index])
+        if token >= 0:
+            append(fwd[token])
             continue
-        stage, micro = bwd_chunks[index]
+        stage, micro = bwd_chunks[~token]
         is_split = split and stage != 0
-        backward = trusted_step(_BWD_INPUT if is_split else _BWD, stage, micro)
-        if overlap and position < count and tokens[position][0]:
-            partner = fwd[tokens[position][1]]
+        backward = step_of(_BWD_INPUT if is_split else _BWD, stage, micro)
+        if overlap and position < count and tokens[position] >= 0:
+            partner = fwd[tokens[position]]
             position += 1
-            out.append(trusted_step(_OVERLAP_B_F, stage, micro, None, (backward, partner)))
+            append(step_of(_OVERLAP_B_F, stage, micro, None, (backward, partner)))
             if is_split:
-                out.append(trusted_step(_BWD_WEIGHT, stage, micro))
+                append(step_of(_BWD_WEIGHT, stage, micro))
             continue
-        out.append(backward)
+        append(backward)
         if is_split:
-            pending.append(trusted_step(_BWD_WEIGHT, stage, micro))
-        while len(pending) > lag:
-            out.append(pending.popleft())
+            pending.append(step_of(_BWD_WEIGHT, stage, micro))
+            while len(pending) > lag:
+                append(pending.popleft())
     out.extend(pending)
     return tuple(out)
