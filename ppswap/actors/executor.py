@@ -1,0 +1,161 @@
+"""DedicatedThread: one named OS thread that runs submitted callables, one at a time, in order.
+
+Why not ``anyio.to_thread.run_sync``: MindSpore's PyNative autograd is not thread-safe, so
+every MindSpore call of a process must run on the *same* thread; a capacity limiter of 1
+bounds concurrency but does not pin the thread. The runtime therefore starts exactly one
+compute thread per run (and one copy thread per rank for the copy stream), and stops them
+cooperatively when the run's task group exits.
+
+Contract:
+
+- ``await thread.run(fn, *args)`` queues ``fn`` (FIFO) and waits for its result; an exception
+  raised by ``fn`` is re-raised in the awaiting task.
+- Cancelling the awaiting task does not interrupt ``fn`` (nothing can interrupt a running
+  Python call on another thread). The job still runs to completion; its result is dropped.
+  Deadlines are therefore set on *waits*, and teardown waits for the job in flight.
+- Completion is signalled to the event loop with ``loop.call_soon_threadsafe``: this module
+  needs the asyncio backend (what pytest-asyncio and MindSpore users run).
+- ``stop()`` enqueues a sentinel; the thread finishes the jobs before it and exits. The
+  thread is never a daemon: the owner joins it (``join_s`` bounds that wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+import anyio
+
+__all__ = ["DedicatedThread", "ThreadStats"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadStats:
+    """What a DedicatedThread did: jobs run and seconds spent inside them."""
+
+    name: str
+    jobs_run: int
+    busy_s: float
+    alive: bool
+
+
+class _Job(Generic[T]):
+    __slots__ = ("args", "error", "event", "fn", "loop", "result")
+
+    def __init__(
+        self, fn: Callable[..., T], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.loop = loop
+        self.event = anyio.Event()
+        self.result: T | None = None
+        self.error: BaseException | None = None
+
+
+_STOP = object()
+
+
+class DedicatedThread:
+    """A single worker thread with a FIFO job queue (see the module docstring)."""
+
+    def __init__(self, name: str, *, join_s: float = 30.0) -> None:
+        self.name = name
+        self._join_s = join_s
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._jobs_run = 0
+        self._busy_s = 0.0
+        self._current: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"thread {self.name!r} was already started")
+        self._thread = threading.Thread(target=self._serve, name=self.name, daemon=False)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to exit after the jobs already queued (non-blocking)."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+
+    async def join(self) -> None:
+        """Wait (off the event loop, bounded by ``join_s``) for the thread to exit."""
+        thread = self._thread
+        if thread is None:
+            return
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(thread.join, self._join_s)
+        if thread.is_alive():
+            raise RuntimeError(
+                f"thread {self.name!r} did not stop within {self._join_s}s "
+                f"(still running {self._current!r})"
+            )
+
+    async def __aenter__(self) -> DedicatedThread:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        await self.join()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def current_job(self) -> str | None:
+        """The name of the callable running now, for hang dumps."""
+        return self._current
+
+    def stats(self) -> ThreadStats:
+        return ThreadStats(self.name, self._jobs_run, self._busy_s, self.is_alive)
+
+    # -- work -------------------------------------------------------------------------
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the thread and return its result (see module docstring)."""
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError(f"thread {self.name!r} is not running")
+        job: _Job[T] = _Job(fn, args, asyncio.get_running_loop())
+        self._queue.put(job)
+        await job.event.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result  # type: ignore[return-value]
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            job: _Job[Any] = item
+            self._current = getattr(job.fn, "__qualname__", repr(job.fn))
+            started = time.perf_counter()
+            try:
+                job.result = job.fn(*job.args)
+            except BaseException as exc:  # handed to the awaiting task, which re-raises
+                job.error = exc
+            finally:
+                self._busy_s += time.perf_counter() - started
+                self._jobs_run += 1
+                self._current = None
+            try:
+                job.loop.call_soon_threadsafe(job.event.set)
+            except RuntimeError:
+                # The loop is closed: nobody awaits this job any more.
+                pass

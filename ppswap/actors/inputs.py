@@ -1,0 +1,236 @@
+"""Checking a run's arguments and turning them into a RunPlan, before anything runs.
+
+Every refusal is a TypeError or ValueError (``PipelineInputError`` for the data) that names
+the parameter, the value and what is allowed. Only after ``prepare_run`` returns does the
+runtime start a thread or touch a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mindspore import Tensor
+
+from ppswap.actors.p2p import InProcessTransport, Transport
+from ppswap.errors import PipelineInputError
+from ppswap.scheduler.config import P2P_MODES, SCHEDULE_NAMES, ScheduleConfig
+from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.steps import Order, iter_leaves
+from ppswap.scheduler.validate import validate_all
+from ppswap.stage import LossFn, PipelineStage
+
+__all__ = ["Batches", "RunPlan", "prepare_run", "split_batches"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    """Everything a run needs, checked."""
+
+    stages: tuple[PipelineStage, ...]
+    config: ScheduleConfig
+    orders: tuple[Order, ...]
+    local_ranks: tuple[int, ...]
+    loss_fn: LossFn | None
+    inputs: Any
+    targets: Any
+    step_timeout: float
+    trace: Path | None
+    channel_capacity: int
+
+    def stages_of(self, rank: int) -> tuple[PipelineStage, ...]:
+        return tuple(s for s in self.stages if self.config.rank_of(s.stage_index) == rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Batches:
+    """The micro-batches, as contiguous host arrays (index = micro-batch)."""
+
+    inputs: list[np.ndarray]
+    targets: list[np.ndarray] | None
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (Tensor, np.ndarray))
+
+
+def _check_batch(name: str, value: Any, micro: int) -> None:
+    if not _is_array(value):
+        raise PipelineInputError(
+            f"{name} must be a mindspore.Tensor or numpy.ndarray, got {type(value).__name__}"
+        )
+    shape = tuple(value.shape)
+    if len(shape) == 0:
+        raise PipelineInputError(f"{name} must have a batch dimension, got a scalar")
+    if shape[0] % micro != 0:
+        raise PipelineInputError(
+            f"{name} batch size {shape[0]} (shape {shape}) must be divisible by "
+            f"micro_batch_num={micro}"
+        )
+
+
+def prepare_run(
+    stages: Sequence[PipelineStage],
+    schedule: str,
+    *,
+    micro_batch_num: int,
+    inputs: Any,
+    targets: Any,
+    loss_fn: LossFn | None,
+    swap: bool,
+    pp: int | None,
+    split_dw: bool,
+    overlap_b_f: bool,
+    p2p: str,
+    min_swap_gap: int,
+    forward_only: bool,
+    step_timeout: float,
+    transport: Transport | None,
+    trace: str | Path | None,
+) -> RunPlan:
+    """Check every argument of ``run_schedule`` and build the finalized orders."""
+    if not isinstance(swap, bool):
+        raise TypeError(f"swap must be a bool (True or False), got {swap!r}")
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(
+            f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}"
+        )
+    if p2p not in P2P_MODES:
+        raise ValueError(f"p2p must be one of {', '.join(P2P_MODES)}, got {p2p!r}")
+    if not isinstance(micro_batch_num, int) or isinstance(micro_batch_num, bool):
+        raise TypeError(f"micro_batch_num must be an int >= 1, got {micro_batch_num!r}")
+    if micro_batch_num < 1:
+        raise ValueError(f"micro_batch_num must be an int >= 1, got {micro_batch_num!r}")
+    if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)):
+        raise TypeError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
+    if not step_timeout > 0 or math.isnan(step_timeout):
+        raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
+    if transport is not None and not isinstance(transport, Transport):
+        raise TypeError(
+            f"transport must implement ppswap's Transport protocol, got {type(transport).__name__}"
+        )
+    stage_list = _check_stages(stages)
+    stage_num = stage_list[0].stage_num
+    distributed = transport is not None and not isinstance(transport, InProcessTransport)
+    pp = _resolve_pp(schedule, pp, stage_num, transport if distributed else None)
+    config = ScheduleConfig(
+        schedule=schedule,  # type: ignore[arg-type]
+        pp=pp,
+        vpp=stage_num // pp,
+        micro=micro_batch_num,
+        split_dw=split_dw,
+        overlap_b_f=overlap_b_f,
+        p2p=p2p,  # type: ignore[arg-type]
+        swap=swap,
+        min_swap_gap=min_swap_gap,
+        forward_only=forward_only,
+    )
+    if distributed:
+        local_rank: int = transport.rank  # type: ignore[union-attr]
+        local_ranks: tuple[int, ...] = (local_rank,)
+        expected = set(config.stages_of(local_rank))
+        where = f"rank {local_rank} (of {pp})"
+    else:
+        local_ranks = tuple(range(pp))
+        expected = set(range(stage_num))
+        where = "an in-process run"
+    given = {s.stage_index for s in stage_list}
+    if given != expected:
+        raise ValueError(
+            f"stages must cover stage indices {sorted(expected)} exactly once for {where}, "
+            f"got {sorted(s.stage_index for s in stage_list)}"
+        )
+    has_last = (stage_num - 1) in given
+    has_first = 0 in given
+    if has_first:
+        _check_batch("inputs", inputs, micro_batch_num)
+    if has_last:
+        if loss_fn is None or not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be a callable (output, target) -> scalar loss for the last "
+                f"stage, got {loss_fn!r}"
+            )
+        _check_batch("targets", targets, micro_batch_num)
+    if has_first and has_last and inputs.shape[0] != targets.shape[0]:
+        raise PipelineInputError(
+            f"inputs and targets must have the same batch size, got {inputs.shape[0]} "
+            f"and {targets.shape[0]}"
+        )
+    orders = build_all_orders(config)
+    validate_all(config, orders)
+    capacity = max(sum(1 for _ in iter_leaves(order)) for order in orders) + 1
+    return RunPlan(
+        stages=tuple(sorted(stage_list, key=lambda s: s.stage_index)),
+        config=config,
+        orders=orders,
+        local_ranks=local_ranks,
+        loss_fn=loss_fn,
+        inputs=inputs,
+        targets=targets,
+        step_timeout=float(step_timeout),
+        trace=None if trace is None else Path(trace),
+        channel_capacity=capacity,
+    )
+
+
+def _check_stages(stages: Sequence[PipelineStage]) -> list[PipelineStage]:
+    if isinstance(stages, PipelineStage):
+        stages = [stages]
+    if not isinstance(stages, Sequence) or not stages:
+        raise TypeError(f"stages must be a non-empty list of PipelineStage, got {stages!r}")
+    for stage in stages:
+        if not isinstance(stage, PipelineStage):
+            raise TypeError(
+                f"stages must hold PipelineStage objects, got {type(stage).__name__}"
+            )
+    stage_nums = {s.stage_num for s in stages}
+    if len(stage_nums) != 1:
+        raise ValueError(f"stages must agree on stage_num, got {sorted(stage_nums)}")
+    indices = [s.stage_index for s in stages]
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"stages must not repeat a stage index, got {sorted(indices)}")
+    return list(stages)
+
+
+def _resolve_pp(
+    schedule: str, pp: int | None, stage_num: int, transport: Transport | None
+) -> int:
+    if transport is not None:
+        world: int = getattr(transport, "world_size", 0)
+        if pp is not None and pp != world:
+            raise ValueError(f"pp must equal the MPI world size {world}, got {pp!r}")
+        pp = world
+    if pp is None:
+        if schedule == "interleaved_1f1b":
+            raise ValueError(
+                "pp must be given for interleaved_1f1b (stage_num // pp virtual stages per "
+                f"rank), got pp=None with stage_num={stage_num}"
+            )
+        pp = stage_num
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pp must be an int >= 1, got {pp!r}")
+    if stage_num % pp != 0:
+        raise ValueError(
+            f"pp must divide stage_num={stage_num} (vpp = stage_num // pp), got pp={pp}"
+        )
+    return pp
+
+
+def _to_host(value: Any) -> np.ndarray:
+    array = value.asnumpy() if isinstance(value, Tensor) else np.asarray(value)
+    return np.asarray(array)
+
+
+def split_batches(plan: RunPlan) -> Batches:
+    """Split the batch into micro-batches (compute thread: may call ``asnumpy``)."""
+    micro = plan.config.micro
+    split: Callable[[Any], list[np.ndarray]] = lambda value: [  # noqa: E731
+        np.array(part, copy=True, order="C") for part in np.split(_to_host(value), micro, axis=0)
+    ]
+    inputs = split(plan.inputs) if plan.inputs is not None else []
+    targets = split(plan.targets) if plan.targets is not None else None
+    return Batches(inputs, targets)

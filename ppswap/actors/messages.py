@@ -1,0 +1,132 @@
+"""Typed envelopes the actors exchange: a MetaStep, a payload and a reply future.
+
+Channels between actors are bounded, and compute -> P2P -> compute is a cycle, so replies
+never travel back over a channel: every request carries its own ``ReplyFuture``, resolved
+exactly once by the actor that serves it and awaited (with a deadline) by the requester.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+import anyio
+import numpy as np
+
+from ppswap.scheduler.steps import MetaStep
+
+__all__ = [
+    "CopyRequest",
+    "FutureTimeoutError",
+    "MessageKey",
+    "RecvRequest",
+    "ReplyFuture",
+    "SendRequest",
+]
+
+T = TypeVar("T")
+
+
+class FutureTimeoutError(TimeoutError):
+    """A ReplyFuture was not resolved within its deadline."""
+
+
+class ReplyFuture(Generic[T]):
+    """A one-shot result slot on the event loop: set once, awaited by anyone.
+
+    Resolve with ``set_result`` / ``set_exception`` from the event loop thread only.
+    ``wait(timeout)`` raises ``FutureTimeoutError`` when the deadline passes, so no
+    waiter can hang.
+    """
+
+    __slots__ = ("_error", "_event", "_result", "label")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._event = anyio.Event()
+        self._result: T | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def set_result(self, value: T) -> None:
+        if self._event.is_set():
+            raise RuntimeError(f"future {self.label} resolved twice")
+        self._result = value
+        self._event.set()
+
+    def set_exception(self, error: BaseException) -> None:
+        if self._event.is_set():
+            raise RuntimeError(f"future {self.label} resolved twice")
+        self._error = error
+        self._event.set()
+
+    async def wait(self, timeout: float = math.inf) -> T:
+        with anyio.move_on_after(timeout):
+            await self._event.wait()
+        if not self._event.is_set():
+            raise FutureTimeoutError(f"{self.label} not resolved within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class MessageKey:
+    """Identifies one P2P message of a run: direction, receiving stage, micro-batch.
+
+    ``direction`` is ``"F"`` (activation, stage s-1 -> s) or ``"B"`` (gradient,
+    stage s+1 -> s); ``stage`` is always the *receiving* stage, so a SEND_F(s, i) travels
+    under ``MessageKey("F", s + 1, i)``.
+    """
+
+    direction: str
+    stage: int
+    micro: int
+
+    def tag(self, num_stages: int, micro_count: int) -> int:
+        """A unique non-negative integer for transports that need integer tags."""
+        direction_index = 0 if self.direction == "F" else 1
+        return (direction_index * num_stages + self.stage) * micro_count + self.micro
+
+
+@dataclass(frozen=True, slots=True)
+class SendRequest:
+    """Compute -> P2P: deliver ``payload`` to ``dst`` under ``key``."""
+
+    step: MetaStep
+    key: MessageKey
+    dst: int
+    payload: np.ndarray
+    reply: ReplyFuture[None] = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class RecvRequest:
+    """Compute -> P2P: receive ``key`` from ``src``; the payload resolves ``reply``."""
+
+    step: MetaStep
+    key: MessageKey
+    src: int
+    reply: ReplyFuture[np.ndarray] = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRequest:
+    """Compute -> copy stream: run ``job`` (a D2H or H2D copy) on the copy thread."""
+
+    step: MetaStep
+    job: CopyJobLike
+    reply: ReplyFuture[int] = field(compare=False)
+
+
+class CopyJobLike(Protocol):
+    """Structural type of a swap copy job: ``run()`` copies and returns bytes moved."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def run(self) -> int: ...

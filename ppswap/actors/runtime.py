@@ -1,0 +1,284 @@
+"""``run_schedule``: plan, wire and run the actors of every local rank; collect the result.
+
+One run, start to end:
+
+1. Check every argument (``ppswap.actors.inputs``) and build the finalized, validated
+   per-rank orders. Nothing has run yet when a bad input is refused.
+2. Start the process's single compute thread, then one task group holding, per local rank,
+   a compute actor, a copy-stream actor (with its own copy thread) and a P2P actor, wired by
+   bounded memory channels. The compute actor owns the sending sides: when its order is
+   done it closes them, the other two actors drain and exit, the task group joins.
+3. On success every swap session is closed (every group gone). On failure or cancellation
+   the task group cancels every actor, the copy actor finishes the copy in flight, and the
+   sessions and stages are torn down on the compute thread (shielded, bounded), so the
+   same stages can run again. The error leaves as one ``PipelineError`` naming rank,
+   actor and step.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from ppswap.actors.compute import ComputeActor, RankInputs
+from ppswap.actors.copy_stream import CopyStreamActor
+from ppswap.actors.executor import DedicatedThread
+from ppswap.actors.inputs import RunPlan, prepare_run, split_batches
+from ppswap.actors.messages import CopyRequest, RecvRequest, SendRequest
+from ppswap.actors.p2p import InProcessTransport, P2PActor, Transport
+from ppswap.actors.trace import FlightRecorder
+from ppswap.errors import first_pipeline_error
+from ppswap.scheduler.swap_plan import eligible_chunks
+from ppswap.stage import LossFn, PipelineStage
+from ppswap.swap import CopyEngine, EmulatedDevice, PipelineSwapSession, SwapManager
+
+__all__ = ["RankStats", "RunResult", "run_schedule"]
+
+DEFAULT_STEP_TIMEOUT_S = 120.0
+_TEARDOWN_TIMEOUT_S = 60.0
+
+# One run at a time per process: MindSpore autograd must see a single compute thread.
+_RUN_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    """What one rank measured during a run."""
+
+    rank: int
+    peak_saved_bytes: int
+    offloaded_bytes: int
+    loaded_bytes: int
+    exposed_copy_wait_s: float
+    steps_executed: int
+    copies: int
+    copy_busy_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """The outcome of one run.
+
+    ``losses`` has one float per micro-batch (the last stage's), ``loss`` their mean,
+    ``ranks`` is indexed by rank, ``trace_path`` is where the Chrome trace went (if asked).
+    """
+
+    losses: list[float]
+    loss: float
+    ranks: list[RankStats]
+    generation: int
+    step_time_s: float
+    trace_path: Path | None = None
+    swap: bool = False
+    schedule: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@asynccontextmanager
+async def _exclusive_run() -> AsyncIterator[None]:
+    if not _RUN_LOCK.acquire(blocking=False):
+        raise RuntimeError(
+            "another ppswap run is active in this process; runs share the single "
+            "MindSpore compute thread, so run them one after another"
+        )
+    try:
+        yield
+    finally:
+        _RUN_LOCK.release()
+
+
+async def run_schedule(
+    stages: Sequence[PipelineStage],
+    schedule: str = "gpipe",
+    *,
+    micro_batch_num: int,
+    inputs: Any,
+    targets: Any = None,
+    loss_fn: LossFn | None = None,
+    swap: bool = False,
+    pp: int | None = None,
+    split_dw: bool = False,
+    overlap_b_f: bool = False,
+    p2p: str = "plain",
+    min_swap_gap: int = 4,
+    forward_only: bool = False,
+    trace: str | Path | None = None,
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
+    transport: Transport | None = None,
+    device: CopyEngine | None = None,
+) -> RunResult:
+    """Run one training step of a pipeline schedule over ``stages``; see DESIGN.md §6.
+
+    ``stages`` lists every stage of the run (all ranks in this process) or, with an MPI
+    transport, this process's stages. ``inputs``/``targets`` are the whole batch (a
+    MindSpore Tensor or a numpy array), split along dim 0 into ``micro_batch_num``
+    micro-batches. ``swap=True`` injects the swap steps; activations move only where the
+    user marked them with ``swap_wrapper`` / ``swap_tensor_wrapper``.
+    """
+    plan = prepare_run(
+        stages, schedule, micro_batch_num=micro_batch_num, inputs=inputs, targets=targets,
+        loss_fn=loss_fn, swap=swap, pp=pp, split_dw=split_dw, overlap_b_f=overlap_b_f,
+        p2p=p2p, min_swap_gap=min_swap_gap, forward_only=forward_only,
+        step_timeout=step_timeout, transport=transport, trace=trace,
+    )
+    async with _exclusive_run():
+        return await _run(plan, transport or InProcessTransport(), device or EmulatedDevice())
+
+
+async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunResult:
+    log = structlog.get_logger("ppswap").bind(actor="runtime")
+    log_steps = structlog.is_configured()
+    recorder = FlightRecorder(keep_spans=plan.trace is not None)
+    generation = max(stage.generation for stage in plan.stages) + 1
+    config = plan.config
+    sessions: dict[int, PipelineSwapSession] = {}
+    actors: dict[int, ComputeActor] = {}
+    copy_actors: dict[int, CopyStreamActor] = {}
+    started = time.perf_counter()
+    log.info(
+        "run_start", schedule=config.schedule, pp=config.pp, vpp=config.vpp,
+        micro=config.micro, swap=config.swap, generation=generation,
+        ranks=list(plan.local_ranks),
+    )
+    compute = DedicatedThread("ppswap-compute", join_s=_TEARDOWN_TIMEOUT_S)
+    async with compute:
+        batches = await compute.run(split_batches, plan)
+        for stage in plan.stages:
+            await compute.run(_begin_stage, stage, plan, generation)
+        for rank in plan.local_ranks:
+            order = plan.orders[rank]
+            sessions[rank] = PipelineSwapSession(
+                SwapManager(), engine, rank=rank, generation=generation,
+                eligible=eligible_chunks(order), wait_timeout_s=plan.step_timeout,
+            )
+        succeeded = False
+        try:
+            async with anyio.create_task_group() as tg:
+                for rank in plan.local_ranks:
+                    p2p_tx, p2p_rx = anyio.create_memory_object_stream[
+                        SendRequest | RecvRequest
+                    ](plan.channel_capacity)
+                    copy_tx, copy_rx = anyio.create_memory_object_stream[CopyRequest](
+                        plan.channel_capacity
+                    )
+                    actors[rank] = ComputeActor(
+                        rank=rank, order=plan.orders[rank], config=config,
+                        stages={s.stage_index: s for s in plan.stages_of(rank)},
+                        compute=compute, session=sessions[rank], p2p=p2p_tx, copy=copy_tx,
+                        recorder=recorder,
+                        data=RankInputs(batches.inputs, batches.targets),
+                        generation=generation, timeout_s=plan.step_timeout,
+                        log_steps=log_steps,
+                    )
+                    copy_actors[rank] = CopyStreamActor(rank, _copy_thread(rank), copy_rx, recorder)
+                    p2p_actor = P2PActor(
+                        rank, transport, p2p_rx, recorder, timeout_s=plan.step_timeout
+                    )
+                    tg.start_soon(actors[rank].run, name=f"compute-{rank}")
+                    tg.start_soon(_run_copy_actor, copy_actors[rank], name=f"copy-{rank}")
+                    tg.start_soon(p2p_actor.run, name=f"p2p-{rank}")
+            for rank, session in sessions.items():
+                await compute.run(session.close)
+            succeeded = True
+        except BaseExceptionGroup as group:
+            error = first_pipeline_error(group)
+            if error is group:
+                raise
+            raise error from None
+        finally:
+            if not succeeded:
+                await _teardown(compute, plan, sessions, transport)
+    elapsed = time.perf_counter() - started
+    for stage in plan.stages:
+        stage.generation = generation
+    losses = _collect_losses(plan, actors)
+    ranks = [
+        _rank_stats(rank, sessions[rank], actors[rank], copy_actors[rank])
+        for rank in plan.local_ranks
+    ]
+    trace_path = recorder.write_chrome_trace(plan.trace) if plan.trace is not None else None
+    result = RunResult(
+        losses=losses,
+        loss=float(sum(losses) / len(losses)) if losses else math.nan,
+        ranks=ranks,
+        generation=generation,
+        step_time_s=elapsed,
+        trace_path=trace_path,
+        swap=config.swap,
+        schedule=config.schedule,
+    )
+    log.info("run_end", generation=generation, loss=result.loss, step_time_s=elapsed)
+    return result
+
+
+def _copy_thread(rank: int) -> DedicatedThread:
+    return DedicatedThread(f"ppswap-copy-{rank}", join_s=_TEARDOWN_TIMEOUT_S)
+
+
+async def _run_copy_actor(actor: CopyStreamActor) -> None:
+    async with actor.thread:
+        await actor.run()
+
+
+def _begin_stage(stage: PipelineStage, plan: RunPlan, generation: int) -> None:
+    stage.begin_run(
+        micro_count=plan.config.micro,
+        loss_fn=plan.loss_fn if stage.is_last else None,
+        generation=generation,
+    )
+
+
+def _abort_all(plan: RunPlan, sessions: dict[int, PipelineSwapSession]) -> None:
+    for stage in plan.stages:
+        stage.abort_run()
+    for session in sessions.values():
+        session.abort()
+
+
+async def _teardown(
+    compute: DedicatedThread,
+    plan: RunPlan,
+    sessions: dict[int, PipelineSwapSession],
+    transport: Transport,
+) -> None:
+    """Best-effort cleanup after a failed or cancelled run (shielded, bounded)."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(_TEARDOWN_TIMEOUT_S):
+        await compute.run(_abort_all, plan, sessions)
+    if isinstance(transport, InProcessTransport):
+        transport.reset()
+
+
+def _collect_losses(plan: RunPlan, actors: dict[int, ComputeActor]) -> list[float]:
+    last_rank = plan.config.rank_of(plan.config.num_stages - 1)
+    actor = actors.get(last_rank)
+    if actor is None:
+        return []
+    return [actor.losses[m] for m in sorted(actor.losses)]
+
+
+def _rank_stats(
+    rank: int, session: PipelineSwapSession, actor: ComputeActor, copy: CopyStreamActor
+) -> RankStats:
+    swap_stats = session.stats()
+    compute_stats = actor.stats()
+    copy_stats = copy.stats()
+    return RankStats(
+        rank=rank,
+        peak_saved_bytes=swap_stats.peak_saved_bytes,
+        offloaded_bytes=swap_stats.offloaded_bytes,
+        loaded_bytes=swap_stats.loaded_bytes,
+        exposed_copy_wait_s=compute_stats.exposed_copy_wait_s,
+        steps_executed=compute_stats.steps_executed,
+        copies=copy_stats.copies,
+        copy_busy_s=copy_stats.busy_s,
+    )
+

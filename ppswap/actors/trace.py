@@ -1,0 +1,131 @@
+"""Flight recorder (the last N events per actor) and Chrome/Perfetto trace export.
+
+Every actor records a begin and an end event per MetaStep it serves. The flight recorder
+keeps only the last ``capacity`` events per (rank, actor), always on, so a hang or a failure
+can say what each actor did last. Full spans are kept only when a trace file was asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FlightRecorder", "TraceSpan"]
+
+ACTOR_ORDER = ("compute", "p2p", "copy")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpan:
+    """One finished span: a MetaStep (or a copy) served by an actor of a rank."""
+
+    rank: int
+    actor: str
+    name: str
+    start_us: float
+    duration_us: float
+    args: tuple[tuple[str, Any], ...] = ()
+
+
+class FlightRecorder:
+    """Per-(rank, actor) ring buffers of recent events, plus optional full spans."""
+
+    def __init__(self, *, capacity: int = 32, keep_spans: bool = False) -> None:
+        self._capacity = capacity
+        self._keep_spans = keep_spans
+        self._origin = time.perf_counter()
+        self._events: dict[tuple[int, str], deque[str]] = {}
+        self._spans: list[TraceSpan] = []
+        self._pending: dict[tuple[int, str], Callable[[], list[str]]] = {}
+
+    def now_us(self) -> float:
+        return (time.perf_counter() - self._origin) * 1e6
+
+    def note(self, rank: int, actor: str, message: str) -> None:
+        ring = self._events.get((rank, actor))
+        if ring is None:
+            ring = self._events[(rank, actor)] = deque(maxlen=self._capacity)
+        ring.append(f"{self.now_us() / 1e3:10.3f}ms {message}")
+
+    def add_span(
+        self, rank: int, actor: str, name: str, start_us: float, **args: Any
+    ) -> None:
+        if self._keep_spans:
+            end = self.now_us()
+            self._spans.append(
+                TraceSpan(rank, actor, name, start_us, end - start_us, tuple(args.items()))
+            )
+
+    @contextmanager
+    def span(self, rank: int, actor: str, name: str, **args: Any) -> Iterator[None]:
+        """Record ``name`` as begun, then ended (or failed) on (rank, actor)."""
+        start = self.now_us()
+        self.note(rank, actor, f"begin {name}")
+        try:
+            yield
+        except BaseException as exc:
+            self.note(rank, actor, f"FAILED {name}: {type(exc).__name__}")
+            raise
+        self.note(rank, actor, f"end {name}")
+        self.add_span(rank, actor, name, start, **args)
+
+    def register_pending(self, rank: int, actor: str, probe: Callable[[], list[str]]) -> None:
+        """Let an actor report what it is waiting for in a dump."""
+        self._pending[(rank, actor)] = probe
+
+    @property
+    def spans(self) -> tuple[TraceSpan, ...]:
+        return tuple(self._spans)
+
+    def dump(self) -> str:
+        """A readable dump: per actor the last events and what it is waiting for."""
+        lines = ["flight recorder:"]
+        keys = sorted(
+            set(self._events) | set(self._pending),
+            key=lambda k: (k[0], ACTOR_ORDER.index(k[1]) if k[1] in ACTOR_ORDER else 99),
+        )
+        for rank, actor in keys:
+            lines.append(f"  rank {rank} {actor}:")
+            for event in self._events.get((rank, actor), ()):
+                lines.append(f"    {event}")
+            probe = self._pending.get((rank, actor))
+            if probe is not None:
+                for item in probe():
+                    lines.append(f"    pending: {item}")
+        return "\n".join(lines)
+
+    def write_chrome_trace(self, path: str | Path) -> Path:
+        """Write the spans as a Chrome/Perfetto JSON trace: a process per rank, a thread
+        (lane) per actor."""
+        events: list[dict[str, Any]] = []
+        lanes = sorted({(s.rank, s.actor) for s in self._spans})
+        for rank in sorted({rank for rank, _ in lanes}):
+            events.append(
+                {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
+            )
+        for rank, actor in lanes:
+            tid = ACTOR_ORDER.index(actor) if actor in ACTOR_ORDER else len(ACTOR_ORDER)
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": actor}}
+            )
+        for s in self._spans:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": s.name,
+                    "pid": s.rank,
+                    "tid": ACTOR_ORDER.index(s.actor) if s.actor in ACTOR_ORDER else 3,
+                    "ts": round(s.start_us, 3),
+                    "dur": round(max(s.duration_us, 0.001), 3),
+                    "args": {k: v for k, v in s.args},
+                }
+            )
+        out = Path(path)
+        out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        return out
