@@ -1,13 +1,9 @@
 """SwapGroup: the captured saved tensors of one chunk and their bulk moves.
 
 A group holds the :class:`SwapTensor` entries of one chunk ``(stage, micro)``, deduplicated
-by exact view identity (:class:`ViewKey`). Its life is a fixed sequence of phases; calls
-out of order raise :class:`SwapStateError`::
-
-    COLLECTING --seal--> SEALED --prepare_offload--> OFFLOAD_PREPARED --finish_offload-->
-    OFFLOADED --prepare_load--> LOAD_PREPARED --finish_load--> LOADED --release--> RELEASED
-
-(``release`` is legal from any phase when no copy job is in flight; ``discard`` always.)
+by exact view identity (the collection half, :class:`EntryTable`, is in ``entries.py``,
+with the phases; ``release`` is legal from any phase when no copy job is in flight,
+``discard`` always).
 
 Copies: an entry with ``bulk=False`` gets its own pooled host buffer; ``bulk=True``
 entries (``group_swap=True``) are packed, in capture order, into contiguous host buckets
@@ -25,52 +21,32 @@ them take the group lock; :meth:`materialize` never holds it while waiting.
 
 from __future__ import annotations
 
-import enum
-import threading
-from collections.abc import Callable
-
 import numpy as np
 from mindspore import Tensor
 
 from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.device import HOST_ALIGNMENT, Array, CopyEngine
+from ppswap.swap.entries import EntryTable, GroupPhase
 from ppswap.swap.errors import SwapError, SwapStateError
 from ppswap.swap.jobs import CopyJob, JobKind
-from ppswap.swap.tensor import (
-    StorageInfo,
-    SwapState,
-    SwapTensor,
-    ViewKey,
-    content_digest,
-)
+from ppswap.swap.tensor import SwapState, SwapTensor
 from ppswap.swap.transfer import (
     CopySlot,
     HostBucket,
+    LoadPlan,
     pack_buckets,
-    release_load_buffers,
     release_offload_buffers,
-    run_load,
     run_offload,
 )
-from ppswap.swap.validation import check_bool, check_int, check_positive_seconds
+from ppswap.swap.validation import check_int, check_positive_seconds
 
 __all__ = ["MAX_BUCKET_BYTES", "GroupPhase", "SwapGroup"]
 
 MAX_BUCKET_BYTES = 32 * 1024 * 1024
 
 
-class GroupPhase(enum.Enum):
-    COLLECTING = "collecting"
-    SEALED = "sealed"
-    OFFLOAD_PREPARED = "offload_prepared"
-    OFFLOADED = "offloaded"
-    LOAD_PREPARED = "load_prepared"
-    LOADED = "loaded"
-    RELEASED = "released"
-
-
-class SwapGroup:
-    """The swap entries of one chunk (see the module docstring)."""
+class SwapGroup(EntryTable):
+    """The swap entries of one chunk and their copies (see the module docstring)."""
 
     def __init__(
         self,
@@ -83,24 +59,13 @@ class SwapGroup:
         wait_timeout_s: float = 60.0,
         accounting: SwapAccounting | None = None,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        super().__init__(
+            name, stage, micro, group_swap=group_swap, accounting=accounting, owner=self
+        )
         if check_int("bucket_bytes", bucket_bytes, HOST_ALIGNMENT) > MAX_BUCKET_BYTES:
             raise ValueError(f"bucket_bytes must be <= {MAX_BUCKET_BYTES}, got {bucket_bytes}")
-        self.name = name
-        self.stage = check_int("stage", stage, 0)
-        self.micro = check_int("micro", micro, 0)
-        self.group_swap = check_bool("group_swap", group_swap)
         self.bucket_bytes = bucket_bytes
         self.wait_timeout_s = check_positive_seconds("wait_timeout_s", wait_timeout_s)
-        self.accounting = accounting if accounting is not None else SwapAccounting()
-        self._lock = threading.RLock()
-        self._phase = GroupPhase.COLLECTING
-        self._entries: list[SwapTensor] = []
-        self._by_key: dict[ViewKey, SwapTensor] = {}
-        self._by_storage: dict[int, list[SwapTensor]] = {}
-        self._pinned_storages: set[int] = set()
-        self._tags: set[str] = set()
         self._engine: CopyEngine | None = None
         self._offload_job: CopyJob | None = None
         self._offload_slots: list[CopySlot] = []
@@ -110,28 +75,6 @@ class SwapGroup:
         self._load_job: CopyJob | None = None
         self._load_slots: dict[SwapTensor, CopySlot] = {}
 
-    @property
-    def chunk(self) -> tuple[int, int]:
-        return (self.stage, self.micro)
-
-    @property
-    def phase(self) -> GroupPhase:
-        with self._lock:
-            return self._phase
-
-    def entries(self) -> tuple[SwapTensor, ...]:
-        with self._lock:
-            return tuple(self._entries)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-    def find(self, tensor: Tensor) -> SwapTensor | None:
-        """The entry registered for exactly this view, if any."""
-        with self._lock:
-            return self._by_key.get(ViewKey.of(tensor))
-
     def jobs(self) -> tuple[CopyJob, ...]:
         with self._lock:
             return tuple(j for j in (self._offload_job, self._load_job) if j is not None)
@@ -139,86 +82,6 @@ class SwapGroup:
     def running_jobs(self) -> tuple[CopyJob, ...]:
         """Jobs started on the copy thread and not finished (in flight)."""
         return tuple(j for j in self.jobs() if j.started and not j.done.is_set())
-
-    # -- collection ---------------------------------------------------------------------
-
-    def register(
-        self, tensor: Tensor, *, tag: str | None = None, group_swap: bool | None = None
-    ) -> SwapTensor:
-        """Capture ``tensor`` (a saved tensor) and return its handle (deduplicated)."""
-        info = StorageInfo.of(tensor)
-        key = ViewKey.of(tensor, info)
-        with self._lock:
-            if self._phase is not GroupPhase.COLLECTING:
-                raise SwapStateError(
-                    group=self.name,
-                    tag=tag or "<new tensor>",
-                    from_state=self._phase.value,
-                    to_state=GroupPhase.COLLECTING.value,
-                    detail="a group only captures during its chunk's forward",
-                )
-            existing = self._by_key.get(key)
-            if existing is not None:
-                return existing
-            entry = SwapTensor.capture(
-                tensor,
-                owner=self,
-                group=self.name,
-                tag=self._unique_tag(tag or f"t{len(self._entries)}"),
-                key=key,
-                bulk=self.group_swap if group_swap is None else group_swap,
-                chunk=self.chunk,
-            )
-            entry.storage.device_block = ("storage", info.ptr)
-            entry.pinned = info.ptr in self._pinned_storages
-            self.accounting.hold(("storage", info.ptr), info.nbytes, entry, self.chunk)
-            self._entries.append(entry)
-            self._by_key[key] = entry
-            self._by_storage.setdefault(info.ptr, []).append(entry)
-            return entry
-
-    def _unique_tag(self, tag: str) -> str:
-        unique, n = tag, 1
-        while unique in self._tags:
-            unique = f"{tag}#{n}"
-            n += 1
-        self._tags.add(unique)
-        return unique
-
-    def pin_storage(self, storage_ptr: int) -> int:
-        """Pin every still-resident entry on that storage (now and later); return count."""
-        with self._lock:
-            self._pinned_storages.add(storage_ptr)
-            pinned = 0
-            for entry in self._by_storage.get(storage_ptr, ()):
-                if not entry.pinned and entry.state is SwapState.DEVICE:
-                    entry.pinned = True
-                    pinned += 1
-            return pinned
-
-    def holds_storage(self, storage_ptr: int) -> bool:
-        with self._lock:
-            return storage_ptr in self._by_storage
-
-    def seal(self) -> None:
-        """End of the chunk's forward: no more captures; digest every movable entry."""
-        with self._lock:
-            self._expect(GroupPhase.COLLECTING, GroupPhase.SEALED)
-            for entry in self._entries:
-                device = entry.storage.device
-                if not entry.pinned and device is not None:
-                    entry.storage.digest = content_digest(device.asnumpy())
-            self._phase = GroupPhase.SEALED
-
-    def _expect(self, phase: GroupPhase, target: GroupPhase) -> None:
-        if self._phase is not phase:
-            raise SwapStateError(
-                group=self.name,
-                tag="<group>",
-                from_state=self._phase.value,
-                to_state=target.value,
-                detail=f"expected phase {phase.value}",
-            )
 
     # -- offload ------------------------------------------------------------------------
 
@@ -235,15 +98,27 @@ class SwapGroup:
             single = [s for s in slots if not s.entry.bulk]
             buckets = pack_buckets([s for s in slots if s.entry.bulk], self.bucket_bytes)
             self._engine = engine
-            if slots:
-                job = CopyJob(
+
+            def work() -> None:
+                try:
+                    run_offload(engine, single, buckets)
+                finally:
+                    with self._lock:
+                        if self._phase is GroupPhase.RELEASED:
+                            release_offload_buffers(engine, single, buckets)
+                        else:
+                            self._offload_copied = True
+
+            job = (
+                CopyJob(
                     kind=JobKind.OFFLOAD,
                     group=self.name,
                     nbytes=sum(s.entry.nbytes for s in slots),
-                    work=self._offload_work(engine, single, buckets),
+                    work=work,
                 )
-            else:
-                job = CopyJob.empty(JobKind.OFFLOAD, self.name)
+                if slots
+                else CopyJob.empty(JobKind.OFFLOAD, self.name)
+            )
             for slot in slots:
                 slot.entry.transition(SwapState.D2H)
                 slot.entry.storage.job = job
@@ -253,39 +128,11 @@ class SwapGroup:
             self._phase = GroupPhase.OFFLOAD_PREPARED
             return job
 
-    def _offload_work(
-        self, engine: CopyEngine, single: list[CopySlot], buckets: list[HostBucket]
-    ) -> Callable[[], None]:
-        def work() -> None:
-            try:
-                run_offload(engine, single, buckets)
-            finally:
-                with self._lock:
-                    if self._phase is GroupPhase.RELEASED:
-                        release_offload_buffers(engine, single, buckets)
-                    else:
-                        self._offload_copied = True
-
-        return work
-
     def finish_offload(self) -> int:
         """D2H -> HOST; drop the device references; return the device bytes released."""
         with self._lock:
             self._expect(GroupPhase.OFFLOAD_PREPARED, GroupPhase.OFFLOADED)
-            job = self._offload_job
-            assert job is not None
-            if not job.finished:
-                raise SwapStateError(
-                    group=self.name,
-                    tag="<offload job>",
-                    from_state=SwapState.D2H,
-                    to_state=SwapState.HOST,
-                    detail=f"the offload copy has not run (job phase {job.phase.value})",
-                )
-            if job.error is not None:
-                raise SwapError(f"offload of group {self.name!r} failed: {job.error}") from (
-                    job.error
-                )
+            job = self._finished_job(self._offload_job, SwapState.D2H, SwapState.HOST)
             before = self.accounting.resident_bytes
             bucket_of = {id(s): b for b in self._offload_buckets for s, _ in b.members}
             for slot in self._offload_slots:
@@ -321,42 +168,40 @@ class SwapGroup:
         """
         with self._lock:
             self._expect(GroupPhase.OFFLOADED, GroupPhase.LOAD_PREPARED)
-            single: list[CopySlot] = []
-            for entry in self._entries:
-                if entry.state is SwapState.HOST and entry.storage.host_bucket is None:
-                    slot = CopySlot(entry=entry, host=entry.storage.host)
-                    slot.block = self.accounting.new_loaded_block()
-                    self.accounting.hold(slot.block, entry.nbytes, entry, self.chunk)
-                    single.append(slot)
-            buckets: list[tuple[HostBucket, list[CopySlot]]] = []
-            for bucket in self._host_buckets:
-                block = self.accounting.new_loaded_block()
-                bucket_slots = []
-                for member, offset in bucket.members:
-                    entry = member.entry
-                    if entry.state is not SwapState.HOST or entry.storage.host is None:
-                        continue
-                    dtype = entry.storage.host.dtype
-                    slot = CopySlot(entry=entry, block=block, offset=offset, dtype=dtype)
-                    self.accounting.hold(block, bucket.nbytes, entry, self.chunk)
-                    bucket_slots.append(slot)
-                if bucket_slots:
-                    buckets.append((bucket, bucket_slots))
-            taken = {id(b) for b, _ in buckets}
+            plan = LoadPlan.build(
+                [
+                    e
+                    for e in self._entries
+                    if e.state is SwapState.HOST and e.storage.host_bucket is None
+                ],
+                self._host_buckets,
+                self.accounting.new_loaded_block,
+            )
+            taken = {id(b) for b, _ in plan.buckets}
             self._host_buckets = [b for b in self._host_buckets if id(b) not in taken]
-            slots = single + [s for _, bucket_slots in buckets for s in bucket_slots]
-            if slots:
-                job = CopyJob(
+            slots = plan.slots
+
+            def work() -> None:
+                try:
+                    plan.run(engine)
+                finally:
+                    self._release_load(engine, plan)
+
+            job = (
+                CopyJob(
                     kind=JobKind.LOAD,
                     group=self.name,
-                    nbytes=sum(s.entry.nbytes for s in single) + sum(b.nbytes for b, _ in buckets),
-                    work=self._load_work(engine, single, buckets),
-                    on_cancel=lambda: self._release_load(engine, single, buckets),
+                    nbytes=plan.nbytes,
+                    work=work,
+                    on_cancel=lambda: self._release_load(engine, plan),
                 )
-            else:
-                job = CopyJob.empty(JobKind.LOAD, self.name)
+                if slots
+                else CopyJob.empty(JobKind.LOAD, self.name)
+            )
             for slot in slots:
                 storage = slot.entry.storage
+                assert slot.block is not None
+                self.accounting.hold(slot.block, slot.block_nbytes, slot.entry, self.chunk)
                 slot.entry.transition(SwapState.H2D)
                 storage.host, storage.host_bucket = None, None
                 storage.device_block = slot.block
@@ -366,44 +211,15 @@ class SwapGroup:
             self._phase = GroupPhase.LOAD_PREPARED
             return job
 
-    def _load_work(
-        self,
-        engine: CopyEngine,
-        single: list[CopySlot],
-        buckets: list[tuple[HostBucket, list[CopySlot]]],
-    ) -> Callable[[], None]:
-        def work() -> None:
-            try:
-                run_load(engine, single, buckets)
-            finally:
-                self._release_load(engine, single, buckets)
-
-        return work
-
-    def _release_load(
-        self,
-        engine: CopyEngine,
-        single: list[CopySlot],
-        buckets: list[tuple[HostBucket, list[CopySlot]]],
-    ) -> None:
+    def _release_load(self, engine: CopyEngine, plan: LoadPlan) -> None:
         with self._lock:
-            release_load_buffers(engine, single, buckets)
+            plan.release(engine)
 
     def finish_load(self) -> int:
         """H2D -> DEVICE (``Tensor.from_numpy``); return the bytes restored by this call."""
         with self._lock:
             self._expect(GroupPhase.LOAD_PREPARED, GroupPhase.LOADED)
-            job = self._load_job
-            assert job is not None
-            if not job.finished:
-                raise SwapStateError(
-                    group=self.name,
-                    tag="<load job>",
-                    from_state=SwapState.H2D,
-                    to_state=SwapState.DEVICE,
-                    detail=f"the load copy has not run (job phase {job.phase.value})",
-                )
-            self._raise_if_failed(job)
+            self._finished_job(self._load_job, SwapState.H2D, SwapState.DEVICE)
             restored = 0
             for entry, slot in self._load_slots.items():
                 if entry.state is SwapState.H2D:
@@ -413,6 +229,21 @@ class SwapGroup:
             self._load_slots = {}
             self._phase = GroupPhase.LOADED
             return restored
+
+    def _finished_job(
+        self, job: CopyJob | None, from_state: SwapState, to_state: SwapState
+    ) -> CopyJob:
+        assert job is not None
+        if not job.finished:
+            raise SwapStateError(
+                group=self.name,
+                tag=f"<{job.kind.value} job>",
+                from_state=from_state,
+                to_state=to_state,
+                detail=f"the {job.kind.value} copy has not run (job phase {job.phase.value})",
+            )
+        self._raise_if_failed(job)
+        return job
 
     def _raise_if_failed(self, job: CopyJob) -> None:
         if job.error is not None:
@@ -443,13 +274,7 @@ class SwapGroup:
         with self._lock:
             state = storage.state
             if storage.released:
-                raise SwapStateError(
-                    group=self.name,
-                    tag=entry.tag,
-                    from_state="released",
-                    to_state=SwapState.DEVICE,
-                    detail="backward unpacked a tensor of a released group",
-                )
+                raise self._released(entry, "backward unpacked a tensor of a released group")
             if state is SwapState.DEVICE or state is SwapState.D2H:
                 assert storage.device is not None
                 if state is SwapState.D2H:
@@ -463,13 +288,7 @@ class SwapGroup:
         job.wait(self.wait_timeout_s)
         with self._lock:
             if storage.released:
-                raise SwapStateError(
-                    group=self.name,
-                    tag=entry.tag,
-                    from_state="released",
-                    to_state=SwapState.DEVICE,
-                    detail="the group was released while backward waited for its load",
-                )
+                raise self._released(entry, "the group was released while backward waited")
             if storage.state is SwapState.DEVICE:
                 assert storage.device is not None
                 return storage.device
@@ -480,6 +299,15 @@ class SwapGroup:
             if was_pending:
                 self.accounting.count_waited_load()
             return tensor
+
+    def _released(self, entry: SwapTensor, detail: str) -> SwapStateError:
+        return SwapStateError(
+            group=self.name,
+            tag=entry.tag,
+            from_state="released",
+            to_state=SwapState.DEVICE,
+            detail=detail,
+        )
 
     def _load_now(self, entry: SwapTensor) -> Tensor:
         storage = entry.storage

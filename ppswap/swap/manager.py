@@ -144,17 +144,20 @@ class Collection:
                         del self._parameters[ptr]
 
     def register(self, tensor: Tensor, *, tag: str | None, group_swap: bool) -> None:
-        """Ask for ``tensor``'s storage to be swapped when autograd saves a view of it.
-
-        Parameters are ignored (they are never swapped).
+        """Ask for ``tensor``'s storage to be swapped: every saved view of it, whether
+        autograd saved it before this call (its producer saved its output) or saves it
+        later in the chunk's forward. Parameters are ignored (never swapped).
         """
         if self._closed:
             raise SwapError("swap_tensor_wrapper called after its chunk's forward ended")
         if isinstance(tensor, Parameter):
             return
         info = StorageInfo.of(tensor)
-        if info.nbytes:
-            self._registered[info.ptr] = _Registration(tensor, tag, group_swap)
+        if info.nbytes == 0:
+            return
+        self._registered[info.ptr] = _Registration(tensor, tag, group_swap)
+        if self.group is not None:
+            self.group.select_storage(info.ptr, group_swap=group_swap)
 
     def pack_saved(
         self,
@@ -167,33 +170,39 @@ class Collection:
     ) -> Any:
         """The pack hook body: return a SwapTensor handle or ``tensor`` itself.
 
-        A tensor is captured when a group is active, it is wanted (``capture`` and the
-        policy says so, or its storage was registered), it is not a parameter, not
-        protected and not held on device elsewhere. Otherwise it is reported to the sink
-        (parameters excepted) and returned unchanged.
+        Parameters (and empty tensors) are returned untouched and not counted. Without a
+        group, or for a protected storage, or one held on device elsewhere, the tensor
+        is reported to the sink and returned unchanged. Otherwise it becomes an entry of
+        the group, *selected* for swap when ``capture`` is set and ``policy_fn`` agrees,
+        or when its storage was registered (before or, via
+        :meth:`SwapGroup.select_storage`, after this save).
         """
         if not isinstance(tensor, Tensor):
             return tensor
         info = StorageInfo.of(tensor)
         if info.ptr in self._parameters or info.nbytes == 0:
             return tensor
-        registration = self._registered.get(info.ptr)
-        wanted = registration is not None or (capture and self._policy_allows(policy_fn, tensor))
         group = self.group
         if (
-            wanted
-            and group is not None
-            and info.ptr not in self._protected
-            and not (self.sink is not None and self.sink.must_stay_resident(info))
+            group is None
+            or info.ptr in self._protected
+            or (self.sink is not None and self.sink.must_stay_resident(info))
         ):
-            if registration is not None:
-                return group.register(
-                    tensor, tag=registration.tag or label, group_swap=registration.group_swap
-                )
-            return group.register(tensor, tag=label, group_swap=group_swap)
-        if self.sink is not None:
-            self.sink.record_resident(tensor, info)
-        return tensor
+            if self.sink is not None:
+                self.sink.record_resident(tensor, info)
+            return tensor
+        registration = self._registered.get(info.ptr)
+        if registration is not None:
+            return group.register(
+                tensor,
+                tag=registration.tag or label,
+                group_swap=registration.group_swap,
+                storage=info,
+            )
+        selected = capture and self._policy_allows(policy_fn, tensor)
+        return group.register(
+            tensor, tag=label, group_swap=group_swap, selected=selected, storage=info
+        )
 
     @staticmethod
     def _policy_allows(policy_fn: PolicyFn | None, tensor: Tensor) -> bool:

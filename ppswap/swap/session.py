@@ -22,12 +22,17 @@ Calls per chunk ``(stage, micro)``, all on the compute thread except ``CopyJob.r
 For a chunk not in ``eligible`` only the first and the last call apply: no group is
 created and nothing is copied; the ledger still counts its saved tensors.
 
-The ledger: every tensor saved by a chunk's forward and not captured (protected inputs,
-policy rejections, chunks without a group...) is recorded by storage, with a reference,
-until ``release_chunk``; parameters are not counted. A storage that another live chunk
-already holds on device (say, a rotary table every micro-batch saves) is never captured,
-and any captured entry on a storage that must stay resident is pinned: the swap layer
-only lets device memory go when the group owns every saved view of it.
+What a chunk's saved tensors become: parameters (and other module state passed as
+``parameters``) are left alone and not counted. In a chunk with a group, every other
+saved tensor that is not protected becomes an entry of the group (the graph keeps a
+handle); it moves only if it was *selected* (saved inside ``swap_wrapper`` and accepted by
+its policy, or registered with ``swap_tensor_wrapper`` before or after the save), all
+others are pinned when the forward ends. The chunk's *ledger* records (by storage, with a
+reference, until ``release_chunk``) what stays outside the group: every saved tensor of a
+chunk without a group, protected storages (inputs, received buffers), and storages that
+another live chunk already holds on device (say, a rotary table every micro-batch
+saves). A captured entry on a storage that must stay resident is pinned: device memory is
+only let go when the group owns every saved view of it.
 
 Stats (:class:`SwapStats`, thread-safe): ``resident_saved_bytes`` is the device bytes of
 the distinct storages (and loaded buffers) held by live chunks: ledger tensors, entries in

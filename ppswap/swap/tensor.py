@@ -127,8 +127,8 @@ class Fingerprint:
     version: int
 
     @classmethod
-    def of(cls, tensor: Tensor) -> Fingerprint:
-        info = StorageInfo.of(tensor)
+    def of(cls, tensor: Tensor, storage: StorageInfo | None = None) -> Fingerprint:
+        info = storage if storage is not None else StorageInfo.of(tensor)
         return cls(
             storage_ptr=info.ptr,
             storage_nbytes=info.nbytes,
@@ -217,10 +217,22 @@ class SwapTensor:
     """Handle of one captured saved tensor, held by the autograd graph (see module doc).
 
     ``key`` is the exact view identity, ``bulk`` whether it is copied through a group
-    bucket (``group_swap=True``), ``pinned`` whether it must never leave the device.
+    bucket (``group_swap=True``), ``pinned`` whether it must never leave the device,
+    ``selected`` whether anyone asked for it to be swapped (unselected ones are pinned
+    when the forward ends).
     """
 
-    __slots__ = ("__weakref__", "_owner", "bulk", "chunk", "key", "pinned", "storage", "tag")
+    __slots__ = (
+        "__weakref__",
+        "_owner",
+        "bulk",
+        "chunk",
+        "key",
+        "pinned",
+        "selected",
+        "storage",
+        "tag",
+    )
 
     def __init__(
         self,
@@ -239,6 +251,7 @@ class SwapTensor:
         self.bulk = bulk
         self.chunk = chunk
         self.pinned = False
+        self.selected = True
 
     @classmethod
     def capture(
@@ -251,13 +264,14 @@ class SwapTensor:
         key: ViewKey,
         bulk: bool,
         chunk: tuple[int, int],
+        storage_info: StorageInfo | None = None,
     ) -> SwapTensor:
         """A new DEVICE entry holding ``tensor`` with its capture fingerprint."""
         storage = Storage(
             group=group, tag=tag, nbytes=int(tensor.nbytes), shape=key.shape, dtype=tensor.dtype
         )
         storage.device = tensor
-        storage.fingerprint = Fingerprint.of(tensor)
+        storage.fingerprint = Fingerprint.of(tensor, storage_info)
         return cls(owner=owner, tag=tag, key=key, storage=storage, bulk=bulk, chunk=chunk)
 
     @property

@@ -10,6 +10,7 @@ is larger by itself (such a tensor gets a bucket of its own).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from ppswap.swap.tensor import SwapTensor
 __all__ = [
     "CopySlot",
     "HostBucket",
+    "LoadPlan",
     "aligned",
     "pack_buckets",
     "release_load_buffers",
@@ -39,6 +41,7 @@ class CopySlot:
     host: Array | None = None
     loaded: Array | None = None
     block: tuple[str, int] | None = None
+    block_nbytes: int = 0
     offset: int = 0
     dtype: np.dtype[Any] | None = None
 
@@ -143,3 +146,74 @@ def release_offload_buffers(
         if bucket.raw is not None:
             engine.release_host(bucket.raw)
             bucket.raw = None
+
+
+@dataclass(eq=False)
+class LoadPlan:
+    """What one load job moves: single entries, and buckets with their moving members.
+
+    Each slot gets the device block its data will land in: a block per single entry, one
+    block per bucket (shared by its members, sized as the whole bucket).
+    """
+
+    single: list[CopySlot]
+    buckets: list[tuple[HostBucket, list[CopySlot]]]
+
+    @classmethod
+    def build(
+        cls,
+        host_entries: list[SwapTensor],
+        host_buckets: list[HostBucket],
+        new_block: Callable[[], tuple[str, int]],
+    ) -> LoadPlan:
+        """Plan the load of ``host_entries`` (HOST, not bucketed) and of ``host_buckets``."""
+        single = []
+        for entry in host_entries:
+            block = new_block()
+            single.append(
+                CopySlot(
+                    entry=entry, host=entry.storage.host, block=block, block_nbytes=entry.nbytes
+                )
+            )
+        buckets: list[tuple[HostBucket, list[CopySlot]]] = []
+        for bucket in host_buckets:
+            moving = [
+                (member.entry, offset)
+                for member, offset in bucket.members
+                if member.entry.storage.host is not None
+            ]
+            if not moving:
+                continue
+            block = new_block()
+            buckets.append(
+                (
+                    bucket,
+                    [
+                        CopySlot(
+                            entry=entry,
+                            block=block,
+                            block_nbytes=bucket.nbytes,
+                            offset=offset,
+                            dtype=entry.storage.host.dtype
+                            if entry.storage.host is not None
+                            else None,
+                        )
+                        for entry, offset in moving
+                    ],
+                )
+            )
+        return cls(single=single, buckets=buckets)
+
+    @property
+    def slots(self) -> list[CopySlot]:
+        return self.single + [slot for _, slots in self.buckets for slot in slots]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.entry.nbytes for s in self.single) + sum(b.nbytes for b, _ in self.buckets)
+
+    def run(self, engine: CopyEngine) -> None:
+        run_load(engine, self.single, self.buckets)
+
+    def release(self, engine: CopyEngine) -> None:
+        release_load_buffers(engine, self.single, self.buckets)

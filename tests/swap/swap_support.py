@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -178,3 +179,12 @@ def address_reused(ptr: int, shape: tuple[int, ...], tries: int = 16) -> bool:
         if t.untyped_storage().data_ptr() == ptr:
             return True
     return False
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout_s} s")
+        time.sleep(0.0005)

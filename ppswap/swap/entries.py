@@ -1,0 +1,215 @@
+"""The entry table of a swap group: capture, deduplication, selection, pinning, seal.
+
+:class:`EntryTable` is the collection half of a :class:`~ppswap.swap.group.SwapGroup`:
+it turns saved tensors into :class:`SwapTensor` entries (one per exact view), records
+which are *selected* for swap and which are *pinned* (never move), and at :meth:`seal`
+settles what may move. The copy lifecycle lives in ``group.py``.
+
+Phases of a group; calls out of order raise :class:`SwapStateError`::
+
+    COLLECTING --seal--> SEALED --prepare_offload--> OFFLOAD_PREPARED --finish_offload-->
+    OFFLOADED --prepare_load--> LOAD_PREPARED --finish_load--> LOADED --release--> RELEASED
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+from mindspore import Tensor
+
+from ppswap.swap.accounting import SwapAccounting
+from ppswap.swap.errors import SwapStateError
+from ppswap.swap.tensor import (
+    EntryOwner,
+    StorageInfo,
+    SwapState,
+    SwapTensor,
+    ViewKey,
+    content_digest,
+)
+from ppswap.swap.validation import check_bool, check_int
+
+__all__ = ["EntryTable", "GroupPhase"]
+
+
+class GroupPhase(enum.Enum):
+    COLLECTING = "collecting"
+    SEALED = "sealed"
+    OFFLOAD_PREPARED = "offload_prepared"
+    OFFLOADED = "offloaded"
+    LOAD_PREPARED = "load_prepared"
+    LOADED = "loaded"
+    RELEASED = "released"
+
+
+class EntryTable:
+    """The entries of one chunk's group, keyed by exact view (see the module docstring).
+
+    ``owner`` answers backward's unpack for the entries (the group itself).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        stage: int,
+        micro: int,
+        *,
+        group_swap: bool,
+        accounting: SwapAccounting | None,
+        owner: EntryOwner,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        self.name = name
+        self.stage = check_int("stage", stage, 0)
+        self.micro = check_int("micro", micro, 0)
+        self.group_swap = check_bool("group_swap", group_swap)
+        self.accounting = accounting if accounting is not None else SwapAccounting()
+        self._owner = owner
+        self._lock = threading.RLock()
+        self._phase = GroupPhase.COLLECTING
+        self._entries: list[SwapTensor] = []
+        self._by_key: dict[ViewKey, SwapTensor] = {}
+        self._by_storage: dict[int, list[SwapTensor]] = {}
+        self._pinned_storages: set[int] = set()
+        self._tags: set[str] = set()
+
+    @property
+    def chunk(self) -> tuple[int, int]:
+        return (self.stage, self.micro)
+
+    @property
+    def phase(self) -> GroupPhase:
+        with self._lock:
+            return self._phase
+
+    def entries(self) -> tuple[SwapTensor, ...]:
+        with self._lock:
+            return tuple(self._entries)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def find(self, tensor: Tensor) -> SwapTensor | None:
+        """The entry registered for exactly this view, if any."""
+        with self._lock:
+            return self._by_key.get(ViewKey.of(tensor))
+
+    # -- collection ---------------------------------------------------------------------
+
+    def register(
+        self,
+        tensor: Tensor,
+        *,
+        tag: str | None = None,
+        group_swap: bool | None = None,
+        selected: bool = True,
+        storage: StorageInfo | None = None,
+    ) -> SwapTensor:
+        """Capture ``tensor`` (a saved tensor) and return its handle (deduplicated).
+
+        ``selected=False`` records a saved tensor nobody asked to swap (yet): the graph
+        still gets a handle, so a later ``select_storage`` (a ``swap_tensor_wrapper``
+        call after the producer saved it) can still choose it; still unselected at
+        :meth:`seal`, it is pinned. Registering an existing view again can only select it.
+        ``storage`` is the tensor's :class:`StorageInfo` when the caller already has it.
+        """
+        info = storage if storage is not None else StorageInfo.of(tensor)
+        key = ViewKey.of(tensor, info)
+        with self._lock:
+            if self._phase is not GroupPhase.COLLECTING:
+                raise SwapStateError(
+                    group=self.name,
+                    tag=tag or "<new tensor>",
+                    from_state=self._phase.value,
+                    to_state=GroupPhase.COLLECTING.value,
+                    detail="a group only captures during its chunk's forward",
+                )
+            existing = self._by_key.get(key)
+            if existing is not None:
+                if selected and not existing.selected:
+                    existing.selected = True
+                    existing.bulk = self.group_swap if group_swap is None else group_swap
+                return existing
+            entry = SwapTensor.capture(
+                tensor,
+                owner=self._owner,
+                group=self.name,
+                tag=self._unique_tag(tag or f"t{len(self._entries)}"),
+                key=key,
+                bulk=self.group_swap if group_swap is None else group_swap,
+                chunk=self.chunk,
+                storage_info=info,
+            )
+            entry.selected = selected
+            entry.storage.device_block = ("storage", info.ptr)
+            entry.pinned = info.ptr in self._pinned_storages
+            self.accounting.hold(("storage", info.ptr), info.nbytes, entry, self.chunk)
+            self._entries.append(entry)
+            self._by_key[key] = entry
+            self._by_storage.setdefault(info.ptr, []).append(entry)
+            return entry
+
+    def select_storage(self, storage_ptr: int, *, group_swap: bool) -> int:
+        """Select every entry already captured on that storage; return how many."""
+        with self._lock:
+            chosen = 0
+            for entry in self._by_storage.get(storage_ptr, ()):
+                if not entry.selected:
+                    entry.selected, entry.bulk = True, group_swap
+                    chosen += 1
+            return chosen
+
+    def _unique_tag(self, tag: str) -> str:
+        unique, n = tag, 1
+        while unique in self._tags:
+            unique = f"{tag}#{n}"
+            n += 1
+        self._tags.add(unique)
+        return unique
+
+    def pin_storage(self, storage_ptr: int) -> int:
+        """Pin every still-resident entry on that storage (now and later); return count."""
+        with self._lock:
+            self._pinned_storages.add(storage_ptr)
+            pinned = 0
+            for entry in self._by_storage.get(storage_ptr, ()):
+                if not entry.pinned and entry.state is SwapState.DEVICE:
+                    entry.pinned = True
+                    pinned += 1
+            return pinned
+
+    def seal(self) -> None:
+        """End of the chunk's forward: no more captures; settle what may move.
+
+        Unselected entries are pinned; then every entry on a storage that has a pinned
+        entry is pinned too (a storage only leaves the device when the group owns every
+        saved view of it, otherwise the copy would free nothing). Movable entries get
+        their content digest (the reference for every later check).
+        """
+        with self._lock:
+            self._expect(GroupPhase.COLLECTING, GroupPhase.SEALED)
+            for entry in self._entries:
+                if not entry.selected:
+                    entry.pinned = True
+            for entries in self._by_storage.values():
+                if any(e.pinned for e in entries):
+                    for entry in entries:
+                        entry.pinned = True
+            for entry in self._entries:
+                device = entry.storage.device
+                if not entry.pinned and device is not None:
+                    entry.storage.digest = content_digest(device.asnumpy())
+            self._phase = GroupPhase.SEALED
+
+    def _expect(self, phase: GroupPhase, target: GroupPhase) -> None:
+        if self._phase is not phase:
+            raise SwapStateError(
+                group=self.name,
+                tag="<group>",
+                from_state=self._phase.value,
+                to_state=target.value,
+                detail=f"expected phase {phase.value}",
+            )

@@ -1,0 +1,149 @@
+"""EmulatedDevice: real copies, the bandwidth floor, the host buffer pool."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mindspore as ms
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mindspore import ops
+
+from ppswap.swap import CopyEngine, EmulatedDevice
+from ppswap.swap.device import size_class
+
+
+def test_is_a_copy_engine():
+    assert isinstance(EmulatedDevice(), CopyEngine)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.bool_, "bfloat16"])
+def test_round_trip_copies_exactly(dtype):
+    if dtype == "bfloat16":  # the numpy extension dtype MindSpore's asnumpy() returns
+        dtype = ops.ones((1,), ms.bfloat16).asnumpy().dtype
+    dtype = np.dtype(dtype)
+    src = (np.arange(3 * 5 * 7) % 11).astype(dtype).reshape(3, 5, 7)
+    engine = EmulatedDevice()
+    host = engine.d2h(src)
+    assert host.shape == src.shape and host.dtype == src.dtype
+    assert not np.shares_memory(host, src)
+    back = engine.h2d(host)
+    assert not np.shares_memory(back, host)
+    assert back.tobytes() == src.tobytes()
+    engine.release_host(host)
+    counters = engine.counters()
+    assert counters.d2h_bytes == counters.h2d_bytes == src.nbytes
+    assert counters.d2h_calls == counters.h2d_calls == 1
+
+
+def test_d2h_into_a_bucket_slice():
+    engine = EmulatedDevice()
+    raw = engine.acquire_host(256)
+    src = np.arange(16, dtype=np.float32)
+    engine.d2h_into(src, raw[64:128])
+    assert raw[64:128].view(np.float32).tolist() == src.tolist()
+    with pytest.raises(ValueError, match="dst has 32 bytes"):
+        engine.d2h_into(src, raw[:32])
+    engine.release_host(raw)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_bandwidth_sets_a_floor_on_copy_time(direction):
+    nbytes = 200_000
+    engine = EmulatedDevice(**{f"{direction}_gbps": 0.002})  # 2 MB/s -> 100 ms
+    src = np.ones(nbytes, dtype=np.uint8)
+    started = time.perf_counter()
+    out = engine.d2h(src) if direction == "d2h" else engine.h2d(src)
+    elapsed = time.perf_counter() - started
+    assert elapsed >= nbytes / 2e6 * 0.95
+    assert out.tobytes() == src.tobytes()
+
+
+def test_unthrottled_copy_is_fast():
+    engine = EmulatedDevice()
+    src = np.ones(1 << 20, dtype=np.uint8)
+    started = time.perf_counter()
+    engine.release_host(engine.d2h(src))
+    assert time.perf_counter() - started < 0.5
+
+
+def test_pool_reuses_buffers_across_runs():
+    engine = EmulatedDevice()
+    src = np.ones((256, 64), dtype=np.float32)
+    for run in range(3):
+        host = engine.d2h(src)
+        engine.release_host(host)
+        stats = engine.pool_stats()
+        assert stats.misses == 1 and stats.hits == run
+        assert stats.buffers == 1 and stats.lent == 0
+        assert stats.bytes_held == size_class(src.nbytes)
+    engine.clear_pool()
+    assert engine.pool_stats().buffers == 0 and engine.pool_stats().bytes_held == 0
+
+
+def test_lent_buffers_are_tracked_and_released_once():
+    engine = EmulatedDevice()
+    host = engine.d2h(np.zeros(10, np.float32))
+    assert engine.pool_stats().lent == 1 and engine.pool_stats().bytes_lent >= 40
+    engine.release_host(host[2:5])  # any view of the buffer finds its root
+    with pytest.raises(ValueError, match="not a buffer lent by this engine"):
+        engine.release_host(host)
+    with pytest.raises(ValueError, match="not a buffer lent"):
+        engine.release_host(np.zeros(4))
+
+
+def test_pool_cap_frees_instead_of_keeping():
+    engine = EmulatedDevice(max_pool_bytes=4096)
+    a, b = engine.acquire_host(100), engine.acquire_host(100)
+    engine.release_host(a)
+    engine.release_host(b)
+    assert engine.pool_stats().buffers == 1
+
+
+def test_pool_is_thread_safe():
+    engine = EmulatedDevice()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            for i in range(200):
+                buf = engine.d2h(np.full(64 + i % 7, i, dtype=np.int32))
+                assert int(buf[0]) == i
+                engine.release_host(buf)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert errors == [] and engine.pool_stats().lent == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=1 << 34))
+def test_size_classes_bound_the_waste(nbytes):
+    cls = size_class(nbytes)
+    assert cls >= nbytes and cls >= 4096
+    assert cls - nbytes <= max(4096, nbytes / 8)  # waste: at most 1/8 or one 4 KiB page
+    assert size_class(cls) == cls
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"d2h_gbps": 0}, ValueError, "d2h_gbps"),
+        ({"h2d_gbps": -1.0}, ValueError, "h2d_gbps"),
+        ({"h2d_gbps": float("nan")}, ValueError, "h2d_gbps"),
+        ({"d2h_gbps": "fast"}, TypeError, "d2h_gbps"),
+        ({"d2h_gbps": True}, TypeError, "d2h_gbps"),
+        ({"max_pool_bytes": -1}, ValueError, "max_pool_bytes"),
+    ],
+)
+def test_bad_engine_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        EmulatedDevice(**kwargs)
