@@ -1,0 +1,520 @@
+"""``MPITransport``: the P2P ``Transport`` (and FSDP's collectives) over mpi4py.
+
+One process per rank, launched with ``mpiexec -n N`` (see ``docs/mpi.md``). Every call is
+non-blocking for the event loop: it posts ``Isend`` / ``Irecv`` and polls ``Test()`` from
+the event loop, sleeping between polls with an adaptive back-off (see *Polling*). No
+thread is started.
+
+Wire format. A message is two MPI messages on distinct tags: a fixed-size header (40
+int64: magic, identity digest, byte count, ndim, ``dtype.str``, shape) on tag ``2t``,
+then the raw bytes of the C-contiguous payload on tag ``2t + 1`` (skipped when empty).
+The receiver posts the header receive first, then allocates the result array and posts
+the body receive, so a payload of any shape and any dtype whose ``dtype.str`` names it
+(numeric, bool, complex, datetime, fixed-width strings) arrives bit-exact without a
+pickle or an extra copy. Object and structured dtypes raise ``TypeError``.
+
+Tags. P2P messages travel on their own duplicate of ``comm``; their tag base is
+``MessageKey.tag(num_stages, micro_count)``, so ``(src, dst, tag)`` is unique within a run
+by construction. ``configure(num_stages, micro_count)`` sets the layout (every rank must
+call it with the same values before a run's first message); until then the layout is
+``micro_count = 65536`` and as many stages as ``MPI.TAG_UB`` allows. The header carries a
+digest of ``(epoch, src, dst, key)``: each ``configure`` starts a new epoch, so a stale
+message left over from an earlier, failed run (or a rank with another layout) is an error,
+never a silently wrong tensor.
+
+Collectives (``all_gather``, ``reduce_scatter_sum``) are point-to-point exchanges between
+the members of ``group`` on a second duplicate of ``comm``, not sub-communicators:
+creating a communicator is a blocking collective whose order every member must agree on,
+while tagged point-to-point messages can be polled like everything else and need no
+set-up. The tag is a hash of ``(op, sorted group, key, n, epoch)`` where ``n`` counts this
+rank's earlier calls with the same ``(op, group, key)``: a key may be reused and even be
+in flight twice at once, as long as every member makes the same calls (SPMD). A hash
+collision or members that disagree on the group order fail the header digest check with
+a ``RuntimeError``; they cannot corrupt data.
+
+Polling. A wait first yields to the loop (``sleep(0)``) for ``spin_s`` plus the time the
+payload would take at 1 GB/s, then sleeps doubling intervals up to ``poll_interval_s``.
+Spinning keeps a message that is already in flight off asyncio's 1 ms timer granularity;
+the cap keeps a rank that waits for its peer's compute from burning its core.
+
+Sends complete when MPI says the buffer may be reused; for large payloads that is when
+the receiver has posted the matching receive (rendezvous), so a runtime must not make a
+rank's next receive wait for its own earlier send to complete.
+
+Failure. ``close()`` cancels every outstanding request (``Cancel`` + bounded ``Test``) so a
+failed run does not hang the process at exit; ``abort(errorcode)`` ends every rank of the
+job at once (``MPI.COMM_WORLD.Abort``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+from mpi4py import MPI
+
+from ppswap.actors.messages import MessageKey
+from ppswap.actors.p2p import TransportStats
+
+__all__ = ["MPITransport"]
+
+Array = npt.NDArray[Any]
+
+_MAGIC = 0x7070_7377_6170_0001  # "ppswap", wire format 1
+_MAX_NDIM = 32
+# magic, epoch, identity, nbytes, ndim, dtype.str, shape (padded with zeros)
+_HEADER = struct.Struct(f"<Qqqqq32s{_MAX_NDIM}q")
+_DEFAULT_MICRO_COUNT = 1 << 16
+_SPIN_BYTES_PER_S = 1e9
+_FIRST_SLEEP_S = 20e-6
+_CLOSE_DEADLINE_S = 1.0
+_POOL_MIN_BYTES = 256 * 1024
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """Requests of one message and the buffers MPI reads or writes until they complete."""
+
+    requests: list[MPI.Request]
+    buffers: tuple[object, ...]
+    is_send: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    nbytes: int
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Counters:
+    sent: int = 0
+    received: int = 0
+    bytes_sent: int = 0
+    collective_calls: dict[tuple[str, tuple[int, ...], str], int] = field(default_factory=dict)
+
+
+class _RecvBufferPool:
+    """Receive buffers of at least 256 KiB, recycled once no array views them any more.
+
+    A fresh large ``np.empty`` is paid for in page faults on first touch (for 64 MiB about
+    as long as the transfer itself); PP runs receive the same sizes again and again. Each
+    buffer handed out is a numpy view of a ctypes lease over a pooled block; every array
+    derived from it keeps the lease alive, and the lease's finalizer returns the block
+    (possibly on another thread, hence the lock). At most ``capacity_bytes`` are kept idle.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[Array]] = {}
+        self._idle_bytes = 0
+
+    def take(self, nbytes: int) -> Array:
+        """A writable uint8 array of ``nbytes`` (contents undefined)."""
+        if nbytes < _POOL_MIN_BYTES or self._capacity_bytes == 0:
+            return np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            blocks = self._idle.get(nbytes)
+            block = blocks.pop() if blocks else None
+            if block is not None:
+                self._idle_bytes -= nbytes
+        if block is None:
+            block = np.empty(nbytes, dtype=np.uint8)
+        lease = (ctypes.c_ubyte * nbytes).from_buffer(block.data)
+        weakref.finalize(lease, self._give_back, block).atexit = False
+        return np.frombuffer(memoryview(lease), dtype=np.uint8)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
+
+    def _give_back(self, block: Array) -> None:
+        with self._lock:
+            if self._idle_bytes + block.nbytes <= self._capacity_bytes:
+                self._idle.setdefault(block.nbytes, []).append(block)
+                self._idle_bytes += block.nbytes
+
+
+def _digest(*parts: object) -> int:
+    """A stable signed 64-bit hash of ``parts`` (the same on every rank and process)."""
+    raw = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
+
+
+def _p2p_identity(key: MessageKey) -> int:
+    """``key`` packed into one int (exact, no hash): stage, micro, direction."""
+    return (key.stage << 32) | (key.micro << 1) | (key.direction == "B")
+
+
+def _wire_array(payload: object, name: str) -> Array:
+    """``payload`` as a C-contiguous array whose dtype survives the header, or raise."""
+    if not isinstance(payload, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(payload).__name__}")
+    dtype = payload.dtype
+    if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
+        raise TypeError(
+            f"{name} has dtype {dtype!r}; allowed: dtypes named by dtype.str "
+            "(numeric, bool, complex, datetime, fixed-width strings), not object/structured"
+        )
+    if payload.ndim > _MAX_NDIM:
+        raise ValueError(f"{name} has ndim {payload.ndim}; at most {_MAX_NDIM} allowed")
+    # np.ascontiguousarray would turn a 0-d array into a 1-d one
+    return payload if payload.flags.c_contiguous else payload.copy(order="C")
+
+
+def _encode_header(epoch: int, identity: int, body: Array) -> bytes:
+    dtype_str = body.dtype.str.encode("ascii")
+    if len(dtype_str) > 32:
+        raise TypeError(f"payload dtype {body.dtype.str!r} is too long to encode")
+    shape = body.shape + (0,) * (_MAX_NDIM - body.ndim)
+    return _HEADER.pack(_MAGIC, epoch, identity, body.nbytes, body.ndim, dtype_str, *shape)
+
+
+def _decode_header(header: bytearray, epoch: int, identity: int, what: str) -> _Header:
+    magic, got_epoch, got_identity, nbytes, ndim, dtype_str, *dims = _HEADER.unpack(header)
+    if magic != _MAGIC:
+        raise RuntimeError(f"{what}: not a ppswap message header (magic {magic:#x})")
+    if (got_epoch, got_identity) != (epoch, identity):
+        raise RuntimeError(
+            f"{what}: the header belongs to another message (epoch {got_epoch}, identity "
+            f"{got_identity:#x}; expected epoch {epoch}, identity {identity:#x}): a stale "
+            "message from an earlier run, ranks configured with different layouts, group "
+            "members that disagree on the group, or a collective tag collision"
+        )
+    dtype = np.dtype(dtype_str.rstrip(b"\0").decode("ascii"))
+    shape = tuple(dims[:ndim])
+    if nbytes != math.prod(shape) * dtype.itemsize:
+        raise RuntimeError(f"{what}: corrupt header ({nbytes} bytes for {shape} of {dtype})")
+    return _Header(nbytes, dtype, shape)
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high)``, else TypeError/ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if not low <= value < high:
+        raise ValueError(f"{name}={value} out of range; allowed: {low} <= {name} < {high}")
+    return value
+
+
+class MPITransport:
+    """The ``Transport`` of one MPI rank (this process), plus FSDP collectives.
+
+    ``comm`` (default ``MPI.COMM_WORLD``) is duplicated twice at construction, which is a
+    collective call: every rank of ``comm`` constructs its transport, in the same order
+    relative to its other communicator creations. Ranks are ranks of ``comm``.
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Comm | None = None,
+        *,
+        poll_interval_s: float = 1e-3,
+        spin_s: float = 1e-3,
+        recv_pool_bytes: int = 256 << 20,
+    ) -> None:
+        if comm is not None and not isinstance(comm, MPI.Comm):
+            raise TypeError(f"comm must be an mpi4py.MPI.Comm or None, got {comm!r}")
+        for name, value in (("poll_interval_s", poll_interval_s), ("spin_s", spin_s)):
+            if not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ValueError(f"{name}={value!r}; allowed: a finite number >= 0")
+        _check_int("recv_pool_bytes", recv_pool_bytes, 0, 1 << 62)
+        base = MPI.COMM_WORLD if comm is None else comm
+        self._p2p_comm = base.Dup()
+        self._coll_comm = base.Dup()
+        self._rank = base.Get_rank()
+        self._world_size = base.Get_size()
+        self._poll_interval_s = float(poll_interval_s)
+        self._spin_s = float(spin_s)
+        tag_ub = self._p2p_comm.Get_attr(MPI.TAG_UB)
+        self._tag_ub = int(tag_ub) if tag_ub is not None else 32767
+        self._num_stages = max(1, (self._tag_ub + 1) // (4 * _DEFAULT_MICRO_COUNT))
+        self._micro_count = _DEFAULT_MICRO_COUNT
+        self._epoch = 0
+        self._inflight: dict[int, _InFlight] = {}
+        self._counters = _Counters()
+        self._closed = False
+        self._recv_pool = _RecvBufferPool(recv_pool_bytes)
+
+    # -- properties and set-up --------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in ``comm``."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in ``comm``."""
+        return self._world_size
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def configure(self, num_stages: int, micro_count: int) -> None:
+        """Set the P2P tag layout for a run and start a new epoch (see the module doc).
+
+        Every rank calls it with the same values before the run's first message. Raises
+        ValueError when ``4 * num_stages * micro_count`` tags exceed ``MPI.TAG_UB``.
+        """
+        _check_int("num_stages", num_stages, 1, self._tag_ub + 1)
+        _check_int("micro_count", micro_count, 1, self._tag_ub + 1)
+        if 4 * num_stages * micro_count - 1 > self._tag_ub:
+            raise ValueError(
+                f"num_stages={num_stages} and micro_count={micro_count} need "
+                f"{4 * num_stages * micro_count} MPI tags; this MPI allows {self._tag_ub + 1}"
+            )
+        self._num_stages = num_stages
+        self._micro_count = micro_count
+        self._epoch += 1
+        self._counters.collective_calls.clear()
+
+    # -- point to point (the Transport protocol) --------------------------------------------
+
+    async def send(self, src: int, dst: int, key: MessageKey, payload: Array) -> None:
+        """Send ``payload`` to rank ``dst``; returns once MPI may reuse the buffer."""
+        self._check_open()
+        self._check_local("src", src)
+        _check_int("dst", dst, 0, self._world_size)
+        body = _wire_array(payload, "payload")
+        tag = self._p2p_tag(key)
+        await self._send_message(self._p2p_comm, dst, tag, _p2p_identity(key), body)
+        self._counters.sent += 1
+        self._counters.bytes_sent += body.nbytes
+
+    async def recv(self, dst: int, src: int, key: MessageKey) -> Array:
+        """Wait for message ``key`` from rank ``src`` and return a new array holding it."""
+        self._check_open()
+        self._check_local("dst", dst)
+        _check_int("src", src, 0, self._world_size)
+        tag = self._p2p_tag(key)
+        what = f"recv {key} from rank {src}"
+        payload = await self._recv_message(self._p2p_comm, src, tag, _p2p_identity(key), what)
+        self._counters.received += 1
+        return payload
+
+    def stats(self) -> TransportStats:
+        """P2P counts of this rank; ``undelivered`` = its sends not yet completed."""
+        pending_sends = sum(1 for record in self._inflight.values() if record.is_send)
+        counters = self._counters
+        return TransportStats(counters.sent, counters.received, counters.bytes_sent, pending_sends)
+
+    # -- collectives --------------------------------------------------------------------------
+
+    async def all_gather(self, group: tuple[int, ...], key: str, array: Array) -> list[Array]:
+        """Every member's ``array``, in ``group`` order (this rank's entry is ``array``).
+
+        ``group`` is a tuple of distinct ranks containing this rank; every member passes the
+        same tuple and ``key``. Arrays may differ in shape and dtype between members.
+        """
+        self._check_open()
+        index = self._check_group(group)
+        body = _wire_array(array, "array")
+        tag, identity = self._collective_tag("all_gather", group, key)
+        peers = [(i, peer) for i, peer in enumerate(group) if i != index]
+        gathered: list[Array] = [body] * len(group)
+        async with anyio.create_task_group() as tg:
+            for _, peer in peers:
+                tg.start_soon(self._send_message, self._coll_comm, peer, tag, identity, body)
+            for i, peer in peers:
+                tg.start_soon(self._gather_into, gathered, i, peer, tag, identity, key)
+        gathered[index] = array
+        return gathered
+
+    async def reduce_scatter_sum(
+        self, group: tuple[int, ...], key: str, arrays: list[Array]
+    ) -> Array:
+        """The sum over members of their ``arrays[i]``, where ``i`` is this rank's index.
+
+        ``arrays`` has one array per member (``arrays[j]`` goes to ``group[j]``). The sum is
+        a left fold in ``group`` order (``a_0 + a_1 + ...``), so it is bit-identical on
+        every run; contributions must match this rank's ``arrays[i]`` in shape and dtype.
+        """
+        self._check_open()
+        index = self._check_group(group)
+        if not isinstance(arrays, Sequence):
+            raise TypeError(f"arrays must be a list of arrays, got {type(arrays).__name__}")
+        if len(arrays) != len(group):
+            raise ValueError(
+                f"arrays has {len(arrays)} entries; allowed: {len(group)}, one per member "
+                f"of group {group}"
+            )
+        bodies = [_wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
+        tag, identity = self._collective_tag("reduce_scatter_sum", group, key)
+        contributions: list[Array] = list(bodies)
+        async with anyio.create_task_group() as tg:
+            for j, peer in enumerate(group):
+                if j != index:
+                    tg.start_soon(
+                        self._send_message, self._coll_comm, peer, tag, identity, bodies[j]
+                    )
+                    tg.start_soon(self._gather_into, contributions, j, peer, tag, identity, key)
+        mine = bodies[index]
+        for j, contribution in enumerate(contributions):
+            if contribution.shape != mine.shape or contribution.dtype != mine.dtype:
+                raise ValueError(
+                    f"reduce_scatter_sum {key!r}: rank {group[j]} sent {contribution.shape} "
+                    f"{contribution.dtype}, rank {self._rank} expects {mine.shape} {mine.dtype}"
+                )
+        total = contributions[0].copy()
+        for contribution in contributions[1:]:
+            total += contribution
+        return total
+
+    # -- failure and shutdown -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancel every outstanding request, then free the communicators. Idempotent.
+
+        Waits at most about a second for cancelled requests to complete; any left are
+        freed (MPI finishes them in the background) so the process can exit.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        records = list(self._inflight.values())
+        self._inflight.clear()
+        requests = [r for record in records for r in record.requests if r != MPI.REQUEST_NULL]
+        for request in requests:
+            request.Cancel()
+        deadline = time.monotonic() + _CLOSE_DEADLINE_S
+        while not MPI.Request.Testall(requests) and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        for request in requests:
+            if request != MPI.REQUEST_NULL:
+                request.Free()
+        self._p2p_comm.Free()
+        self._coll_comm.Free()
+        self._recv_pool.clear()
+
+    def abort(self, errorcode: int = 1) -> NoReturn:
+        """End every process of the MPI job now with ``errorcode`` (``COMM_WORLD.Abort``)."""
+        _check_int("errorcode", errorcode, 0, 256)
+        MPI.COMM_WORLD.Abort(errorcode)
+
+    def __enter__(self) -> MPITransport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("MPITransport is closed")
+
+    def _check_local(self, name: str, value: object) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value != self._rank:
+            raise ValueError(f"{name}={value!r}; allowed: this process's rank {self._rank}")
+
+    def _p2p_tag(self, key: MessageKey) -> int:
+        if not isinstance(key, MessageKey):
+            raise TypeError(f"key must be a MessageKey, got {key!r}")
+        if key.direction not in ("F", "B"):
+            raise ValueError(f"key.direction={key.direction!r}; allowed: 'F' or 'B'")
+        _check_int("key.stage", key.stage, 0, self._num_stages)
+        _check_int("key.micro", key.micro, 0, self._micro_count)
+        return 2 * key.tag(self._num_stages, self._micro_count)
+
+    def _check_group(self, group: tuple[int, ...]) -> int:
+        if not isinstance(group, tuple) or not group:
+            raise TypeError(f"group must be a non-empty tuple of ranks, got {group!r}")
+        for member in group:
+            _check_int("group member", member, 0, self._world_size)
+        if len(set(group)) != len(group) or self._rank not in group:
+            raise ValueError(
+                f"group={group} must hold distinct ranks including this rank {self._rank}"
+            )
+        return group.index(self._rank)
+
+    def _collective_tag(self, op: str, group: tuple[int, ...], key: str) -> tuple[int, int]:
+        """``(tag, identity)`` of this rank's next ``op`` call on ``(group, key)``."""
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {key!r}")
+        members = tuple(sorted(group))
+        calls = self._counters.collective_calls
+        call = calls.get((op, members, key), 0)
+        calls[(op, members, key)] = call + 1
+        tag_hash = _digest(op, members, key, call, self._epoch) % ((self._tag_ub + 1) // 2)
+        return 2 * tag_hash, _digest(op, group, key, call)
+
+    async def _gather_into(
+        self, out: list[Array], index: int, peer: int, tag: int, identity: int, key: str
+    ) -> None:
+        what = f"collective {key!r} from rank {peer}"
+        out[index] = await self._recv_message(self._coll_comm, peer, tag, identity, what)
+
+    async def _send_message(
+        self, comm: MPI.Comm, dst: int, tag: int, identity: int, body: Array
+    ) -> None:
+        header = _encode_header(self._epoch, identity, body)
+        requests = [comm.Isend([header, MPI.BYTE], dst, tag)]
+        if body.nbytes:
+            requests.append(comm.Isend([body.reshape(-1).view(np.uint8), MPI.BYTE], dst, tag + 1))
+        await self._complete(_InFlight(requests, (header, body), is_send=True), body.nbytes)
+
+    async def _recv_message(
+        self, comm: MPI.Comm, src: int, tag: int, identity: int, what: str
+    ) -> Array:
+        header = bytearray(_HEADER.size)
+        request = comm.Irecv([header, MPI.BYTE], src, tag)
+        await self._complete(_InFlight([request], (header,), is_send=False), 0)
+        meta = _decode_header(header, self._epoch, identity, what)
+        if meta.nbytes == 0:
+            return np.empty(meta.shape, dtype=meta.dtype)
+        raw = self._recv_pool.take(meta.nbytes)
+        request = comm.Irecv([raw, MPI.BYTE], src, tag + 1)
+        await self._complete(_InFlight([request], (raw,), is_send=False), meta.nbytes)
+        return raw.view(meta.dtype).reshape(meta.shape)
+
+    def _test(self, record: _InFlight) -> bool:
+        """Whether ``record`` completed; raises if ``close()`` ran while it was pending."""
+        if self._closed:
+            raise RuntimeError("MPITransport was closed while a message was in flight")
+        return bool(MPI.Request.Testall(record.requests))
+
+    async def _complete(self, record: _InFlight, nbytes: int) -> None:
+        """Poll ``record`` to completion without blocking the loop (see *Polling*).
+
+        If the wait is cancelled or fails, its requests are cancelled; those MPI cannot
+        finish at once stay tracked (with their buffers) until ``close()``.
+        """
+        if MPI.Request.Testall(record.requests):
+            return
+        self._inflight[id(record)] = record
+        done = False
+        try:
+            spin_until = time.perf_counter() + self._spin_s + nbytes / _SPIN_BYTES_PER_S
+            delay = _FIRST_SLEEP_S
+            while not self._test(record):
+                if time.perf_counter() < spin_until:
+                    await anyio.sleep(0)
+                else:
+                    await anyio.sleep(min(delay, self._poll_interval_s))
+                    delay *= 2
+            done = True
+        finally:
+            if done:
+                del self._inflight[id(record)]
+            elif not self._closed:
+                for request in record.requests:
+                    if request != MPI.REQUEST_NULL:
+                        request.Cancel()
+                if MPI.Request.Testall(record.requests):
+                    del self._inflight[id(record)]

@@ -1,0 +1,104 @@
+"""MPITransport across processes: ``mpiexec -n 2`` and ``-n 4`` on loopback.
+
+Each test launches a script from ``tests/mpi/scripts`` with the venv's ``mpiexec`` in its
+own process group, with a deadline; on timeout the whole group is killed, so a hang fails
+the test instead of leaving stray ranks behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mpi4py")
+
+pytestmark = pytest.mark.mpi
+
+SCRIPTS = Path(__file__).parent / "scripts"
+REPO = Path(__file__).resolve().parents[2]
+ABORT_DEADLINE_S = 10.0
+
+
+def find_mpiexec() -> str | None:
+    beside_python = Path(sys.executable).with_name("mpiexec")
+    return str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+
+
+MPIEXEC = find_mpiexec()
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+
+
+@dataclass(frozen=True)
+class Launch:
+    returncode: int
+    output: str
+    elapsed_s: float
+
+
+def launch(ranks: int, *argv: str, timeout_s: float) -> Launch:
+    """Run ``mpiexec -n ranks python argv...``; kill its process group at the deadline."""
+    assert MPIEXEC is not None
+    command = [MPIEXEC, "-n", str(ranks), sys.executable, *argv]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"mpiexec -n {ranks} {argv} hung for {timeout_s}s:\n{output}")
+    return Launch(process.returncode, output, time.monotonic() - start)
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_exchange_is_bit_exact_across_processes(ranks: int) -> None:
+    result = launch(ranks, str(SCRIPTS / "exchange.py"), timeout_s=90)
+    assert result.returncode == 0, result.output
+    for rank in range(ranks):
+        assert f"rank {rank} OK: {2 * 11 * (ranks - 1)} messages bit-exact" in result.output
+
+
+@needs_mpiexec
+def test_one_failing_rank_ends_every_process() -> None:
+    ranks = 4
+    result = launch(ranks, str(SCRIPTS / "fail_one_rank.py"), timeout_s=90)
+    ended_at = time.time()
+    failed = ranks - 1
+    assert result.returncode != 0, result.output
+    assert f"rank {failed} failed: InjectedFailure" in result.output
+    assert "MPI_Abort" in result.output
+    # every other rank was still waiting for a message: only the abort ended them
+    for rank in range(failed):
+        assert f"rank {rank} failed" not in result.output
+    failing = re.search(r"failing at ([0-9.]+)", result.output)
+    assert failing is not None, result.output
+    assert ended_at - float(failing.group(1)) < ABORT_DEADLINE_S, result.output
+
+
+@needs_mpiexec
+def test_uncaught_exception_under_python_m_mpi4py_aborts_the_job() -> None:
+    """The documented safety net for scripts that do not call ``abort`` themselves."""
+    result = launch(
+        2, "-m", "mpi4py", str(SCRIPTS / "fail_one_rank.py"), "--no-abort", timeout_s=90
+    )
+    assert result.returncode != 0, result.output
+    assert "InjectedFailure: injected failure on rank 1" in result.output
