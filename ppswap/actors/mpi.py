@@ -316,36 +316,35 @@ class MPITransport:
 
     # -- collectives --------------------------------------------------------------------------
 
-    async def all_gather(self, group: tuple[int, ...], key: str, array: Array) -> list[Array]:
+    async def all_gather(
+        self, rank: int, group: tuple[int, ...], key: str, array: Array
+    ) -> list[Array]:
         """Every member's ``array``, in ``group`` order (this rank's entry is ``array``).
 
-        ``group`` is a tuple of distinct ranks containing this rank; every member passes the
-        same tuple and ``key``. Arrays may differ in shape and dtype between members.
+        ``rank`` is this process's rank (as ``send``'s ``src``); ``group`` is a tuple of
+        distinct ranks containing it, and every member passes the same tuple and ``key``.
+        Arrays may differ in shape and dtype between members.
         """
         self._check_open()
+        self._check_local("rank", rank)
         index = self._check_group(group)
         body = _wire_array(array, "array")
         tag, identity = self._collective_tag("all_gather", group, key)
-        peers = [(i, peer) for i, peer in enumerate(group) if i != index]
-        gathered: list[Array] = [body] * len(group)
-        async with anyio.create_task_group() as tg:
-            for _, peer in peers:
-                tg.start_soon(self._send_message, self._coll_comm, peer, tag, identity, body)
-            for i, peer in peers:
-                tg.start_soon(self._gather_into, gathered, i, peer, tag, identity, key)
-        gathered[index] = array
-        return gathered
+        outgoing = {j: body for j in range(len(group)) if j != index}
+        received = await self._exchange(group, tag, identity, key, outgoing)
+        return [array if j == index else received[j] for j in range(len(group))]
 
     async def reduce_scatter_sum(
-        self, group: tuple[int, ...], key: str, arrays: list[Array]
+        self, rank: int, group: tuple[int, ...], key: str, arrays: list[Array]
     ) -> Array:
-        """The sum over members of their ``arrays[i]``, where ``i`` is this rank's index.
+        """The sum over members of their ``arrays[i]``, where ``group[i]`` is this rank.
 
         ``arrays`` has one array per member (``arrays[j]`` goes to ``group[j]``). The sum is
         a left fold in ``group`` order (``a_0 + a_1 + ...``), so it is bit-identical on
         every run; contributions must match this rank's ``arrays[i]`` in shape and dtype.
         """
         self._check_open()
+        self._check_local("rank", rank)
         index = self._check_group(group)
         if not isinstance(arrays, Sequence):
             raise TypeError(f"arrays must be a list of arrays, got {type(arrays).__name__}")
@@ -356,15 +355,10 @@ class MPITransport:
             )
         bodies = [_wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
         tag, identity = self._collective_tag("reduce_scatter_sum", group, key)
-        contributions: list[Array] = list(bodies)
-        async with anyio.create_task_group() as tg:
-            for j, peer in enumerate(group):
-                if j != index:
-                    tg.start_soon(
-                        self._send_message, self._coll_comm, peer, tag, identity, bodies[j]
-                    )
-                    tg.start_soon(self._gather_into, contributions, j, peer, tag, identity, key)
+        outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
+        received = await self._exchange(group, tag, identity, key, outgoing)
         mine = bodies[index]
+        contributions = [mine if j == index else received[j] for j in range(len(group))]
         for j, contribution in enumerate(contributions):
             if contribution.shape != mine.shape or contribution.dtype != mine.dtype:
                 raise ValueError(
@@ -454,11 +448,33 @@ class MPITransport:
         tag_hash = _digest(op, members, key, call, self._epoch) % ((self._tag_ub + 1) // 2)
         return 2 * tag_hash, _digest(op, group, key, call)
 
-    async def _gather_into(
-        self, out: list[Array], index: int, peer: int, tag: int, identity: int, key: str
-    ) -> None:
-        what = f"collective {key!r} from rank {peer}"
-        out[index] = await self._recv_message(self._coll_comm, peer, tag, identity, what)
+    async def _exchange(
+        self,
+        group: tuple[int, ...],
+        tag: int,
+        identity: int,
+        key: str,
+        outgoing: dict[int, Array],
+    ) -> dict[int, Array]:
+        """Send ``outgoing[j]`` to and receive from ``group[j]`` for every ``j``, at once.
+
+        The first failure is raised as itself (not as an ExceptionGroup).
+        """
+        received: dict[int, Array] = {}
+
+        async def receive(j: int) -> None:
+            what = f"collective {key!r} from rank {group[j]}"
+            received[j] = await self._recv_message(self._coll_comm, group[j], tag, identity, what)
+
+        comm = self._coll_comm
+        try:
+            async with anyio.create_task_group() as tg:
+                for j, body in outgoing.items():
+                    tg.start_soon(self._send_message, comm, group[j], tag, identity, body)
+                    tg.start_soon(receive, j)
+        except ExceptionGroup as errors:
+            raise errors.exceptions[0] from None
+        return received
 
     async def _send_message(
         self, comm: MPI.Comm, dst: int, tag: int, identity: int, body: Array

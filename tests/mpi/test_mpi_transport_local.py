@@ -186,9 +186,9 @@ async def receive_nothing_send_large(mpi_transport: MPITransport) -> None:
 
 def test_single_member_collectives(transport: MPITransport) -> None:
     array = np.arange(6.0).reshape(2, 3)
-    gathered = run(transport.all_gather, (0,), "w", array)
+    gathered = run(transport.all_gather, 0, (0,), "w", array)
     assert len(gathered) == 1 and gathered[0] is array
-    summed = run(transport.reduce_scatter_sum, (0,), "g", [array])
+    summed = run(transport.reduce_scatter_sum, 0, (0,), "g", [array])
     assert summed.tolist() == array.tolist() and summed is not array
 
 
@@ -232,12 +232,13 @@ def test_recv_buffer_pool_recycles_only_unreferenced_blocks() -> None:
         (lambda t: t.recv(0, 0, MessageKey("F", 1, 8)), ValueError, "key.micro=8"),
         (lambda t: t.recv(1, 0, MessageKey("F", 1, 0)), ValueError, "dst=1"),
         (lambda t: t.recv(0, True, MessageKey("F", 1, 0)), TypeError, "src"),
-        (lambda t: t.all_gather([0], "k", np.ones(1)), TypeError, "group"),
-        (lambda t: t.all_gather((0, 0), "k", np.ones(1)), ValueError, "distinct"),
-        (lambda t: t.all_gather((3,), "k", np.ones(1)), ValueError, "group member=3"),
-        (lambda t: t.all_gather((0,), 7, np.ones(1)), TypeError, "key"),
-        (lambda t: t.reduce_scatter_sum((0,), "k", []), ValueError, "1, one per member"),
-        (lambda t: t.reduce_scatter_sum((0,), "k", np.ones(1)), TypeError, "list"),
+        (lambda t: t.all_gather(0, [0], "k", np.ones(1)), TypeError, "group"),
+        (lambda t: t.all_gather(2, (0,), "k", np.ones(1)), ValueError, "rank=2"),
+        (lambda t: t.all_gather(0, (0, 0), "k", np.ones(1)), ValueError, "distinct"),
+        (lambda t: t.all_gather(0, (3,), "k", np.ones(1)), ValueError, "group member=3"),
+        (lambda t: t.all_gather(0, (0,), 7, np.ones(1)), TypeError, "key"),
+        (lambda t: t.reduce_scatter_sum(0, (0,), "k", []), ValueError, "1, one per member"),
+        (lambda t: t.reduce_scatter_sum(0, (0,), "k", np.ones(1)), TypeError, "list"),
     ],
 )
 def test_bad_input_names_the_parameter(

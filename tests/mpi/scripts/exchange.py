@@ -103,7 +103,7 @@ def contribution(member: int, target: int, call: int) -> Array:
 async def collectives(transport: MPITransport, group: tuple[int, ...]) -> None:
     rank = transport.rank
     mine = np.full((rank + 1, 2), rank, dtype=np.int32)
-    gathered = await transport.all_gather(group, "gather", mine)
+    gathered = await transport.all_gather(rank, group, "gather", mine)
     for position, member in enumerate(group):
         want = np.full((member + 1, 2), member, dtype=np.int32)
         if not same_bits(gathered[position], want):
@@ -113,7 +113,7 @@ async def collectives(transport: MPITransport, group: tuple[int, ...]) -> None:
 
     async def reduce(call: int) -> None:
         arrays = [contribution(rank, target, call) for target in group]
-        results[call] = await transport.reduce_scatter_sum(group, "grads", arrays)
+        results[call] = await transport.reduce_scatter_sum(rank, group, "grads", arrays)
 
     async with anyio.create_task_group() as tg:  # the same key in flight twice
         tg.start_soon(reduce, 0)
@@ -126,6 +126,20 @@ async def collectives(transport: MPITransport, group: tuple[int, ...]) -> None:
             raise AssertionError(f"rank {rank}: reduce_scatter_sum {group} call {call}")
 
 
+async def mismatched_reduce(transport: MPITransport) -> None:
+    """Rank 0 contributes another shape: every rank gets a ValueError, not a hang."""
+    rank, world = transport.rank, tuple(range(transport.world_size))
+    length = 2 if rank == 0 else 3
+    arrays = [np.ones(length) for _ in world]
+    try:
+        await transport.reduce_scatter_sum(rank, world, "mismatch", arrays)
+    except ValueError as error:
+        if "expects" not in str(error):
+            raise
+    else:
+        raise AssertionError(f"rank {rank}: mismatched reduce_scatter_sum did not fail")
+
+
 async def main(transport: MPITransport) -> None:
     transport.configure(num_stages=transport.world_size, micro_count=MICRO_COUNT)
     checked = await point_to_point(transport)
@@ -135,6 +149,7 @@ async def main(transport: MPITransport) -> None:
     if transport.rank in evens:
         await collectives(transport, evens)
     await collectives(transport, (transport.rank,))
+    await mismatched_reduce(transport)
     stats = transport.stats()
     expected = 2 * CASES * (transport.world_size - 1)
     if (stats.messages_sent, stats.messages_received, stats.undelivered) != (
