@@ -61,6 +61,8 @@ P2P (``rewrite_p2p``)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.schedules import check_rank, compute_order
 from ppswap.scheduler.steps import (
@@ -133,8 +135,15 @@ def inject_fsdp_steps(order: Order, config: ScheduleConfig, rank: int) -> Order:
     reshard_at: dict[int, list[int]] = {}
     last_use: dict[int, int] = {}
     backward_seen: set[int] = set()
+    single: list[MetaStep] = list(order[:1])  # reused holder: no tuple per plain slot
+    leaves: Sequence[MetaStep]
     for index, slot in enumerate(order):
-        for leaf in slot.sub_steps or (slot,):
+        if slot.sub_steps:
+            leaves = slot.sub_steps
+        else:
+            single[0] = slot
+            leaves = single
+        for leaf in leaves:
             stage = leaf.stage
             kind = leaf.kind
             opens_backward = False

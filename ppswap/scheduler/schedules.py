@@ -174,8 +174,14 @@ def compute_order(config: ScheduleConfig, rank: int) -> Order:
     """The rank's compute slots in execution order (see the module docstring)."""
     check_rank(config, rank)
     step_of = trusted_step  # kinds are constants, (stage, micro) come from the config
-    fwd = [step_of(_FWD, stage, micro) for stage, micro in forward_chunks(config, rank)]
-    bwd_chunks = backward_chunks(config, rank)
+    pp = config.pp
+    last_chunk = config.vpp - 1
+    # Virtual micro-batch k -> (micro, chunk); the backward of k uses chunk last - chunk.
+    if config.schedule == "interleaved_1f1b":
+        table = _schedule_table(config)
+    else:
+        table = [(micro, 0) for micro in range(config.micro)]
+    fwd = [step_of(_FWD, chunk * pp + rank, micro) for micro, chunk in table]
     tokens = _base_sequence(config, rank)
     split = config.split_dw
     overlap = config.overlap_b_f
@@ -191,7 +197,8 @@ def compute_order(config: ScheduleConfig, rank: int) -> Order:
         if token >= 0:
             append(fwd[token])
             continue
-        stage, micro = bwd_chunks[~token]
+        micro, chunk = table[~token]
+        stage = (last_chunk - chunk) * pp + rank
         is_split = split and stage != 0
         backward = step_of(_BWD_INPUT if is_split else _BWD, stage, micro)
         if overlap and position < count and tokens[position] >= 0:
