@@ -12,7 +12,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from ppswap.swap import CopyJob, PipelineSwapSession
+from ppswap.swap import CopyJob, EmulatedDevice, PipelineSwapSession
 
 Grads = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
 
@@ -188,3 +188,39 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not reached within {timeout_s} s")
         time.sleep(0.0005)
+
+
+class GatedDevice(EmulatedDevice):
+    """An EmulatedDevice whose copies wait for a gate: a copy "in flight" for as long as a
+    test needs, deterministically (no timing assumptions).
+
+    ``d2h_gate`` / ``h2d_gate`` start open; ``clear()`` one to hold the copies of that
+    direction at their start, ``set()`` it (or ``open_later``) to let them run.
+    """
+
+    def __init__(self, gate_timeout_s: float = 10.0) -> None:
+        super().__init__()
+        self.d2h_gate = threading.Event()
+        self.h2d_gate = threading.Event()
+        self.d2h_gate.set()
+        self.h2d_gate.set()
+        self._gate_timeout_s = gate_timeout_s
+
+    def _pass(self, gate: threading.Event) -> None:
+        if not gate.wait(self._gate_timeout_s):
+            raise AssertionError("a gated copy was never released by the test")
+
+    def d2h_into(self, src_view: Any, dst: Any) -> None:
+        self._pass(self.d2h_gate)
+        super().d2h_into(src_view, dst)
+
+    def h2d(self, host: Any) -> Any:
+        self._pass(self.h2d_gate)
+        return super().h2d(host)
+
+
+def open_later(gate: threading.Event, delay_s: float = 0.1) -> threading.Timer:
+    """Open ``gate`` from another thread after ``delay_s`` (while this one blocks)."""
+    timer = threading.Timer(delay_s, gate.set)
+    timer.start()
+    return timer

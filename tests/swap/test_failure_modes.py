@@ -8,7 +8,6 @@ modules and a real copy thread; slow copies come from a low-bandwidth EmulatedDe
 from __future__ import annotations
 
 import gc
-import time
 
 import mindspore as ms
 import numpy as np
@@ -17,13 +16,16 @@ from mindspore import Parameter, Tensor, nn, ops
 from swap_support import (
     MLP,
     CopyThread,
+    GatedDevice,
     assert_bit_identical,
     backward,
     forward,
     full_round_trip,
     loss_of,
+    open_later,
     reference_grads,
     seeded,
+    wait_until,
 )
 
 from ppswap.swap import (
@@ -63,15 +65,16 @@ def _moving(session, micro=0):
 def test_backward_waits_for_a_load_still_running(manager, copy_thread, group_swap):
     model, x = _big_mlp(group_swap)
     expected = reference_grads(loss_of(model), x, model.trainable_params())
-    engine = EmulatedDevice(h2d_gbps=SLOW_GBPS)
+    engine = GatedDevice()
     session = PipelineSwapSession(manager, engine, rank=0, generation=1, eligible={(0, 0)})
     vjp_fn = _collect(session, model, x)
     copy_thread.run_now(session.prepare_offload(0, 0))
     session.finish_offload(0, 0)
+    engine.h2d_gate.clear()  # the load starts and then stays in flight
     job = copy_thread.submit(session.prepare_load(0, 0))
-    assert job.nbytes / (SLOW_GBPS * 1e9) > 0.05
-    time.sleep(0.01)  # let the copy start, so the backward meets it half-written
-    assert job.started and not job.done.is_set(), "the load must still be running"
+    wait_until(lambda: job.started)
+    assert not job.done.is_set(), "the load must still be running"
+    open_later(engine.h2d_gate)
     got = backward(vjp_fn)  # unpack must wait, never read half-written data
     assert job.done.is_set()
     assert_bit_identical(expected, got)
@@ -85,12 +88,13 @@ def test_backward_waits_for_a_load_still_running(manager, copy_thread, group_swa
 def test_storage_stays_alive_while_its_offload_is_in_flight(manager, copy_thread):
     model, x = _big_mlp()
     expected = reference_grads(loss_of(model), x, model.trainable_params())
-    engine = EmulatedDevice(d2h_gbps=SLOW_GBPS)
+    engine = GatedDevice()
     session = PipelineSwapSession(manager, engine, rank=0, generation=1, eligible={(0, 0)})
     vjp_fn = _collect(session, model, x)
+    engine.d2h_gate.clear()
     job = copy_thread.submit(session.prepare_offload(0, 0))
-    time.sleep(0.01)
-    assert job.started and not job.done.is_set()
+    wait_until(lambda: job.started)
+    assert not job.done.is_set()
     # Releasing the device memory now would let the copy read freed memory: refused.
     with pytest.raises(SwapStateError, match=r"D2H -> HOST"):
         session.finish_offload(0, 0)
@@ -100,6 +104,7 @@ def test_storage_stays_alive_while_its_offload_is_in_flight(manager, copy_thread
     churn = [ops.ones((64, 256), ms.float32) * 7.0 for _ in range(32)]
     for t in churn:
         t.asnumpy()
+    engine.d2h_gate.set()
     assert job.done.wait(10)
     assert session.finish_offload(0, 0) > 0
     copy_thread.run_now(session.prepare_load(0, 0))
@@ -418,7 +423,7 @@ def test_backward_in_an_unexpected_order(manager, copy_thread):
     params = model.trainable_params()
     xs = [seeded((64, 64), 30 + m) for m in range(3)]
     expected = [reference_grads(loss_of(model), x, params) for x in xs]
-    engine = EmulatedDevice(h2d_gbps=SLOW_GBPS)
+    engine = GatedDevice()
     session = PipelineSwapSession(
         manager, engine, rank=0, generation=1, eligible={(0, 0), (0, 1), (0, 2)}
     )
@@ -428,9 +433,14 @@ def test_backward_in_an_unexpected_order(manager, copy_thread):
         session.finish_offload(0, m)
     copy_thread.run_now(session.prepare_load(0, 0))
     session.finish_load(0, 0)  # chunk 0: loaded first although consumed last
+    engine.h2d_gate.clear()
     slow = copy_thread.submit(session.prepare_load(0, 1))  # chunk 1: load in flight
+    wait_until(lambda: slow.started)
     # chunk 2: still HOST (its load never launched), consumed first
-    for m in (2, 1, 0):
+    assert_bit_identical(expected[2], backward(vjps[2]))
+    assert not slow.done.is_set()
+    open_later(engine.h2d_gate)
+    for m in (1, 0):
         assert_bit_identical(expected[m], backward(vjps[m]))
     assert slow.done.is_set()
     stats = session.stats()

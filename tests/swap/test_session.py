@@ -10,11 +10,13 @@ import pytest
 from mindspore import Parameter, Tensor, ops
 from swap_support import (
     MLP,
+    GatedDevice,
     assert_bit_identical,
     backward,
     forward,
     full_round_trip,
     loss_of,
+    open_later,
     reference_grads,
     seeded,
     wait_until,
@@ -289,15 +291,17 @@ def test_close_with_a_copy_in_flight_is_a_bug_and_still_cleans(make_session, man
 
 
 def test_abort_waits_for_running_copies_then_drops(manager, copy_thread):
-    slow = EmulatedDevice(d2h_gbps=0.002)
+    slow = GatedDevice()
     session = PipelineSwapSession(manager, slow, rank=0, generation=1, eligible={(0, 0), (0, 1)})
     model = _model()
     for m in range(2):
         _collect(session, model, seeded((16, 32), m), micro=m)
+    slow.d2h_gate.clear()
     running = copy_thread.submit(session.prepare_offload(0, 0))
     queued = session.prepare_offload(0, 1)  # prepared, never submitted
     wait_until(lambda: running.started)
-    session.abort()
+    open_later(slow.d2h_gate)
+    session.abort()  # must wait for the running copy, not drop its buffers under it
     assert running.done.is_set() and queued.done.is_set() and queued.run() == 0
     assert len(manager) == 0 and session.stats().resident_saved_bytes == 0
     assert slow.pool_stats().lent == 0
@@ -305,16 +309,18 @@ def test_abort_waits_for_running_copies_then_drops(manager, copy_thread):
 
 
 def test_abort_times_out_loudly_and_the_late_copy_cleans_up(manager, copy_thread):
-    slow = EmulatedDevice(d2h_gbps=0.0005)  # ~40 KiB at 0.5 MB/s: ~80 ms
+    slow = GatedDevice()
     session = PipelineSwapSession(
-        manager, slow, rank=0, generation=1, eligible={(0, 0)}, wait_timeout_s=0.01
+        manager, slow, rank=0, generation=1, eligible={(0, 0)}, wait_timeout_s=0.05
     )
     _collect(session, _model(), seeded((16, 32), 1))
+    slow.d2h_gate.clear()  # the copy hangs until the test lets it go
     job = copy_thread.submit(session.prepare_offload(0, 0))
     wait_until(lambda: job.started)
     with pytest.raises(SwapTimeoutError, match=r"abort: 1 copy job\(s\) still running"):
         session.abort()
     assert len(manager) == 0 and session.stats().live_groups == 0
+    slow.d2h_gate.set()
     assert job.done.wait(10)
     assert slow.pool_stats().lent == 0  # the job gave its buffers back itself
 
@@ -337,13 +343,15 @@ def test_chunk_lifecycle_errors(make_session):
 
 
 def test_release_with_a_running_copy_is_refused(manager, copy_thread):
-    slow = EmulatedDevice(d2h_gbps=0.001)
+    slow = GatedDevice()
     session = PipelineSwapSession(manager, slow, rank=0, generation=1, eligible={(0, 0)})
     _collect(session, _model(), seeded((16, 32), 1))
+    slow.d2h_gate.clear()
     job = copy_thread.submit(session.prepare_offload(0, 0))
     wait_until(lambda: job.started)
     with pytest.raises(SwapStateError, match="copy job in flight"):
         session.release_chunk(0, 0)
+    slow.d2h_gate.set()
     assert job.done.wait(10)
     session.finish_offload(0, 0)
     session.release_chunk(0, 0)

@@ -8,9 +8,9 @@ import threading
 import mindspore as ms
 import pytest
 from mindspore import ops
-from swap_support import seeded, wait_until
+from swap_support import GatedDevice, seeded, wait_until
 
-from ppswap.swap import CopyJob, EmulatedDevice, Storage, SwapError, SwapState, SwapStateError
+from ppswap.swap import CopyJob, Storage, SwapError, SwapState, SwapStateError
 from ppswap.swap.group import GroupPhase, SwapGroup
 from ppswap.swap.jobs import JobKind, JobPhase
 from ppswap.swap.tensor import LEGAL_TRANSITIONS
@@ -127,14 +127,16 @@ def test_group_phases_are_enforced(manager, engine, copy_thread):
 
 
 def test_release_refuses_while_a_copy_runs(manager, copy_thread):
-    slow = EmulatedDevice(d2h_gbps=0.001)
+    slow = GatedDevice()
+    slow.d2h_gate.clear()
     group = manager.create_group("busy", 0, 0)
-    group.register(seeded((64, 256), 3) * 1.5, tag="big")  # 64 KiB: ~65 ms at 1 MB/s
+    group.register(seeded((64, 256), 3) * 1.5, tag="big")
     group.seal()
     job = copy_thread.submit(group.prepare_offload(slow))
     wait_until(lambda: job.started)
     with pytest.raises(SwapStateError, match="copy job in flight"):
         group.release()
+    slow.d2h_gate.set()
     assert job.done.wait(10)
     group.release()
     assert slow.pool_stats().lent == 0
