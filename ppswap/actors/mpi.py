@@ -1,49 +1,27 @@
 """``MPITransport``: the P2P ``Transport`` (and FSDP's collectives) over mpi4py.
 
-One process per rank, launched with ``mpiexec -n N`` (see ``docs/mpi.md``). Every call is
-non-blocking for the event loop: it posts ``Isend`` / ``Irecv`` and polls ``Test()`` from
-the event loop, sleeping between polls with an adaptive back-off (see *Polling*). No
-thread is started.
+One process per rank, launched with ``mpiexec -n N``; ``docs/mpi.md`` has the recipe, the
+design notes and the measured overhead. In short:
 
-Wire format. A message is two MPI messages on distinct tags: a fixed-size header (40
-int64: magic, identity digest, byte count, ndim, ``dtype.str``, shape) on tag ``2t``,
-then the raw bytes of the C-contiguous payload on tag ``2t + 1`` (skipped when empty).
-The receiver posts the header receive first, then allocates the result array and posts
-the body receive, so a payload of any shape and any dtype whose ``dtype.str`` names it
-(numeric, bool, complex, datetime, fixed-width strings) arrives bit-exact without a
-pickle or an extra copy. Object and structured dtypes raise ``TypeError``.
-
-Tags. P2P messages travel on their own duplicate of ``comm``; their tag base is
-``MessageKey.tag(num_stages, micro_count)``, so ``(src, dst, tag)`` is unique within a run
-by construction. ``configure(num_stages, micro_count)`` sets the layout (every rank must
-call it with the same values before a run's first message); until then the layout is
-``micro_count = 65536`` and as many stages as ``MPI.TAG_UB`` allows. The header carries a
-digest of ``(epoch, src, dst, key)``: each ``configure`` starts a new epoch, so a stale
-message left over from an earlier, failed run (or a rank with another layout) is an error,
-never a silently wrong tensor.
-
-Collectives (``all_gather``, ``reduce_scatter_sum``) are point-to-point exchanges between
-the members of ``group`` on a second duplicate of ``comm``, not sub-communicators:
-creating a communicator is a blocking collective whose order every member must agree on,
-while tagged point-to-point messages can be polled like everything else and need no
-set-up. The tag is a hash of ``(op, sorted group, key, n, epoch)`` where ``n`` counts this
-rank's earlier calls with the same ``(op, group, key)``: a key may be reused and even be
-in flight twice at once, as long as every member makes the same calls (SPMD). A hash
-collision or members that disagree on the group order fail the header digest check with
-a ``RuntimeError``; they cannot corrupt data.
-
-Polling. A wait first yields to the loop (``sleep(0)``) for ``spin_s`` plus the time the
-payload would take at 1 GB/s, then sleeps doubling intervals up to ``poll_interval_s``.
-Spinning keeps a message that is already in flight off asyncio's 1 ms timer granularity;
-the cap keeps a rank that waits for its peer's compute from burning its core.
-
-Sends complete when MPI says the buffer may be reused; for large payloads that is when
-the receiver has posted the matching receive (rendezvous), so a runtime must not make a
-rank's next receive wait for its own earlier send to complete.
-
-Failure. ``close()`` cancels every outstanding request (``Cancel`` + bounded ``Test``) so a
-failed run does not hang the process at exit; ``abort(errorcode)`` ends every rank of the
-job at once (``MPI.COMM_WORLD.Abort``).
+- Non-blocking, no thread: calls post ``Isend`` / ``Irecv`` and poll ``Test()`` from the
+  event loop, yielding (``sleep(0)``) for ``spin_s`` plus the payload's time at 1 GB/s,
+  then sleeping doubling intervals up to ``poll_interval_s``. Spinning keeps a message in
+  flight off asyncio's 1 ms timer resolution; the cap keeps a rank that waits for its
+  peer's compute from burning its core.
+- Wire format: a fixed-size header (magic, epoch, identity, byte count, ``dtype.str``,
+  shape) on tag ``2t``, then the raw bytes of the C-contiguous payload on tag ``2t + 1``.
+  Any shape and any dtype named by ``dtype.str`` arrives bit-exact; object and structured
+  dtypes raise ``TypeError``.
+- Tags: P2P uses ``t = MessageKey.tag(num_stages, micro_count)`` on its own duplicate of
+  ``comm``; ``configure`` sets the layout and starts a new epoch, so a stale message from
+  an earlier run is an error, never a wrong tensor. Collectives exchange point-to-point
+  messages on a second duplicate, tagged by a hash of ``(op, group, key, call number,
+  epoch)`` and checked against a digest in the header.
+- ``send`` returns when MPI may reuse the buffer: for large payloads, once the receiver
+  has posted its receive (rendezvous). A runtime must not make a rank's next receive wait
+  for its own earlier send.
+- ``close()`` cancels outstanding requests so a failed run does not hang at exit;
+  ``abort(errorcode)`` ends every rank of the job (``MPI.COMM_WORLD.Abort``).
 """
 
 from __future__ import annotations
@@ -88,7 +66,7 @@ class _InFlight:
 
     requests: list[MPI.Request]
     buffers: tuple[object, ...]
-    is_send: bool
+    p2p_send: bool  # counted as undelivered by stats() while pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +288,7 @@ class MPITransport:
 
     def stats(self) -> TransportStats:
         """P2P counts of this rank; ``undelivered`` = its sends not yet completed."""
-        pending_sends = sum(1 for record in self._inflight.values() if record.is_send)
+        pending_sends = sum(1 for record in self._inflight.values() if record.p2p_send)
         counters = self._counters
         return TransportStats(counters.sent, counters.received, counters.bytes_sent, pending_sends)
 
@@ -483,20 +461,21 @@ class MPITransport:
         requests = [comm.Isend([header, MPI.BYTE], dst, tag)]
         if body.nbytes:
             requests.append(comm.Isend([body.reshape(-1).view(np.uint8), MPI.BYTE], dst, tag + 1))
-        await self._complete(_InFlight(requests, (header, body), is_send=True), body.nbytes)
+        p2p_send = comm is self._p2p_comm
+        await self._complete(_InFlight(requests, (header, body), p2p_send), body.nbytes)
 
     async def _recv_message(
         self, comm: MPI.Comm, src: int, tag: int, identity: int, what: str
     ) -> Array:
         header = bytearray(_HEADER.size)
         request = comm.Irecv([header, MPI.BYTE], src, tag)
-        await self._complete(_InFlight([request], (header,), is_send=False), 0)
+        await self._complete(_InFlight([request], (header,), p2p_send=False), 0)
         meta = _decode_header(header, self._epoch, identity, what)
         if meta.nbytes == 0:
             return np.empty(meta.shape, dtype=meta.dtype)
         raw = self._recv_pool.take(meta.nbytes)
         request = comm.Irecv([raw, MPI.BYTE], src, tag + 1)
-        await self._complete(_InFlight([request], (raw,), is_send=False), meta.nbytes)
+        await self._complete(_InFlight([request], (raw,), p2p_send=False), meta.nbytes)
         return raw.view(meta.dtype).reshape(meta.shape)
 
     def _test(self, record: _InFlight) -> bool:
@@ -506,7 +485,7 @@ class MPITransport:
         return bool(MPI.Request.Testall(record.requests))
 
     async def _complete(self, record: _InFlight, nbytes: int) -> None:
-        """Poll ``record`` to completion without blocking the loop (see *Polling*).
+        """Poll ``record`` to completion without blocking the loop (see the module doc).
 
         If the wait is cancelled or fails, its requests are cancelled; those MPI cannot
         finish at once stay tracked (with their buffers) until ``close()``.
