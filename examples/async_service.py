@@ -42,8 +42,7 @@ class ServiceState:
 
 async def trainer(state: ServiceState, stop: anyio.Event) -> None:
     stages = [
-        PipelineStage(m, i, 4)
-        for i, m in enumerate(build_mlp_stages(4, dim=32, wrap=swap_wrapper))
+        PipelineStage(m, i, 4) for i, m in enumerate(build_mlp_stages(4, dim=32, wrap=swap_wrapper))
     ]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 32)).astype(np.float32)
@@ -54,7 +53,12 @@ async def trainer(state: ServiceState, stop: anyio.Event) -> None:
         with anyio.CancelScope() as scope:
             state.run_scope = scope
             result = await run_schedule(
-                stages, "1f1b", micro_batch_num=8, inputs=x, targets=y, loss_fn=mse_loss,
+                stages,
+                "1f1b",
+                micro_batch_num=8,
+                inputs=x,
+                targets=y,
+                loss_fn=mse_loss,
                 swap=True,
             )
             state.runs_finished += 1
@@ -78,7 +82,7 @@ async def heartbeat(state: ServiceState) -> None:
 async def handle(stream: SocketStream, state: ServiceState) -> None:
     async with stream:
         request = (await stream.receive(4096)).decode(errors="replace")
-        method, path = (request.split(" ") + ["", ""])[:2]
+        method, path = [*request.split(" "), "", ""][:2]
         if method == "GET" and path == "/status":
             body = {
                 "state": state.state,

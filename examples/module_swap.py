@@ -1,6 +1,6 @@
 """RFC 5.2.1: module-level swap. Wrap the layers, then let the schedule move them.
 
-    python examples/module_swap.py
+python examples/module_swap.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """RFC 5.2.2: tensor-level swap. Register one tensor inside a block's construct.
 
-    python examples/tensor_swap.py
+python examples/tensor_swap.py
 """
 
 from __future__ import annotations

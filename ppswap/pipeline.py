@@ -83,14 +83,27 @@ class _PipelineSchedule:
     ) -> RunResult:
         """One training step over the whole batch ``inputs`` (split into micro-batches)."""
         return await run_schedule(
-            self.stages, self.schedule_name, micro_batch_num=self.micro_batch_num,
-            inputs=inputs, targets=targets, loss_fn=self.loss_fn, swap=self.swap, pp=self.pp,
-            split_dw=self.split_dw, overlap_b_f=self.overlap_b_f, p2p=self.p2p,
-            min_swap_gap=self.min_swap_gap, step_timeout=self.step_timeout,
-            transport=self.transport, device=self.device, trace=trace,
+            self.stages,
+            self.schedule_name,
+            micro_batch_num=self.micro_batch_num,
+            inputs=inputs,
+            targets=targets,
+            loss_fn=self.loss_fn,
+            swap=self.swap,
+            pp=self.pp,
+            split_dw=self.split_dw,
+            overlap_b_f=self.overlap_b_f,
+            p2p=self.p2p,
+            min_swap_gap=self.min_swap_gap,
+            step_timeout=self.step_timeout,
+            transport=self.transport,
+            device=self.device,
+            trace=trace,
         )
 
-    def run(self, inputs: Any, targets: Any = None, *, trace: str | Path | None = None) -> RunResult:
+    def run(
+        self, inputs: Any, targets: Any = None, *, trace: str | Path | None = None
+    ) -> RunResult:
         """Synchronous ``run_async`` for scripts (not from inside a running event loop)."""
         try:
             asyncio.get_running_loop()

@@ -27,6 +27,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from ppswap.autograd import record_forward, run_backward
+from ppswap.swap import module_state_tensors
 
 __all__ = ["LossFn", "PipelineStage", "StageCollector"]
 
@@ -59,9 +60,7 @@ class PipelineStage:
 
     def __init__(self, module: nn.Cell | Callable[..., Any], stage_index: int, stage_num: int):
         if not isinstance(module, nn.Cell):
-            raise TypeError(
-                f"module must be a mindspore.nn.Cell, got {type(module).__name__}"
-            )
+            raise TypeError(f"module must be a mindspore.nn.Cell, got {type(module).__name__}")
         for name, value in (("stage_index", stage_index), ("stage_num", stage_num)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {value!r}")
@@ -83,6 +82,7 @@ class PipelineStage:
         self._loss_fn: LossFn | None = None
         self._micro_count = 1
         self._forward_fn: Callable[..., Tensor] | None = None
+        self._module_state: tuple[Tensor, ...] = ()
 
     def __repr__(self) -> str:
         return f"PipelineStage({type(self.module).__name__}, {self.stage_index}/{self.stage_num})"
@@ -114,6 +114,9 @@ class PipelineStage:
     # -- run lifecycle (compute thread) ---------------------------------------------------
     def begin_run(self, *, micro_count: int, loss_fn: LossFn | None, generation: int) -> None:
         self._params = tuple(self.module.trainable_params())
+        # Parameters, buffers and plain tensor attributes (a shared mask, a rotary table):
+        # module state that swap must never move.
+        self._module_state = tuple(module_state_tensors(self.module))
         self._grads = [None] * len(self._params)
         self._chunks.clear()
         self._pending_dw.clear()
@@ -163,7 +166,7 @@ class PipelineStage:
             raise RuntimeError(f"stage {self.stage_index}: begin_run() was not called")
         inputs_for_graph = (inputs,) if target is None else (inputs, target)
         with collector.collection_context(
-            self.stage_index, micro, protected=inputs_for_graph, parameters=self._params
+            self.stage_index, micro, protected=inputs_for_graph, parameters=self._module_state
         ):
             out = record_forward(self._forward_fn, inputs_for_graph)
         collector.protect_aliases(self.stage_index, micro, [out])
@@ -189,9 +192,7 @@ class PipelineStage:
         else:
             sens = grad_output
         assert self._forward_fn is not None
-        input_grads, weight_grads = run_backward(
-            self._forward_fn, chunk.inputs, self._params, sens
-        )
+        input_grads, weight_grads = run_backward(self._forward_fn, chunk.inputs, self._params, sens)
         del chunk
         if split:
             self._pending_dw[micro] = tuple(weight_grads)
@@ -209,6 +210,16 @@ class PipelineStage:
                 f"stage {self.stage_index}: BWD_WEIGHT of micro {micro} before its BWD_INPUT"
             )
         self._accumulate(weight_grads)
+
+    def replace_grads(self, grads: Sequence[Tensor]) -> None:
+        """Replace the accumulated gradients, aligned with ``parameters`` (FSDP installs the
+        reduce-scattered shard gradients here after the stage's last backward)."""
+        if len(grads) != len(self._params):
+            raise ValueError(
+                f"stage {self.stage_index}: grads must hold {len(self._params)} tensors "
+                f"(one per trainable parameter), got {len(grads)}"
+            )
+        self._grads = list(grads)
 
     def _accumulate(self, weight_grads: Sequence[Tensor]) -> None:
         if len(weight_grads) != len(self._grads):

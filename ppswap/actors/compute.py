@@ -12,7 +12,10 @@
 - SWAP_LAUNCH_* prepares the copy on the compute thread and queues it on the rank's copy
   stream, keeping the reply future; SWAP_WAIT_* awaits it (the time spent blocked there is
   the *exposed* copy wait), then finishes the state change on the compute thread.
-- FSDP_* steps are handed to the optional FSDP driver.
+- FSDP_* steps are handed to the optional FSDP driver, which also gets a call before
+  every compute leaf (``before_compute``: an all-gather issued by FSDP_UNSHARD is awaited
+  and installed there, so it overlaps the compute in between) and one after the last step
+  (``finish``: the gradient reduce-scatters are awaited and installed).
 
 Every wait has a deadline (``timeout_s``); a missed deadline raises PipelineHangError with
 the flight recorder's dump. Any other failure raises PipelineError naming this rank, the
@@ -25,10 +28,9 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import anyio
-import numpy as np
 import structlog
 from anyio.abc import ObjectSendStream
 from mindspore import Tensor
@@ -38,6 +40,7 @@ from ppswap.actors.messages import (
     CopyJobLike,
     CopyRequest,
     FutureTimeoutError,
+    HostArray,
     MessageKey,
     RecvRequest,
     ReplyFuture,
@@ -65,9 +68,11 @@ class SwapDriver(StageCollector, Protocol):
 
 
 class FsdpDriver(Protocol):
-    """Runs FSDP_UNSHARD / FSDP_RESHARD for this rank's stages."""
+    """Runs FSDP_UNSHARD / FSDP_RESHARD for this rank's stages (``ppswap.fsdp``)."""
 
     async def run_step(self, step: MetaStep) -> None: ...
+    async def before_compute(self, step: MetaStep) -> None: ...
+    async def finish(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +86,8 @@ class ComputeStats:
 class RankInputs:
     """The micro-batches this rank's first/last stages consume (host arrays)."""
 
-    inputs: Sequence[np.ndarray]
-    targets: Sequence[np.ndarray] | None
+    inputs: Sequence[HostArray]
+    targets: Sequence[HostArray] | None
 
 
 class ComputeActor:
@@ -122,8 +127,8 @@ class ComputeActor:
         self._log_steps = log_steps
         self._log = structlog.get_logger("ppswap").bind(rank=rank, actor=self.actor_name)
         self._zero_copy_sends = config.p2p == "boundary"
-        self._recvs: dict[MessageKey, ReplyFuture[np.ndarray]] = {}
-        self._outbox: dict[MessageKey, np.ndarray] = {}
+        self._recvs: dict[MessageKey, ReplyFuture[HostArray]] = {}
+        self._outbox: dict[MessageKey, HostArray] = {}
         self._sends: list[ReplyFuture[None]] = []
         self._copies: dict[tuple[StepKind, int, int], ReplyFuture[int]] = {}
         self.losses: dict[int, float] = {}
@@ -150,6 +155,8 @@ class ComputeActor:
                 self._current = step.short()
                 await self._run_step(step)
                 self._steps_executed += 1
+            if self._fsdp is not None:
+                await self._finish_fsdp(self._fsdp)
             self._current = "final sends"
             for future in self._sends:
                 await self._wait(future, MetaStep(StepKind.SEND_F, -1, -1, peer=self.rank))
@@ -159,7 +166,9 @@ class ComputeActor:
                 f"order ended with unconsumed receives {sorted(map(str, self._recvs))}, "
                 f"copies {sorted(map(str, self._copies))} or sends "
                 f"{sorted(map(str, self._outbox))}",
-                rank=self.rank, actor=self.actor_name, step="end",
+                rank=self.rank,
+                actor=self.actor_name,
+                step="end",
             )
 
     async def _run_step(self, step: MetaStep) -> None:
@@ -169,7 +178,10 @@ class ComputeActor:
             with self._recorder.span(self.rank, self.actor_name, step.short()):
                 if self._log_steps:
                     self._log.debug(
-                        "step", step=step.kind.value, stage=step.stage, micro=step.micro,
+                        "step",
+                        step=step.kind.value,
+                        stage=step.stage,
+                        micro=step.micro,
                         generation=self._generation,
                     )
                 await self._dispatch(step)
@@ -177,12 +189,17 @@ class ComputeActor:
             raise
         except FutureTimeoutError as exc:
             raise PipelineHangError(
-                str(exc), rank=self.rank, actor=self.actor_name, step=step.short(),
+                str(exc),
+                rank=self.rank,
+                actor=self.actor_name,
+                step=step.short(),
                 dump=self._recorder.dump(),
             ) from exc
         except Exception as exc:
             raise PipelineError(
-                f"{type(exc).__name__}: {exc}", rank=self.rank, actor=self.actor_name,
+                f"{type(exc).__name__}: {exc}",
+                rank=self.rank,
+                actor=self.actor_name,
                 step=step.short(),
             ) from exc
 
@@ -191,7 +208,9 @@ class ComputeActor:
         handler = self._handlers.get(kind)
         if handler is None:
             raise PipelineError(
-                f"no handler for {kind.value}", rank=self.rank, actor=self.actor_name,
+                f"no handler for {kind.value}",
+                rank=self.rank,
+                actor=self.actor_name,
                 step=step.short(),
             )
         await handler(self, step)
@@ -212,7 +231,7 @@ class ComputeActor:
     # -- compute leaves ----------------------------------------------------------------
     async def _fwd(self, step: MetaStep) -> None:
         stage = self._stages[step.stage]
-        payload: np.ndarray
+        payload: HostArray
         if stage.is_first:
             payload = self._data.inputs[step.micro]
         else:
@@ -221,6 +240,8 @@ class ComputeActor:
         if stage.is_last:
             assert self._data.targets is not None
             target = self._data.targets[step.micro]
+        if self._fsdp is not None:
+            await self._fsdp.before_compute(step)
         result = await self._call(self._fwd_job, stage, step.micro, payload, target)
         if stage.is_last:
             self.losses[step.micro] = float(result)
@@ -228,37 +249,41 @@ class ComputeActor:
             self._outbox[MessageKey("F", step.stage + 1, step.micro)] = result
 
     def _fwd_job(
-        self, stage: PipelineStage, micro: int, payload: np.ndarray, target: np.ndarray | None
-    ) -> np.ndarray:
+        self, stage: PipelineStage, micro: int, payload: HostArray, target: HostArray | None
+    ) -> HostArray:
         inputs = Tensor.from_numpy(payload)
         target_tensor = None if target is None else Tensor.from_numpy(target)
         out = stage.forward(
             micro, inputs, target_tensor, self._session, keep_output=self._zero_copy_sends
         )
-        host = out.asnumpy()
+        host: HostArray = out.asnumpy()
         # asnumpy() is a view of the tensor's memory on CPU: copy unless the boundary mode
         # hands the output over as is (then the stage keeps `out` alive until its BWD).
         return host if self._zero_copy_sends else host.copy()
 
     async def _bwd(self, step: MetaStep) -> None:
         stage = self._stages[step.stage]
-        grad: np.ndarray | None = None
+        grad: HostArray | None = None
         if not stage.is_last:
             grad = await self._take_recv(MessageKey("B", step.stage, step.micro), step)
         split = step.kind is StepKind.BWD_INPUT
+        if self._fsdp is not None:
+            await self._fsdp.before_compute(step)
         dx = await self._call(self._bwd_job, stage, step.micro, grad, split)
         if dx is not None:
             self._outbox[MessageKey("B", step.stage - 1, step.micro)] = dx
 
     def _bwd_job(
-        self, stage: PipelineStage, micro: int, grad: np.ndarray | None, split: bool
-    ) -> np.ndarray | None:
+        self, stage: PipelineStage, micro: int, grad: HostArray | None, split: bool
+    ) -> HostArray | None:
         grad_tensor = None if grad is None else Tensor.from_numpy(grad)
         dx = stage.backward(micro, grad_tensor, split=split)
         self._session.release_chunk(stage.stage_index, micro)
         return None if dx is None else dx.asnumpy().copy()
 
     async def _bwd_weight(self, step: MetaStep) -> None:
+        if self._fsdp is not None:
+            await self._fsdp.before_compute(step)
         await self._call(self._stages[step.stage].backward_weight, step.micro)
 
     async def _composite(self, step: MetaStep) -> None:
@@ -275,16 +300,18 @@ class ComputeActor:
         direction = "F" if step.kind is StepKind.RECV_F else "B"
         key = MessageKey(direction, step.stage, step.micro)
         assert step.peer is not None
-        future: ReplyFuture[np.ndarray] = ReplyFuture(f"{direction}{step.micro}.s{step.stage}")
+        future: ReplyFuture[HostArray] = ReplyFuture(f"{direction}{step.micro}.s{step.stage}")
         self._recvs[key] = future
         await self._p2p.send(RecvRequest(step, key, step.peer, future))
 
-    async def _take_recv(self, key: MessageKey, step: MetaStep) -> np.ndarray:
+    async def _take_recv(self, key: MessageKey, step: MetaStep) -> HostArray:
         future = self._recvs.pop(key, None)
         if future is None:
             raise PipelineError(
                 f"{step.short()} consumes {key} but no RECV was posted for it",
-                rank=self.rank, actor=self.actor_name, step=step.short(),
+                rank=self.rank,
+                actor=self.actor_name,
+                step=step.short(),
             )
         return await self._wait(future, step)
 
@@ -297,7 +324,9 @@ class ComputeActor:
         if payload is None:
             raise PipelineError(
                 f"{step.short()} sends {key} before its producer ran",
-                rank=self.rank, actor=self.actor_name, step=step.short(),
+                rank=self.rank,
+                actor=self.actor_name,
+                step=step.short(),
             )
         assert step.peer is not None
         future: ReplyFuture[None] = ReplyFuture(f"{key.direction}{key.micro}.s{key.stage}")
@@ -313,9 +342,33 @@ class ComputeActor:
         if self._fsdp is None:
             raise PipelineError(
                 "the order has FSDP steps but no stage of this rank is fully_shard()-ed",
-                rank=self.rank, actor=self.actor_name, step=step.short(),
+                rank=self.rank,
+                actor=self.actor_name,
+                step=step.short(),
             )
         await self._fsdp.run_step(step)
+
+    async def _finish_fsdp(self, fsdp: FsdpDriver) -> None:
+        """After the order: the gradient reduce-scatters (errors named like a step's)."""
+        label = "fsdp finish"
+        self._current = label
+        try:
+            with self._recorder.span(self.rank, self.actor_name, label):
+                await fsdp.finish()
+        except (PipelineError, anyio.get_cancelled_exc_class()):
+            raise
+        except FutureTimeoutError as exc:
+            raise PipelineHangError(
+                str(exc),
+                rank=self.rank,
+                actor=self.actor_name,
+                step=label,
+                dump=self._recorder.dump(),
+            ) from exc
+        except Exception as exc:
+            raise PipelineError(
+                f"{type(exc).__name__}: {exc}", rank=self.rank, actor=self.actor_name, step=label
+            ) from exc
 
     # -- swap ----------------------------------------------------------------------------
     async def _launch_copy(self, step: MetaStep) -> None:
@@ -338,7 +391,9 @@ class ComputeActor:
         if future is None:
             raise PipelineError(
                 f"{step.short()} waits for a copy that was never launched",
-                rank=self.rank, actor=self.actor_name, step=step.short(),
+                rank=self.rank,
+                actor=self.actor_name,
+                step=step.short(),
             )
         started = time.perf_counter()
         moved = await self._wait(future, step)
@@ -347,11 +402,16 @@ class ComputeActor:
         await self._call(finish, step.stage, step.micro)
         if self._log_steps:
             self._log.debug(
-                "swap_wait", step=step.kind.value, stage=step.stage, micro=step.micro,
-                generation=self._generation, bytes=moved, waited_s=waited,
+                "swap_wait",
+                step=step.kind.value,
+                stage=step.stage,
+                micro=step.micro,
+                generation=self._generation,
+                bytes=moved,
+                waited_s=waited,
             )
 
-    _handlers: dict[StepKind, Callable[[ComputeActor, MetaStep], Awaitable[None]]] = {
+    _handlers: ClassVar[dict[StepKind, Callable[[ComputeActor, MetaStep], Awaitable[None]]]] = {
         StepKind.FWD: _fwd,
         StepKind.BWD: _bwd,
         StepKind.BWD_INPUT: _bwd,

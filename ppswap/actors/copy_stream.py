@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import anyio
+import structlog
 from anyio.abc import ObjectReceiveStream
 
 from ppswap.actors.executor import DedicatedThread
@@ -40,8 +41,14 @@ class CopyStreamActor:
         thread: DedicatedThread,
         requests: ObjectReceiveStream[CopyRequest],
         recorder: FlightRecorder,
+        *,
+        generation: int = 0,
+        log_steps: bool = False,
     ) -> None:
         self.rank = rank
+        self._generation = generation
+        self._log_steps = log_steps
+        self._log = structlog.get_logger("ppswap").bind(rank=rank, actor=self.actor_name)
         self.thread = thread
         self._requests = requests
         self._recorder = recorder
@@ -66,7 +73,10 @@ class CopyStreamActor:
         started = time.perf_counter()
         try:
             with self._recorder.span(
-                self.rank, self.actor_name, step.kind.value, chunk=step.short(),
+                self.rank,
+                self.actor_name,
+                step.kind.value,
+                chunk=step.short(),
                 bytes=request.job.nbytes,
             ):
                 # Shielded: a copy already handed to the thread runs to completion anyway;
@@ -77,7 +87,9 @@ class CopyStreamActor:
             if not request.reply.done:
                 request.reply.set_exception(exc)
             raise PipelineError(
-                f"copy failed: {exc!r}", rank=self.rank, actor=self.actor_name,
+                f"copy failed: {exc!r}",
+                rank=self.rank,
+                actor=self.actor_name,
                 step=step.short(),
             ) from exc
         finally:
@@ -86,3 +98,13 @@ class CopyStreamActor:
         self._copies += 1
         self._bytes += moved
         request.reply.set_result(moved)
+        if self._log_steps:
+            self._log.debug(
+                "copy",
+                step=step.kind.value,
+                stage=step.stage,
+                micro=step.micro,
+                generation=self._generation,
+                bytes=moved,
+                seconds=time.perf_counter() - started,
+            )

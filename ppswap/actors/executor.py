@@ -22,6 +22,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -154,8 +155,6 @@ class DedicatedThread:
                 self._busy_s += time.perf_counter() - started
                 self._jobs_run += 1
                 self._current = None
-            try:
+            # A closed loop raises RuntimeError: then nobody awaits this job any more.
+            with contextlib.suppress(RuntimeError):
                 job.loop.call_soon_threadsafe(job.event.set)
-            except RuntimeError:
-                # The loop is closed: nobody awaits this job any more.
-                pass

@@ -16,8 +16,11 @@ from typing import Any
 import numpy as np
 from mindspore import Tensor
 
+from ppswap.actors.messages import HostArray
 from ppswap.actors.p2p import InProcessTransport, Transport
 from ppswap.errors import PipelineInputError
+from ppswap.fsdp.mesh import DeviceMesh
+from ppswap.fsdp.plan import check_mesh, replica_of, resolve_mesh, world_orders
 from ppswap.scheduler.config import P2P_MODES, SCHEDULE_NAMES, ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.steps import Order, iter_leaves
@@ -41,24 +44,44 @@ class RunPlan:
     step_timeout: float
     trace: Path | None
     channel_capacity: int
+    # FSDP: the DP x PP mesh; ranks are then world ranks and ``orders`` is indexed by them.
+    mesh: DeviceMesh | None = None
 
     def stages_of(self, rank: int) -> tuple[PipelineStage, ...]:
+        if self.mesh is not None:
+            coords = self.mesh.coords(rank)
+            return tuple(
+                s
+                for s in self.stages
+                if self.config.rank_of(s.stage_index) == coords.pp and replica_of(s) == coords.dp
+            )
         return tuple(s for s in self.stages if self.config.rank_of(s.stage_index) == rank)
+
+    def dp_index(self, rank: int) -> int:
+        """The data-parallel replica of ``rank`` (0 without a mesh)."""
+        return 0 if self.mesh is None else self.mesh.coords(rank).dp
 
 
 @dataclass(frozen=True, slots=True)
 class Batches:
     """The micro-batches, as contiguous host arrays (index = micro-batch)."""
 
-    inputs: list[np.ndarray]
-    targets: list[np.ndarray] | None
+    inputs: list[HostArray]
+    targets: list[HostArray] | None
+
+    def of_replica(self, dp_index: int, micro: int) -> Batches:
+        """The ``micro`` micro-batches of dp replica ``dp_index``: the batch is split into
+        dp contiguous blocks, each block into micro-batches (replica-major order)."""
+        low, high = dp_index * micro, (dp_index + 1) * micro
+        targets = None if self.targets is None else self.targets[low:high]
+        return Batches(self.inputs[low:high], targets)
 
 
 def _is_array(value: Any) -> bool:
     return isinstance(value, (Tensor, np.ndarray))
 
 
-def _check_batch(name: str, value: Any, micro: int) -> None:
+def _check_batch(name: str, value: Any, micro: int, dp: int = 1) -> None:
     if not _is_array(value):
         raise PipelineInputError(
             f"{name} must be a mindspore.Tensor or numpy.ndarray, got {type(value).__name__}"
@@ -66,10 +89,11 @@ def _check_batch(name: str, value: Any, micro: int) -> None:
     shape = tuple(value.shape)
     if len(shape) == 0:
         raise PipelineInputError(f"{name} must have a batch dimension, got a scalar")
-    if shape[0] % micro != 0:
+    if shape[0] % (micro * dp) != 0:
+        per_replica = f" x dp={dp} (the batch is split across dp replicas)" if dp > 1 else ""
         raise PipelineInputError(
             f"{name} batch size {shape[0]} (shape {shape}) must be divisible by "
-            f"micro_batch_num={micro}"
+            f"micro_batch_num={micro}{per_replica}"
         )
 
 
@@ -91,14 +115,13 @@ def prepare_run(
     step_timeout: float,
     transport: Transport | None,
     trace: str | Path | None,
+    mesh: DeviceMesh | None = None,
 ) -> RunPlan:
     """Check every argument of ``run_schedule`` and build the finalized orders."""
     if not isinstance(swap, bool):
         raise TypeError(f"swap must be a bool (True or False), got {swap!r}")
     if schedule not in SCHEDULE_NAMES:
-        raise ValueError(
-            f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}"
-        )
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
     if p2p not in P2P_MODES:
         raise ValueError(f"p2p must be one of {', '.join(P2P_MODES)}, got {p2p!r}")
     if not isinstance(micro_batch_num, int) or isinstance(micro_batch_num, bool):
@@ -116,6 +139,10 @@ def prepare_run(
     stage_list = _check_stages(stages)
     stage_num = stage_list[0].stage_num
     distributed = transport is not None and not isinstance(transport, InProcessTransport)
+    fsdp_mesh = resolve_mesh(stage_list, mesh)
+    dp = 1 if fsdp_mesh is None else fsdp_mesh.dp
+    if fsdp_mesh is not None and pp is None and not distributed:
+        pp = fsdp_mesh.pp
     pp = _resolve_pp(schedule, pp, stage_num, transport if distributed else None)
     config = ScheduleConfig(
         schedule=schedule,  # type: ignore[arg-type]
@@ -128,7 +155,10 @@ def prepare_run(
         swap=swap,
         min_swap_gap=min_swap_gap,
         forward_only=forward_only,
+        fsdp=fsdp_mesh is not None,
     )
+    if fsdp_mesh is not None:
+        check_mesh(fsdp_mesh, pp, distributed=distributed)
     if distributed:
         local_rank: int = transport.rank  # type: ignore[union-attr]
         local_ranks: tuple[int, ...] = (local_rank,)
@@ -144,17 +174,26 @@ def prepare_run(
             f"stages must cover stage indices {sorted(expected)} exactly once for {where}, "
             f"got {sorted(s.stage_index for s in stage_list)}"
         )
+    if fsdp_mesh is not None:
+        pairs = sorted((s.stage_index, replica_of(s)) for s in stage_list)
+        wanted = sorted((index, d) for index in expected for d in range(dp))
+        if pairs != wanted:
+            raise ValueError(
+                f"stages must hold every stage index {sorted(expected)} once per dp replica "
+                f"0..{dp - 1} (mesh={fsdp_mesh!r}), got (stage, dp_rank) pairs {pairs}"
+            )
+        local_ranks = tuple(range(fsdp_mesh.world_size))
     has_last = (stage_num - 1) in given
     has_first = 0 in given
     if has_first:
-        _check_batch("inputs", inputs, micro_batch_num)
+        _check_batch("inputs", inputs, micro_batch_num, dp)
     if has_last:
         if loss_fn is None or not callable(loss_fn):
             raise TypeError(
                 f"loss_fn must be a callable (output, target) -> scalar loss for the last "
                 f"stage, got {loss_fn!r}"
             )
-        _check_batch("targets", targets, micro_batch_num)
+        _check_batch("targets", targets, micro_batch_num, dp)
     if has_first and has_last and inputs.shape[0] != targets.shape[0]:
         raise PipelineInputError(
             f"inputs and targets must have the same batch size, got {inputs.shape[0]} "
@@ -162,6 +201,7 @@ def prepare_run(
         )
     orders = build_all_orders(config)
     validate_all(config, orders)
+    orders = world_orders(orders, fsdp_mesh)
     capacity = max(sum(1 for _ in iter_leaves(order)) for order in orders) + 1
     return RunPlan(
         stages=tuple(sorted(stage_list, key=lambda s: s.stage_index)),
@@ -174,6 +214,7 @@ def prepare_run(
         step_timeout=float(step_timeout),
         trace=None if trace is None else Path(trace),
         channel_capacity=capacity,
+        mesh=fsdp_mesh,
     )
 
 
@@ -184,21 +225,19 @@ def _check_stages(stages: Sequence[PipelineStage]) -> list[PipelineStage]:
         raise TypeError(f"stages must be a non-empty list of PipelineStage, got {stages!r}")
     for stage in stages:
         if not isinstance(stage, PipelineStage):
-            raise TypeError(
-                f"stages must hold PipelineStage objects, got {type(stage).__name__}"
-            )
+            raise TypeError(f"stages must hold PipelineStage objects, got {type(stage).__name__}")
     stage_nums = {s.stage_num for s in stages}
     if len(stage_nums) != 1:
         raise ValueError(f"stages must agree on stage_num, got {sorted(stage_nums)}")
     indices = [s.stage_index for s in stages]
-    if len(set(indices)) != len(indices):
-        raise ValueError(f"stages must not repeat a stage index, got {sorted(indices)}")
+    if len({(s.stage_index, replica_of(s)) for s in stages}) != len(indices):
+        raise ValueError(
+            f"stages must not repeat a stage index (per dp replica), got {sorted(indices)}"
+        )
     return list(stages)
 
 
-def _resolve_pp(
-    schedule: str, pp: int | None, stage_num: int, transport: Transport | None
-) -> int:
+def _resolve_pp(schedule: str, pp: int | None, stage_num: int, transport: Transport | None) -> int:
     if transport is not None:
         world: int = getattr(transport, "world_size", 0)
         if pp is not None and pp != world:
@@ -220,15 +259,15 @@ def _resolve_pp(
     return pp
 
 
-def _to_host(value: Any) -> np.ndarray:
+def _to_host(value: Any) -> HostArray:
     array = value.asnumpy() if isinstance(value, Tensor) else np.asarray(value)
     return np.asarray(array)
 
 
 def split_batches(plan: RunPlan) -> Batches:
     """Split the batch into micro-batches (compute thread: may call ``asnumpy``)."""
-    micro = plan.config.micro
-    split: Callable[[Any], list[np.ndarray]] = lambda value: [  # noqa: E731
+    micro = plan.config.micro * (1 if plan.mesh is None else plan.mesh.dp)
+    split: Callable[[Any], list[HostArray]] = lambda value: [  # noqa: E731
         np.array(part, copy=True, order="C") for part in np.split(_to_host(value), micro, axis=0)
     ]
     inputs = split(plan.inputs) if plan.inputs is not None else []

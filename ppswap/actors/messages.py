@@ -9,23 +9,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeAlias, TypeVar
 
 import anyio
-import numpy as np
+import numpy.typing as npt
 
 from ppswap.scheduler.steps import MetaStep
 
 __all__ = [
+    "CollectiveOp",
+    "CollectiveRequest",
     "CopyRequest",
     "FutureTimeoutError",
+    "HostArray",
     "MessageKey",
+    "P2PRequest",
     "RecvRequest",
     "ReplyFuture",
     "SendRequest",
 ]
 
 T = TypeVar("T")
+
+# A host buffer: what crosses between ranks and between the host and the "device".
+HostArray: TypeAlias = npt.NDArray[Any]
 
 
 class FutureTimeoutError(TimeoutError):
@@ -100,7 +107,7 @@ class SendRequest:
     step: MetaStep
     key: MessageKey
     dst: int
-    payload: np.ndarray
+    payload: HostArray
     reply: ReplyFuture[None] = field(compare=False)
 
 
@@ -111,7 +118,32 @@ class RecvRequest:
     step: MetaStep
     key: MessageKey
     src: int
-    reply: ReplyFuture[np.ndarray] = field(compare=False)
+    reply: ReplyFuture[HostArray] = field(compare=False)
+
+
+CollectiveOp = Literal["all_gather", "reduce_scatter_sum"]
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRequest:
+    """Compute (FSDP driver) -> P2P: one collective over the dp ``group`` (world ranks).
+
+    ``all_gather``: ``payload`` is this rank's one array; ``reply`` gets every member's
+    array in ``group`` order. ``reduce_scatter_sum``: ``payload`` holds one array per
+    member (``payload[j]`` goes to ``group[j]``); ``reply`` gets one array, the sum of
+    what every member sent to this rank. Every member issues the same ``(op, group, key)``
+    calls in the same order; ``key`` names the collective (``"unshard.s0"``).
+    """
+
+    step: MetaStep
+    op: CollectiveOp
+    group: tuple[int, ...]
+    key: str
+    payload: tuple[HostArray, ...]
+    reply: ReplyFuture[tuple[HostArray, ...]] = field(compare=False)
+
+
+P2PRequest = SendRequest | RecvRequest | CollectiveRequest
 
 
 @dataclass(frozen=True, slots=True)

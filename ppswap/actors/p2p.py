@@ -8,6 +8,15 @@ or another receive; the result (or the error) resolves the request's reply futur
 process and event loop, the embedded default) and ``MPITransport`` (``ppswap.actors.mpi``:
 one process per rank over mpi4py). Payloads are host numpy arrays; a message is identified
 by ``(src, dst, MessageKey)``, which is unique within a run.
+
+Collectives (FSDP): ``CollectiveTransport`` is the Transport's collective side, with the
+signatures of ``MPITransport`` (``all_gather(group, key, array)``,
+``reduce_scatter_sum(group, key, arrays)``; the calling rank is implicit). It is a
+separate protocol so that a P2P-only transport still satisfies ``Transport``; a run with
+FSDP requires it. ``InProcessTransport`` serves every rank of the process, so it hands out
+a per-rank view, ``member(rank)``. The P2P actor serves a ``CollectiveRequest`` like a
+send or a receive: its own task, a span named ``"{op} {key}"`` on the P2P lane, the
+result (or error) on the request's reply future.
 """
 
 from __future__ import annotations
@@ -18,13 +27,27 @@ from typing import Protocol, runtime_checkable
 
 import anyio
 import numpy as np
+import structlog
 from anyio.abc import ObjectReceiveStream
 
-from ppswap.actors.messages import MessageKey, RecvRequest, SendRequest
+from ppswap.actors.messages import (
+    CollectiveRequest,
+    HostArray,
+    MessageKey,
+    P2PRequest,
+    SendRequest,
+)
 from ppswap.actors.trace import FlightRecorder
 from ppswap.errors import PipelineError
 
-__all__ = ["InProcessTransport", "P2PActor", "Transport", "TransportStats"]
+__all__ = [
+    "CollectiveTransport",
+    "InProcessCollectives",
+    "InProcessTransport",
+    "P2PActor",
+    "Transport",
+    "TransportStats",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,21 +62,89 @@ class TransportStats:
 class Transport(Protocol):
     """Moves host arrays between ranks. Both calls may be awaited concurrently."""
 
-    async def send(self, src: int, dst: int, key: MessageKey, payload: np.ndarray) -> None:
+    async def send(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
         """Deliver ``payload``; returns once the payload buffer may be reused."""
         ...
 
-    async def recv(self, dst: int, src: int, key: MessageKey) -> np.ndarray:
+    async def recv(self, dst: int, src: int, key: MessageKey) -> HostArray:
         """Wait for the message ``key`` from ``src`` and return its payload."""
         ...
 
     def stats(self) -> TransportStats: ...
 
 
+@runtime_checkable
+class CollectiveTransport(Protocol):
+    """Collectives over a group of ranks (FSDP), for the calling rank. Every member passes
+    the same ``group`` tuple and ``key``, and makes the same calls in the same order."""
+
+    async def all_gather(
+        self, group: tuple[int, ...], key: str, array: HostArray
+    ) -> list[HostArray]:
+        """Every member's ``array``, in ``group`` order."""
+        ...
+
+    async def reduce_scatter_sum(
+        self, group: tuple[int, ...], key: str, arrays: list[HostArray]
+    ) -> HostArray:
+        """The sum over members of what they sent to this rank (``arrays[j]`` goes to
+        ``group[j]``), a left fold in ``group`` order."""
+        ...
+
+
+@dataclass(slots=True)
+class _Rendezvous:
+    group: tuple[int, ...]
+    contributions: dict[int, tuple[HostArray, ...]] = field(default_factory=dict)
+    complete: anyio.Event = field(default_factory=anyio.Event)
+    taken: int = 0
+
+
+class InProcessCollectives:
+    """``InProcessTransport``'s collectives as seen by one rank (a CollectiveTransport)."""
+
+    def __init__(self, transport: InProcessTransport, rank: int) -> None:
+        self._transport = transport
+        self.rank = rank
+
+    async def all_gather(
+        self, group: tuple[int, ...], key: str, array: HostArray
+    ) -> list[HostArray]:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"array must be a numpy.ndarray, got {type(array).__name__}")
+        found = await self._transport.rendezvous("all_gather", self.rank, group, key, (array,))
+        return [found[index][0] for index in range(len(group))]
+
+    async def reduce_scatter_sum(
+        self, group: tuple[int, ...], key: str, arrays: list[HostArray]
+    ) -> HostArray:
+        if len(arrays) != len(group) or not all(isinstance(a, np.ndarray) for a in arrays):
+            raise ValueError(
+                f"arrays must hold {len(group)} numpy arrays, one per member of group "
+                f"{group}, got {len(arrays)} items"
+            )
+        found = await self._transport.rendezvous(
+            "reduce_scatter_sum", self.rank, group, key, tuple(arrays)
+        )
+        mine = group.index(self.rank)
+        parts = [found[index][mine] for index in range(len(group))]
+        for index, part in enumerate(parts):
+            if part.shape != parts[mine].shape or part.dtype != parts[mine].dtype:
+                raise ValueError(
+                    f"reduce_scatter_sum {key!r}: rank {group[index]} sent {part.shape} "
+                    f"{part.dtype}, rank {self.rank} expects {parts[mine].shape} "
+                    f"{parts[mine].dtype}"
+                )
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
+        return total
+
+
 @dataclass(slots=True)
 class _Mailbox:
     arrived: anyio.Event = field(default_factory=anyio.Event)
-    payload: np.ndarray | None = None
+    payload: HostArray | None = None
 
 
 class InProcessTransport:
@@ -65,6 +156,8 @@ class InProcessTransport:
 
     def __init__(self) -> None:
         self._mailboxes: dict[tuple[int, int, MessageKey], _Mailbox] = {}
+        self._rendezvous: dict[tuple[str, tuple[int, ...], str, int], _Rendezvous] = {}
+        self._collective_calls: dict[tuple[str, tuple[int, ...], str, int], int] = {}
         self._sent = 0
         self._received = 0
         self._bytes_sent = 0
@@ -75,7 +168,7 @@ class InProcessTransport:
             box = self._mailboxes[(src, dst, key)] = _Mailbox()
         return box
 
-    async def send(self, src: int, dst: int, key: MessageKey, payload: np.ndarray) -> None:
+    async def send(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
         box = self._box(src, dst, key)
         if box.arrived.is_set():
             raise RuntimeError(f"message {key} from rank {src} to rank {dst} sent twice")
@@ -84,7 +177,7 @@ class InProcessTransport:
         self._sent += 1
         self._bytes_sent += payload.nbytes
 
-    async def recv(self, dst: int, src: int, key: MessageKey) -> np.ndarray:
+    async def recv(self, dst: int, src: int, key: MessageKey) -> HostArray:
         box = self._box(src, dst, key)
         await box.arrived.wait()
         del self._mailboxes[(src, dst, key)]
@@ -99,6 +192,48 @@ class InProcessTransport:
     def reset(self) -> None:
         """Drop undelivered messages (after a failed or cancelled run)."""
         self._mailboxes.clear()
+        self._rendezvous.clear()
+        self._collective_calls.clear()
+
+    def member(self, rank: int) -> InProcessCollectives:
+        """The collectives of ``rank`` (every rank of the process shares this transport)."""
+        return InProcessCollectives(self, rank)
+
+    async def rendezvous(
+        self,
+        op: str,
+        rank: int,
+        group: tuple[int, ...],
+        key: str,
+        payload: tuple[HostArray, ...],
+    ) -> dict[int, tuple[HostArray, ...]]:
+        """Wait until every member of ``group`` contributed to the same call; return the
+        contributions by member index. The n-th call of ``(op, group, key)`` by each member
+        meet (a key may be reused, as with MPITransport)."""
+        if not isinstance(group, tuple) or not group or rank not in group:
+            raise ValueError(f"group must be a tuple of ranks holding rank {rank}, got {group!r}")
+        if len(set(group)) != len(group):
+            raise ValueError(f"group must hold distinct ranks, got {group!r}")
+        members = tuple(sorted(group))
+        call = (op, members, key, rank)
+        count = self._collective_calls.get(call, 0)
+        self._collective_calls[call] = count + 1
+        slot_key = (op, members, key, count)
+        slot = self._rendezvous.get(slot_key)
+        if slot is None:
+            slot = self._rendezvous[slot_key] = _Rendezvous(group)
+        if slot.group != group:
+            raise RuntimeError(
+                f"{op} {key!r}: members disagree on the group order: {slot.group} and {group}"
+            )
+        slot.contributions[group.index(rank)] = payload
+        if len(slot.contributions) == len(group):
+            slot.complete.set()
+        await slot.complete.wait()
+        slot.taken += 1
+        if slot.taken == len(group):
+            del self._rendezvous[slot_key]
+        return slot.contributions
 
 
 class P2PActor:
@@ -110,16 +245,23 @@ class P2PActor:
         self,
         rank: int,
         transport: Transport,
-        requests: ObjectReceiveStream[SendRequest | RecvRequest],
+        requests: ObjectReceiveStream[P2PRequest],
         recorder: FlightRecorder,
         *,
         timeout_s: float = math.inf,
+        collectives: CollectiveTransport | None = None,
+        generation: int = 0,
+        log_steps: bool = False,
     ) -> None:
         self.rank = rank
+        self._generation = generation
+        self._log_steps = log_steps
+        self._log = structlog.get_logger("ppswap").bind(rank=rank, actor=self.actor_name)
         self._transport = transport
         self._requests = requests
         self._recorder = recorder
         self._timeout_s = timeout_s
+        self._collectives = collectives
         self._pending: dict[int, str] = {}
         recorder.register_pending(rank, self.actor_name, lambda: sorted(self._pending.values()))
 
@@ -129,7 +271,10 @@ class P2PActor:
             async for request in self._requests:
                 tg.start_soon(self._serve, request)
 
-    async def _serve(self, request: SendRequest | RecvRequest) -> None:
+    async def _serve(self, request: P2PRequest) -> None:
+        if isinstance(request, CollectiveRequest):
+            await self._serve_collective(request)
+            return
         step = request.step
         if isinstance(request, SendRequest):
             label = f"send {request.key.direction}{request.key.micro}->s{request.key.stage}"
@@ -141,19 +286,63 @@ class P2PActor:
         try:
             with self._recorder.span(self.rank, self.actor_name, label, step=step.short()):
                 if isinstance(request, SendRequest):
-                    await self._transport.send(
-                        self.rank, request.dst, request.key, request.payload
-                    )
+                    await self._transport.send(self.rank, request.dst, request.key, request.payload)
                     request.reply.set_result(None)
                 else:
                     payload = await self._transport.recv(self.rank, request.src, request.key)
                     request.reply.set_result(payload)
+            if self._log_steps:
+                self._log.debug(
+                    label.split(" ", 1)[0],
+                    step=step.kind.value,
+                    stage=step.stage,
+                    micro=step.micro,
+                    generation=self._generation,
+                    peer=step.peer,
+                )
         except Exception as exc:
             if not request.reply.done:
                 request.reply.set_exception(exc)
             raise PipelineError(
-                f"{label} failed: {exc!r}", rank=self.rank, actor=self.actor_name,
+                f"{label} failed: {exc!r}",
+                rank=self.rank,
+                actor=self.actor_name,
                 step=step.short(),
+            ) from exc
+        finally:
+            self._pending.pop(id(request), None)
+
+    async def _serve_collective(self, request: CollectiveRequest) -> None:
+        label = f"{request.op} {request.key}"
+        self._pending[id(request)] = f"{label} over ranks {request.group}"
+        try:
+            with self._recorder.span(
+                self.rank,
+                self.actor_name,
+                label,
+                step=request.step.short(),
+                group=list(request.group),
+            ):
+                collectives = self._collectives
+                if collectives is None:
+                    raise RuntimeError("this run's transport has no collectives")
+                if request.op == "all_gather":
+                    (array,) = request.payload
+                    gathered = await collectives.all_gather(request.group, request.key, array)
+                    request.reply.set_result(tuple(gathered))
+                else:
+                    total = await collectives.reduce_scatter_sum(
+                        request.group, request.key, list(request.payload)
+                    )
+                    request.reply.set_result((total,))
+        except Exception as exc:
+            if not request.reply.done:
+                request.reply.set_exception(exc)
+            raise PipelineError(
+                f"{label} failed: {exc!r}",
+                rank=self.rank,
+                actor=self.actor_name,
+                step=request.step.short(),
             ) from exc
         finally:
             self._pending.pop(id(request), None)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,13 @@ from ppswap.actors.compute import ComputeActor, RankInputs
 from ppswap.actors.copy_stream import CopyStreamActor
 from ppswap.actors.executor import DedicatedThread
 from ppswap.actors.inputs import RunPlan, prepare_run, split_batches
-from ppswap.actors.messages import CopyRequest, RecvRequest, SendRequest
+from ppswap.actors.messages import CopyRequest, P2PRequest
 from ppswap.actors.p2p import InProcessTransport, P2PActor, Transport
 from ppswap.actors.trace import FlightRecorder
 from ppswap.errors import first_pipeline_error
+from ppswap.fsdp.driver import FsdpRankDriver
+from ppswap.fsdp.mesh import DeviceMesh
+from ppswap.fsdp.plan import collectives_for, param_storage_bytes
 from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap import CopyEngine, EmulatedDevice, PipelineSwapSession, SwapManager
@@ -62,6 +65,13 @@ class RankStats:
     steps_executed: int
     copies: int
     copy_busy_s: float
+    groups_left: int = 0  # swap groups alive after the run closed: 0 unless a bug
+    saved_bytes_left: int = 0  # saved bytes still counted after the run: back to 0
+    # Parameter bytes of the rank's stages, measured from their storages: at the peak and
+    # at the end of the run (between uses: the shards under FSDP), and unsharded.
+    peak_param_bytes: int = 0
+    resident_param_bytes: int = 0
+    unsharded_param_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +80,9 @@ class RunResult:
 
     ``losses`` has one float per micro-batch (the last stage's), ``loss`` their mean,
     ``ranks`` is indexed by rank, ``trace_path`` is where the Chrome trace went (if asked).
+    With FSDP (a DP x PP mesh) ``losses[m]`` is the mean over dp replicas of their
+    micro-batch ``m`` (equal-sized, so the mean loss of the global micro-batch) and
+    ``ranks`` is indexed by world rank (``dp_index * pp + pp_index``).
     """
 
     losses: list[float]
@@ -115,6 +128,7 @@ async def run_schedule(
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
     transport: Transport | None = None,
     device: CopyEngine | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> RunResult:
     """Run one training step of a pipeline schedule over ``stages``; see DESIGN.md §6.
 
@@ -123,12 +137,30 @@ async def run_schedule(
     MindSpore Tensor or a numpy array), split along dim 0 into ``micro_batch_num``
     micro-batches. ``swap=True`` injects the swap steps; activations move only where the
     user marked them with ``swap_wrapper`` / ``swap_tensor_wrapper``.
+
+    FSDP (docs/fsdp.md): when the stages' modules are ``fully_shard()``-ed, ``stages`` lists
+    every (stage, dp replica) and the run has ``pp * dp`` ranks in this process; the mesh
+    is read from the stages (``mesh``, if given, must be the same). The batch is split
+    into dp contiguous blocks, then each block into micro-batches.
     """
     plan = prepare_run(
-        stages, schedule, micro_batch_num=micro_batch_num, inputs=inputs, targets=targets,
-        loss_fn=loss_fn, swap=swap, pp=pp, split_dw=split_dw, overlap_b_f=overlap_b_f,
-        p2p=p2p, min_swap_gap=min_swap_gap, forward_only=forward_only,
-        step_timeout=step_timeout, transport=transport, trace=trace,
+        stages,
+        schedule,
+        micro_batch_num=micro_batch_num,
+        inputs=inputs,
+        targets=targets,
+        loss_fn=loss_fn,
+        swap=swap,
+        pp=pp,
+        split_dw=split_dw,
+        overlap_b_f=overlap_b_f,
+        p2p=p2p,
+        min_swap_gap=min_swap_gap,
+        forward_only=forward_only,
+        step_timeout=step_timeout,
+        transport=transport,
+        trace=trace,
+        mesh=mesh,
     )
     async with _exclusive_run():
         return await _run(plan, transport or InProcessTransport(), device or EmulatedDevice())
@@ -143,10 +175,17 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     sessions: dict[int, PipelineSwapSession] = {}
     actors: dict[int, ComputeActor] = {}
     copy_actors: dict[int, CopyStreamActor] = {}
+    drivers: dict[int, FsdpRankDriver] = {}
+    param_bytes: dict[int, int] = {}
     started = time.perf_counter()
     log.info(
-        "run_start", schedule=config.schedule, pp=config.pp, vpp=config.vpp,
-        micro=config.micro, swap=config.swap, generation=generation,
+        "run_start",
+        schedule=config.schedule,
+        pp=config.pp,
+        vpp=config.vpp,
+        micro=config.micro,
+        swap=config.swap,
+        generation=generation,
         ranks=list(plan.local_ranks),
     )
     compute = DedicatedThread("ppswap-compute", join_s=_TEARDOWN_TIMEOUT_S)
@@ -157,37 +196,78 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         for rank in plan.local_ranks:
             order = plan.orders[rank]
             sessions[rank] = PipelineSwapSession(
-                SwapManager(), engine, rank=rank, generation=generation,
-                eligible=eligible_chunks(order), wait_timeout_s=plan.step_timeout,
+                SwapManager(),
+                engine,
+                rank=rank,
+                generation=generation,
+                eligible=eligible_chunks(order),
+                wait_timeout_s=plan.step_timeout,
             )
         succeeded = False
         try:
             async with anyio.create_task_group() as tg:
                 for rank in plan.local_ranks:
-                    p2p_tx, p2p_rx = anyio.create_memory_object_stream[
-                        SendRequest | RecvRequest
-                    ](plan.channel_capacity)
+                    p2p_tx, p2p_rx = anyio.create_memory_object_stream[P2PRequest](
+                        plan.channel_capacity
+                    )
                     copy_tx, copy_rx = anyio.create_memory_object_stream[CopyRequest](
                         plan.channel_capacity
                     )
+                    if plan.mesh is not None:
+                        drivers[rank] = FsdpRankDriver(
+                            rank=rank,
+                            mesh=plan.mesh,
+                            order=plan.orders[rank],
+                            stages={s.stage_index: s for s in plan.stages_of(rank)},
+                            compute=compute,
+                            p2p=p2p_tx,
+                            timeout_s=plan.step_timeout,
+                            reduce_grads=not config.forward_only,
+                        )
+                        await compute.run(drivers[rank].begin)
+                    replica = batches.of_replica(plan.dp_index(rank), config.micro)
                     actors[rank] = ComputeActor(
-                        rank=rank, order=plan.orders[rank], config=config,
+                        rank=rank,
+                        order=plan.orders[rank],
+                        config=config,
                         stages={s.stage_index: s for s in plan.stages_of(rank)},
-                        compute=compute, session=sessions[rank], p2p=p2p_tx, copy=copy_tx,
+                        compute=compute,
+                        session=sessions[rank],
+                        p2p=p2p_tx,
+                        copy=copy_tx,
                         recorder=recorder,
-                        data=RankInputs(batches.inputs, batches.targets),
-                        generation=generation, timeout_s=plan.step_timeout,
+                        data=RankInputs(replica.inputs, replica.targets),
+                        generation=generation,
+                        timeout_s=plan.step_timeout,
+                        log_steps=log_steps,
+                        fsdp=drivers.get(rank),
+                    )
+                    copy_actors[rank] = CopyStreamActor(
+                        rank,
+                        _copy_thread(rank),
+                        copy_rx,
+                        recorder,
+                        generation=generation,
                         log_steps=log_steps,
                     )
-                    copy_actors[rank] = CopyStreamActor(rank, _copy_thread(rank), copy_rx, recorder)
                     p2p_actor = P2PActor(
-                        rank, transport, p2p_rx, recorder, timeout_s=plan.step_timeout
+                        rank,
+                        transport,
+                        p2p_rx,
+                        recorder,
+                        timeout_s=plan.step_timeout,
+                        generation=generation,
+                        log_steps=log_steps,
+                        collectives=collectives_for(transport, rank),
                     )
                     tg.start_soon(actors[rank].run, name=f"compute-{rank}")
                     tg.start_soon(_run_copy_actor, copy_actors[rank], name=f"copy-{rank}")
                     tg.start_soon(p2p_actor.run, name=f"p2p-{rank}")
-            for rank, session in sessions.items():
+            for session in sessions.values():
                 await compute.run(session.close)
+            if plan.mesh is None:
+                for rank in plan.local_ranks:
+                    param_bytes[rank] = await compute.run(param_storage_bytes, plan.stages_of(rank))
             succeeded = True
         except BaseExceptionGroup as group:
             error = first_pipeline_error(group)
@@ -197,12 +277,17 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         finally:
             if not succeeded:
                 await _teardown(compute, plan, sessions, transport)
+                await _abort_fsdp(compute, drivers)
     elapsed = time.perf_counter() - started
     for stage in plan.stages:
         stage.generation = generation
     losses = _collect_losses(plan, actors)
     ranks = [
-        _rank_stats(rank, sessions[rank], actors[rank], copy_actors[rank])
+        _with_param_stats(
+            _rank_stats(rank, sessions[rank], actors[rank], copy_actors[rank]),
+            drivers.get(rank),
+            param_bytes.get(rank, 0),
+        )
         for rank in plan.local_ranks
     ]
     trace_path = recorder.write_chrome_trace(plan.trace) if plan.trace is not None else None
@@ -258,11 +343,41 @@ async def _teardown(
 
 
 def _collect_losses(plan: RunPlan, actors: dict[int, ComputeActor]) -> list[float]:
-    last_rank = plan.config.rank_of(plan.config.num_stages - 1)
-    actor = actors.get(last_rank)
-    if actor is None:
+    """Per micro-batch, the mean over dp replicas of the last stage's loss (one replica
+    without FSDP)."""
+    config = plan.config
+    last_rank = config.rank_of(config.num_stages - 1)
+    replicas = [actors[r] for r in plan.local_ranks if r % config.pp == last_rank]
+    if not replicas:
         return []
-    return [actor.losses[m] for m in sorted(actor.losses)]
+    micros = sorted(replicas[0].losses)
+    return [sum(actor.losses[m] for actor in replicas) / len(replicas) for m in micros]
+
+
+def _with_param_stats(stats: RankStats, driver: FsdpRankDriver | None, measured: int) -> RankStats:
+    """Fill the parameter-memory fields: the FSDP driver's measurements, or the measured
+    (unsharded) parameter bytes of a pp-only rank."""
+    if driver is None:
+        return replace(
+            stats,
+            peak_param_bytes=measured,
+            resident_param_bytes=measured,
+            unsharded_param_bytes=measured,
+        )
+    fsdp = driver.stats()
+    return replace(
+        stats,
+        peak_param_bytes=fsdp.peak_param_bytes,
+        resident_param_bytes=fsdp.resident_param_bytes,
+        unsharded_param_bytes=fsdp.unsharded_param_bytes,
+    )
+
+
+async def _abort_fsdp(compute: DedicatedThread, drivers: dict[int, FsdpRankDriver]) -> None:
+    """After a failed run: every sharded stage back to its shards (shielded, bounded)."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(_TEARDOWN_TIMEOUT_S):
+        for driver in drivers.values():
+            await compute.run(driver.abort)
 
 
 def _rank_stats(
@@ -280,5 +395,6 @@ def _rank_stats(
         steps_executed=compute_stats.steps_executed,
         copies=copy_stats.copies,
         copy_busy_s=copy_stats.busy_s,
+        groups_left=swap_stats.live_groups,
+        saved_bytes_left=swap_stats.resident_saved_bytes,
     )
-

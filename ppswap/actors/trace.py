@@ -53,9 +53,7 @@ class FlightRecorder:
             ring = self._events[(rank, actor)] = deque(maxlen=self._capacity)
         ring.append(f"{self.now_us() / 1e3:10.3f}ms {message}")
 
-    def add_span(
-        self, rank: int, actor: str, name: str, start_us: float, **args: Any
-    ) -> None:
+    def add_span(self, rank: int, actor: str, name: str, start_us: float, **args: Any) -> None:
         if self._keep_spans:
             end = self.now_us()
             self._spans.append(

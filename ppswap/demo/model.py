@@ -34,7 +34,7 @@ class LMConfig:
     seed: int = 0
 
 
-class TransformerBlock(nn.Cell):
+class TransformerBlock(nn.Cell):  # type: ignore[misc]
     """Pre-norm block: causal multi-head self-attention, then a GELU MLP."""
 
     def __init__(self, dim: int, heads: int, mask: Tensor) -> None:
@@ -65,7 +65,7 @@ class TransformerBlock(nn.Cell):
         return x
 
 
-class LMStage(nn.Cell):
+class LMStage(nn.Cell):  # type: ignore[misc]
     """One pipeline stage of the LM: [embedding] + blocks + [norm + head]."""
 
     def __init__(self, cfg: LMConfig, *, first: bool, last: bool, mask: Tensor) -> None:
@@ -109,7 +109,7 @@ def build_lm_stages(cfg: LMConfig, stage_num: int) -> list[nn.Cell]:
     ]
 
 
-class _Unsplit(nn.Cell):
+class _Unsplit(nn.Cell):  # type: ignore[misc]
     def __init__(self, stages: list[nn.Cell]) -> None:
         super().__init__()
         self.stages = nn.CellList(stages)
@@ -134,7 +134,7 @@ def cross_entropy_loss(logits: Tensor, targets: Tensor) -> Tensor:
 LossCallable = Callable[[Tensor, Tensor], Tensor]
 
 
-class MLPBlock(nn.Cell):
+class MLPBlock(nn.Cell):  # type: ignore[misc]
     """Dense -> tanh -> Dense with a residual: a stage body with several saved tensors."""
 
     def __init__(self, dim: int) -> None:

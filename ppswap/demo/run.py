@@ -18,6 +18,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
+from ppswap.actors.messages import HostArray
 from ppswap.actors.runtime import RunResult
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -66,12 +67,12 @@ def load_corpus() -> str:
     return resources.files("ppswap").joinpath("data/corpus.txt").read_text(encoding="utf-8")
 
 
-def _batches(text: str, cfg: LMConfig, batch: int, steps: int) -> list[tuple[np.ndarray, ...]]:
+def _batches(text: str, cfg: LMConfig, batch: int, steps: int) -> list[tuple[HostArray, ...]]:
     vocab = sorted(set(text))
     index = {ch: i for i, ch in enumerate(vocab)}
     ids = np.array([index[ch] for ch in text], dtype=np.int32)
     rng = np.random.default_rng(cfg.seed)
-    out = []
+    out: list[tuple[HostArray, ...]] = []
     for _ in range(steps):
         starts = rng.integers(0, len(ids) - cfg.seq - 1, size=batch)
         x = np.stack([ids[s : s + cfg.seq] for s in starts])
@@ -81,7 +82,7 @@ def _batches(text: str, cfg: LMConfig, batch: int, steps: int) -> list[tuple[np.
 
 
 def _train(
-    opts: DemoOptions, cfg: LMConfig, data: list[tuple[np.ndarray, ...]], swap: bool
+    opts: DemoOptions, cfg: LMConfig, data: list[tuple[HostArray, ...]], swap: bool
 ) -> tuple[list[float], RunResult]:
     stage_num = opts.pp * opts.vpp
     modules = build_lm_stages(cfg, stage_num)
@@ -90,8 +91,12 @@ def _train(
             module.layers[index] = swap_wrapper(layer)
     stages = [PipelineStage(m, i, stage_num) for i, m in enumerate(modules)]
     schedule = _SCHEDULES[opts.schedule](
-        stages, opts.micro, loss_fn=cross_entropy_loss, swap=swap,
-        pp=opts.pp if opts.vpp > 1 else None, device=EmulatedDevice(),
+        stages,
+        opts.micro,
+        loss_fn=cross_entropy_loss,
+        swap=swap,
+        pp=opts.pp if opts.vpp > 1 else None,
+        device=EmulatedDevice(),
     )
     losses: list[float] = []
     result: RunResult | None = None
@@ -108,7 +113,9 @@ def _train(
         print(
             f"\r  {label} [{bar:<20}] step {done}/{len(data)} loss {result.loss:.4f} "
             f"({result.step_time_s:.2f}s)",
-            end="", file=sys.stderr, flush=True,
+            end="",
+            file=sys.stderr,
+            flush=True,
         )
     print(file=sys.stderr)
     assert result is not None
@@ -123,7 +130,10 @@ def run_demo(opts: DemoOptions) -> DemoReport:
     data = _batches(text, cfg, opts.batch, opts.steps)
     config = ScheduleConfig(
         schedule=opts.schedule,  # type: ignore[arg-type]
-        pp=opts.pp, vpp=opts.vpp, micro=opts.micro, swap=True,
+        pp=opts.pp,
+        vpp=opts.vpp,
+        micro=opts.micro,
+        swap=True,
     )
     print(
         f"ppswap demo: {opts.schedule} pp={opts.pp} vpp={opts.vpp} micro={opts.micro}, "
@@ -150,9 +160,7 @@ def format_report(report: DemoReport) -> str:
     """The closing table: per rank, measured against predicted."""
     lines = []
     same = report.losses_no_swap == report.losses_swap
-    lines.append(
-        f"losses swap off: {' '.join(f'{v:.5f}' for v in report.losses_no_swap)}"
-    )
+    lines.append(f"losses swap off: {' '.join(f'{v:.5f}' for v in report.losses_no_swap)}")
     lines.append(f"losses swap on:  {' '.join(f'{v:.5f}' for v in report.losses_swap)}")
     lines.append(f"bit-identical: {'yes' if same else 'NO'}")
     lines.append("")

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from runtime_reference import unsplit_loss_and_grads
 
 from ppswap import PipelineStage, run_schedule
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.swap import swap_wrapper
-from runtime_reference import unsplit_loss_and_grads
 
 DIM = 8
 BATCH = 8
@@ -38,13 +38,31 @@ def _stages(stage_num: int) -> list[PipelineStage]:
     return [PipelineStage(m, i, stage_num) for i, m in enumerate(modules)]
 
 
-async def _run(schedule: str, pp: int, stage_num: int, micro: int, split_dw: bool,
-               overlap: bool, p2p: str, swap: bool):
+async def _run(
+    schedule: str,
+    pp: int,
+    stage_num: int,
+    micro: int,
+    split_dw: bool,
+    overlap: bool,
+    p2p: str,
+    swap: bool,
+):
     stages = _stages(stage_num)
     x, y = _data()
     result = await run_schedule(
-        stages, schedule, micro_batch_num=micro, inputs=x, targets=y, loss_fn=mse_loss,
-        swap=swap, pp=pp, split_dw=split_dw, overlap_b_f=overlap, p2p=p2p, step_timeout=60,
+        stages,
+        schedule,
+        micro_batch_num=micro,
+        inputs=x,
+        targets=y,
+        loss_fn=mse_loss,
+        swap=swap,
+        pp=pp,
+        split_dw=split_dw,
+        overlap_b_f=overlap,
+        p2p=p2p,
+        step_timeout=60,
     )
     grads = [[g.asnumpy() for g in s.grads] for s in stages]
     return stages, result, grads
@@ -82,9 +100,7 @@ async def test_swap_is_bit_identical_and_matches_unsplit(
         assert all(r.offloaded_bytes == r.loaded_bytes for r in swapped.ranks)
 
     x, y = _data()
-    ref_loss, ref_grads = unsplit_loss_and_grads(
-        [s.module for s in stages], x, y, mse_loss, micro
-    )
+    ref_loss, ref_grads = unsplit_loss_and_grads([s.module for s in stages], x, y, mse_loss, micro)
     np.testing.assert_allclose(base.loss, ref_loss, rtol=1e-5)
     for stage_ref, stage_run in zip(ref_grads, base_grads, strict=True):
         for g_ref, g_run in zip(stage_ref, stage_run, strict=True):
@@ -97,7 +113,12 @@ async def test_gpipe_with_overlap_is_refused_before_running() -> None:
     x, y = _data()
     with pytest.raises(ValueError, match="overlap_b_f"):
         await run_schedule(
-            stages, "gpipe", micro_batch_num=4, inputs=x, targets=y, loss_fn=mse_loss,
+            stages,
+            "gpipe",
+            micro_batch_num=4,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
             overlap_b_f=True,
         )
     assert all(s.generation == 0 for s in stages)
