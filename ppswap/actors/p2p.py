@@ -10,13 +10,13 @@ one process per rank over mpi4py). Payloads are host numpy arrays; a message is 
 by ``(src, dst, MessageKey)``, which is unique within a run.
 
 Collectives (FSDP): ``CollectiveTransport`` is the Transport's collective side, with the
-signatures of ``MPITransport`` (``all_gather(group, key, array)``,
-``reduce_scatter_sum(group, key, arrays)``; the calling rank is implicit). It is a
-separate protocol so that a P2P-only transport still satisfies ``Transport``; a run with
-FSDP requires it. ``InProcessTransport`` serves every rank of the process, so it hands out
-a per-rank view, ``member(rank)``. The P2P actor serves a ``CollectiveRequest`` like a
-send or a receive: its own task, a span named ``"{op} {key}"`` on the P2P lane, the
-result (or error) on the request's reply future.
+signatures of ``MPITransport`` (``all_gather(rank, group, key, array)``,
+``reduce_scatter_sum(rank, group, key, arrays)``; ``rank`` is the caller, as ``send``'s
+``src``). It is a separate protocol so that a P2P-only transport still satisfies
+``Transport``; a run with FSDP requires it. ``InProcessTransport`` implements it with a
+rendezvous per call. The P2P actor serves a ``CollectiveRequest`` like a send or a
+receive: its own task, a span named ``"{op} {key}"`` on the P2P lane, the result (or
+error) on the request's reply future.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from ppswap.errors import PipelineError
 
 __all__ = [
     "CollectiveTransport",
-    "InProcessCollectives",
     "InProcessTransport",
     "P2PActor",
     "Transport",
@@ -79,15 +78,15 @@ class CollectiveTransport(Protocol):
     the same ``group`` tuple and ``key``, and makes the same calls in the same order."""
 
     async def all_gather(
-        self, group: tuple[int, ...], key: str, array: HostArray
+        self, rank: int, group: tuple[int, ...], key: str, array: HostArray
     ) -> list[HostArray]:
-        """Every member's ``array``, in ``group`` order."""
+        """Every member's ``array``, in ``group`` order (``rank`` is the caller)."""
         ...
 
     async def reduce_scatter_sum(
-        self, group: tuple[int, ...], key: str, arrays: list[HostArray]
+        self, rank: int, group: tuple[int, ...], key: str, arrays: list[HostArray]
     ) -> HostArray:
-        """The sum over members of what they sent to this rank (``arrays[j]`` goes to
+        """The sum over members of what they sent to ``rank`` (``arrays[j]`` goes to
         ``group[j]``), a left fold in ``group`` order."""
         ...
 
@@ -98,47 +97,6 @@ class _Rendezvous:
     contributions: dict[int, tuple[HostArray, ...]] = field(default_factory=dict)
     complete: anyio.Event = field(default_factory=anyio.Event)
     taken: int = 0
-
-
-class InProcessCollectives:
-    """``InProcessTransport``'s collectives as seen by one rank (a CollectiveTransport)."""
-
-    def __init__(self, transport: InProcessTransport, rank: int) -> None:
-        self._transport = transport
-        self.rank = rank
-
-    async def all_gather(
-        self, group: tuple[int, ...], key: str, array: HostArray
-    ) -> list[HostArray]:
-        if not isinstance(array, np.ndarray):
-            raise TypeError(f"array must be a numpy.ndarray, got {type(array).__name__}")
-        found = await self._transport.rendezvous("all_gather", self.rank, group, key, (array,))
-        return [found[index][0] for index in range(len(group))]
-
-    async def reduce_scatter_sum(
-        self, group: tuple[int, ...], key: str, arrays: list[HostArray]
-    ) -> HostArray:
-        if len(arrays) != len(group) or not all(isinstance(a, np.ndarray) for a in arrays):
-            raise ValueError(
-                f"arrays must hold {len(group)} numpy arrays, one per member of group "
-                f"{group}, got {len(arrays)} items"
-            )
-        found = await self._transport.rendezvous(
-            "reduce_scatter_sum", self.rank, group, key, tuple(arrays)
-        )
-        mine = group.index(self.rank)
-        parts = [found[index][mine] for index in range(len(group))]
-        for index, part in enumerate(parts):
-            if part.shape != parts[mine].shape or part.dtype != parts[mine].dtype:
-                raise ValueError(
-                    f"reduce_scatter_sum {key!r}: rank {group[index]} sent {part.shape} "
-                    f"{part.dtype}, rank {self.rank} expects {parts[mine].shape} "
-                    f"{parts[mine].dtype}"
-                )
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        return total
 
 
 @dataclass(slots=True)
@@ -195,11 +153,40 @@ class InProcessTransport:
         self._rendezvous.clear()
         self._collective_calls.clear()
 
-    def member(self, rank: int) -> InProcessCollectives:
-        """The collectives of ``rank`` (every rank of the process shares this transport)."""
-        return InProcessCollectives(self, rank)
+    async def all_gather(
+        self, rank: int, group: tuple[int, ...], key: str, array: HostArray
+    ) -> list[HostArray]:
+        """Every member's ``array`` (the arrays themselves, not copies), in group order."""
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"array must be a numpy.ndarray, got {type(array).__name__}")
+        found = await self._rendezvous_wait("all_gather", rank, group, key, (array,))
+        return [found[index][0] for index in range(len(group))]
 
-    async def rendezvous(
+    async def reduce_scatter_sum(
+        self, rank: int, group: tuple[int, ...], key: str, arrays: list[HostArray]
+    ) -> HostArray:
+        """The sum over members of their ``arrays[i]`` (``group[i] == rank``), a left fold
+        in group order (bit-identical from run to run), in a new array."""
+        if len(arrays) != len(group) or not all(isinstance(a, np.ndarray) for a in arrays):
+            raise ValueError(
+                f"arrays must hold {len(group)} numpy arrays, one per member of group "
+                f"{group}, got {len(arrays)} items"
+            )
+        found = await self._rendezvous_wait("reduce_scatter_sum", rank, group, key, tuple(arrays))
+        mine = group.index(rank)
+        parts = [found[index][mine] for index in range(len(group))]
+        for index, part in enumerate(parts):
+            if part.shape != parts[mine].shape or part.dtype != parts[mine].dtype:
+                raise ValueError(
+                    f"reduce_scatter_sum {key!r}: rank {group[index]} sent {part.shape} "
+                    f"{part.dtype}, rank {rank} expects {parts[mine].shape} {parts[mine].dtype}"
+                )
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
+        return total
+
+    async def _rendezvous_wait(
         self,
         op: str,
         rank: int,
@@ -328,11 +315,13 @@ class P2PActor:
                     raise RuntimeError("this run's transport has no collectives")
                 if request.op == "all_gather":
                     (array,) = request.payload
-                    gathered = await collectives.all_gather(request.group, request.key, array)
+                    gathered = await collectives.all_gather(
+                        self.rank, request.group, request.key, array
+                    )
                     request.reply.set_result(tuple(gathered))
                 else:
                     total = await collectives.reduce_scatter_sum(
-                        request.group, request.key, list(request.payload)
+                        self.rank, request.group, request.key, list(request.payload)
                     )
                     request.reply.set_result((total,))
         except Exception as exc:

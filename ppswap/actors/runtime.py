@@ -258,7 +258,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
                         timeout_s=plan.step_timeout,
                         generation=generation,
                         log_steps=log_steps,
-                        collectives=collectives_for(transport, rank),
+                        collectives=collectives_for(transport),
                     )
                     tg.start_soon(actors[rank].run, name=f"compute-{rank}")
                     tg.start_soon(_run_copy_actor, copy_actors[rank], name=f"copy-{rank}")

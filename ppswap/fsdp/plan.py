@@ -8,7 +8,7 @@ Used by ``ppswap.actors.inputs`` (before anything runs) and ``ppswap.actors.runt
   in this process);
 - ``replica_of``: the dp replica a stage belongs to (0 for an unsharded stage);
 - ``world_orders``: the pipeline ranks' orders as every world rank runs them;
-- ``collectives_for``: the collective side of a transport, as one rank sees it;
+- ``collectives_for``: the collective side of a transport (None for a P2P-only one);
 - ``param_storage_bytes``: measured parameter bytes of unsharded stages (pp-only runs).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ppswap.actors.p2p import CollectiveTransport, InProcessTransport, Transport
+from ppswap.actors.p2p import CollectiveTransport, Transport
 from ppswap.fsdp.mesh import DeviceMesh, order_for_world_rank
 from ppswap.fsdp.shard import fsdp_state_of
 from ppswap.scheduler.steps import Order
@@ -100,14 +100,9 @@ def world_orders(orders: Sequence[Order], mesh: DeviceMesh | None) -> tuple[Orde
     )
 
 
-def collectives_for(transport: Transport, rank: int) -> CollectiveTransport | None:
-    """``rank``'s collectives: a per-rank view of an InProcessTransport, the transport
-    itself when it implements them (MPITransport), else None."""
-    if isinstance(transport, InProcessTransport):
-        return transport.member(rank)
-    if isinstance(transport, CollectiveTransport):
-        return transport
-    return None
+def collectives_for(transport: Transport) -> CollectiveTransport | None:
+    """The transport's collective side (InProcessTransport, MPITransport), else None."""
+    return transport if isinstance(transport, CollectiveTransport) else None
 
 
 def param_storage_bytes(stages: Sequence[PipelineStage]) -> int:
