@@ -68,8 +68,8 @@ chunk ``(stage, micro)``. For one chunk this always yields
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import (
@@ -91,6 +91,7 @@ __all__ = [
     "eligible_chunks",
     "inject_swap_steps",
     "plan_swap",
+    "select_chunks",
     "strip_swap_steps",
 ]
 
@@ -128,7 +129,8 @@ class SwapChunkPlan:
     """The swap decision for one chunk ``(stage, micro)`` of a rank.
 
     ``fwd_slot`` and ``consumer_slot`` are compute-slot numbers (see ``compute_slots``),
-    ``gap = consumer_slot - fwd_slot``, ``eligible`` iff ``gap >= min_swap_gap``.
+    ``gap = consumer_slot - fwd_slot``, ``eligible`` iff ``gap >= min_swap_gap`` (or, with an
+    explicit selection, iff selected: see ``select_chunks``).
     """
 
     stage: int
@@ -296,13 +298,63 @@ def _swap_points(order: Order, plans: Sequence[SwapChunkPlan]) -> list[tuple[int
     return placed
 
 
-def inject_swap_steps(order: Order, config: ScheduleConfig, rank: int) -> Order:
+def select_chunks(
+    plans: Sequence[SwapChunkPlan],
+    chunks: Collection[tuple[int, int]],
+    rank_stages: Collection[int],
+) -> tuple[SwapChunkPlan, ...]:
+    """``plans`` with ``eligible`` replaced by an explicit selection ``chunks``.
+
+    Used by policies other than the fixed gap rule (``ppswap.scheduler.cost``): a plan is
+    selected iff its chunk is in ``chunks``. Chunks whose stage is not in ``rank_stages``
+    (another rank's) are ignored, so one selection can serve every rank. A chunk of this
+    rank that the order does not run, or whose gap is below 2 (no room for the four steps),
+    raises ValueError. The placement of the selected chunks is the gap rule's.
+    """
+    if not isinstance(chunks, Collection) or isinstance(chunks, str | bytes):
+        raise TypeError(f"chunks must be a collection of (stage, micro) pairs, got {chunks!r}")
+    by_chunk = {plan.chunk: plan for plan in plans}
+    wanted: set[tuple[int, int]] = set()
+    for chunk in chunks:
+        if not (
+            isinstance(chunk, tuple)
+            and len(chunk) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in chunk)
+        ):
+            raise TypeError(f"chunks must hold (stage, micro) int pairs, got {chunk!r}")
+        if chunk[0] not in rank_stages:
+            continue
+        plan = by_chunk.get(chunk)
+        if plan is None:
+            raise ValueError(
+                f"chunks holds (stage, micro) = {chunk}, which this order does not run"
+            )
+        if plan.gap < 2:
+            raise ValueError(
+                f"chunks holds (stage, micro) = {chunk} with gap {plan.gap}; a swapped chunk "
+                "needs gap >= 2 (room for the four swap steps)"
+            )
+        wanted.add(chunk)
+    return tuple(replace(plan, eligible=plan.chunk in wanted) for plan in plans)
+
+
+def inject_swap_steps(
+    order: Order,
+    config: ScheduleConfig,
+    rank: int,
+    *,
+    chunks: Collection[tuple[int, int]] | None = None,
+) -> Order:
     """Last lowering pass: return ``order`` with the four swap steps of each eligible chunk.
 
     Identity when ``config.swap`` is False. ``rank`` must be in ``0 .. pp-1`` and every
     compute leaf of ``order`` must belong to a stage of that rank. The placement rules are
     in the module docstring; the input is never mutated and
     ``strip_swap_steps(result) == order``.
+
+    ``chunks``: an explicit selection replacing the gap rule (``select_chunks``): exactly
+    these chunks of this rank are swapped, placed by the same anchors. None (the default)
+    is the fixed rule ``gap >= config.min_swap_gap``.
     """
     _check_order(order)
     _check_config(config)
@@ -319,7 +371,10 @@ def inject_swap_steps(order: Order, config: ScheduleConfig, rank: int) -> Order:
                     f"order for rank {rank} holds {leaf.short()} of stage {leaf.stage}, "
                     f"which lives on rank {config.rank_of(leaf.stage)}"
                 )
-    placed = _swap_points(order, plan_swap(order, config))
+    plans = plan_swap(order, config)
+    if chunks is not None:
+        plans = select_chunks(plans, chunks, config.stages_of(rank))
+    placed = _swap_points(order, plans)
     result: list[MetaStep] = []
     cursor = 0
     for index, step in enumerate(order):
