@@ -1,0 +1,227 @@
+"""Orchestration cost of the actor runtime per MetaStep, and event-loop lag while training.
+
+Both sides execute the *same* finalized orders over the *same* stages with the same swap
+session calls and copy jobs:
+
+- ``sync``: a plain synchronous loop on one thread, rank by rank, running each step as soon
+  as its input message exists (the cheapest correct executor of these orders);
+- ``actors``: ``run_schedule`` (compute / copy / P2P actors, channels, reply futures, the
+  dedicated compute thread and copy threads).
+
+Overhead per MetaStep = (actors wall - sync wall) / top-level steps executed. The stages
+are trivial (one 4x4 Dense) so MindSpore's own cost is small, and both sides pay it.
+A heartbeat task on the runtime's loop measures scheduling lag (p50/p99/max).
+
+    python benchmarks/bench_runtime.py [--repeats 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import anyio
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn
+
+from ppswap import PipelineStage, run_schedule
+from ppswap.actors.inputs import prepare_run, split_batches
+from ppswap.demo.model import mse_loss
+from ppswap.scheduler.steps import MetaStep, StepKind
+from ppswap.scheduler.swap_plan import eligible_chunks
+from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, swap_wrapper
+
+CONFIGS = [
+    ("gpipe", 4, 4, 8, False),
+    ("1f1b", 4, 4, 8, True),
+    ("interleaved_1f1b", 2, 4, 8, True),
+]
+
+
+def _stages(stage_num: int) -> list[PipelineStage]:
+    ms.set_seed(0)
+    return [
+        PipelineStage(nn.SequentialCell([swap_wrapper(nn.Dense(4, 4))]), i, stage_num)
+        for i in range(stage_num)
+    ]
+
+
+def _data(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return (
+        rng.standard_normal((batch, 4)).astype(np.float32),
+        rng.standard_normal((batch, 4)).astype(np.float32),
+    )
+
+
+class SyncExecutor:
+    """Runs the finalized orders of every rank on this thread, no actors, no channels."""
+
+    def __init__(self, stages: list[PipelineStage], schedule: str, pp: int, micro: int,
+                 swap: bool) -> None:
+        x, y = _data(micro * 2)
+        self.plan = prepare_run(
+            stages, schedule, micro_batch_num=micro, inputs=x, targets=y, loss_fn=mse_loss,
+            swap=swap, pp=pp, split_dw=False, overlap_b_f=False, p2p="plain", min_swap_gap=4,
+            forward_only=False, step_timeout=60.0, transport=None, trace=None,
+        )
+        self.stages = {s.stage_index: s for s in stages}
+
+    def run(self) -> int:
+        plan = self.plan
+        config = plan.config
+        batches = split_batches(plan)
+        engine = EmulatedDevice()
+        for stage in self.stages.values():
+            stage.begin_run(micro_count=config.micro, loss_fn=mse_loss, generation=1)
+        sessions = {
+            r: PipelineSwapSession(SwapManager(), engine, rank=r, generation=1,
+                                   eligible=eligible_chunks(plan.orders[r]))
+            for r in range(config.pp)
+        }
+        mailbox: dict[tuple[str, int, int], np.ndarray] = {}
+        outbox: dict[tuple[str, int, int], np.ndarray] = {}
+        cursor = [0] * config.pp
+        executed = 0
+        while any(cursor[r] < len(plan.orders[r]) for r in range(config.pp)):
+            progressed = False
+            for rank in range(config.pp):
+                order = plan.orders[rank]
+                while cursor[rank] < len(order):
+                    step = order[cursor[rank]]
+                    if not self._ready(step, mailbox):
+                        break
+                    self._execute(step, sessions[rank], batches, mailbox, outbox)
+                    cursor[rank] += 1
+                    executed += 1
+                    progressed = True
+            if not progressed:
+                raise RuntimeError("sync executor stuck")
+        for session in sessions.values():
+            session.close()
+        return executed
+
+    def _ready(self, step: MetaStep, mailbox: dict[tuple[str, int, int], np.ndarray]) -> bool:
+        stage = self.stages.get(step.stage)
+        if step.kind is StepKind.FWD and stage is not None and not stage.is_first:
+            return ("F", step.stage, step.micro) in mailbox
+        if step.kind is StepKind.BWD and stage is not None and not stage.is_last:
+            return ("B", step.stage, step.micro) in mailbox
+        return True
+
+    def _execute(self, step: MetaStep, session: PipelineSwapSession, batches: Any,
+                 mailbox: dict[tuple[str, int, int], np.ndarray],
+                 outbox: dict[tuple[str, int, int], np.ndarray]) -> None:
+        kind = step.kind
+        if kind is StepKind.FWD:
+            stage = self.stages[step.stage]
+            payload = (batches.inputs[step.micro] if stage.is_first
+                       else mailbox.pop(("F", step.stage, step.micro)))
+            target = (Tensor.from_numpy(batches.targets[step.micro]) if stage.is_last
+                      else None)
+            out = stage.forward(step.micro, Tensor.from_numpy(payload), target, session)
+            if not stage.is_last:
+                outbox[("F", step.stage + 1, step.micro)] = out.asnumpy().copy()
+        elif kind is StepKind.BWD:
+            stage = self.stages[step.stage]
+            grad = None if stage.is_last else mailbox.pop(("B", step.stage, step.micro))
+            dx = stage.backward(step.micro, None if grad is None else Tensor.from_numpy(grad),
+                                split=False)
+            session.release_chunk(step.stage, step.micro)
+            if dx is not None:
+                outbox[("B", step.stage - 1, step.micro)] = dx.asnumpy().copy()
+        elif kind in (StepKind.SEND_F, StepKind.SEND_B):
+            key = (("F", step.stage + 1, step.micro) if kind is StepKind.SEND_F
+                   else ("B", step.stage - 1, step.micro))
+            mailbox[key] = outbox.pop(key)
+        elif kind is StepKind.SWAP_LAUNCH_OFFLOAD:
+            session.prepare_offload(step.stage, step.micro).run()
+        elif kind is StepKind.SWAP_WAIT_OFFLOAD:
+            session.finish_offload(step.stage, step.micro)
+        elif kind is StepKind.SWAP_LAUNCH_LOAD:
+            session.prepare_load(step.stage, step.micro).run()
+        elif kind is StepKind.SWAP_WAIT_LOAD:
+            session.finish_load(step.stage, step.micro)
+        # RECV_*: the message is already in the mailbox when its consumer is ready.
+
+
+async def _actors_run(stages: list[PipelineStage], schedule: str, pp: int, micro: int,
+                      swap: bool, lags: list[float]) -> tuple[float, int]:
+    x, y = _data(micro * 2)
+
+    async def heartbeat() -> None:
+        while True:
+            started = time.perf_counter()
+            await anyio.sleep(0.001)
+            lags.append(time.perf_counter() - started - 0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        started = time.perf_counter()
+        result = await run_schedule(
+            stages, schedule, micro_batch_num=micro, inputs=x, targets=y, loss_fn=mse_loss,
+            swap=swap, pp=pp,
+        )
+        wall = time.perf_counter() - started
+        tg.cancel_scope.cancel()
+    return wall, sum(r.steps_executed for r in result.ranks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    rows = []
+    all_lags: list[float] = []
+    for schedule, pp, stage_num, micro, swap in CONFIGS:
+        stages = _stages(stage_num)
+        sync = SyncExecutor(stages, schedule, pp, micro, swap)
+        sync.run()  # warm-up
+        anyio.run(_actors_run, stages, schedule, pp, micro, swap, [])
+        sync_times, actor_times = [], []
+        steps = 0
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            steps = sync.run()
+            sync_times.append(time.perf_counter() - started)
+            wall, actor_steps = anyio.run(
+                _actors_run, stages, schedule, pp, micro, swap, all_lags
+            )
+            assert actor_steps == steps, (actor_steps, steps)
+            actor_times.append(wall)
+        sync_s, actor_s = statistics.median(sync_times), statistics.median(actor_times)
+        rows.append({
+            "schedule": schedule, "pp": pp, "stages": stage_num, "micro": micro,
+            "swap": swap, "steps": steps, "sync_ms": sync_s * 1e3, "actors_ms": actor_s * 1e3,
+            "overhead_us_per_step": (actor_s - sync_s) / steps * 1e6,
+        })
+    lags_ms = sorted(v * 1e3 for v in all_lags)
+    lag = {
+        "samples": len(lags_ms),
+        "p50_ms": lags_ms[len(lags_ms) // 2],
+        "p99_ms": lags_ms[int(len(lags_ms) * 0.99)],
+        "max_ms": lags_ms[-1],
+    }
+    print("| schedule | pp | stages | micro | swap | MetaSteps | sync loop ms | actors ms "
+          "| overhead us/MetaStep |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['schedule']} | {r['pp']} | {r['stages']} | {r['micro']} | {r['swap']} "
+              f"| {r['steps']} | {r['sync_ms']:.1f} | {r['actors_ms']:.1f} "
+              f"| {r['overhead_us_per_step']:.1f} |")
+    print()
+    print(f"event-loop lag while training ({lag['samples']} heartbeats of 1 ms): "
+          f"p50 {lag['p50_ms']:.2f} ms, p99 {lag['p99_ms']:.2f} ms, max {lag['max_ms']:.2f} ms")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"rows": rows, "lag": lag}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
