@@ -6,6 +6,7 @@ pipeline scheduler decides when it moves (``swap=True``).
 
 from ppswap.actors.runtime import RankStats, RunResult, run_schedule
 from ppswap.errors import PipelineError, PipelineHangError, PipelineInputError
+from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.logs import configure_logging
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.scheduler.config import ScheduleConfig
@@ -13,6 +14,7 @@ from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage
 
 __all__ = [
+    "DeviceMesh",
     "MetaStep",
     "PipelineError",
     "PipelineHangError",
@@ -26,5 +28,6 @@ __all__ = [
     "ScheduleInterleaved1F1B",
     "StepKind",
     "configure_logging",
+    "fully_shard",
     "run_schedule",
 ]
