@@ -1,4 +1,4 @@
-"""The ``ppswap`` command line: ``ppswap plan`` (more subcommands are added as functions).
+"""The ``ppswap`` command line: ``ppswap plan``, ``ppswap plot`` and ``ppswap demo``.
 
 ``ppswap plan --schedule {gpipe,1f1b,interleaved_1f1b} --pp N [--vpp V] --micro M
 [--split-dw] [--overlap-b-f] [--p2p plain|batch|boundary] [--fsdp] [--swap]
@@ -21,8 +21,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from ppswap.demo.run import DemoOptions, main_demo
 from ppswap.scheduler.config import (
     DEFAULT_MIN_SWAP_GAP,
     P2P_MODES,
@@ -32,8 +34,14 @@ from ppswap.scheduler.config import (
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.render import format_grid
 from ppswap.scheduler.schedules import compute_order
+from ppswap.scheduler.simulate import memory_table
 from ppswap.scheduler.steps import Order
 from ppswap.scheduler.validate import validate_all, validate_order
+
+try:  # the diagram needs the optional 'plot' extra (matplotlib)
+    from ppswap.scheduler.plot import plot_schedule
+except ImportError:  # pragma: no cover - depends on the environment
+    plot_schedule = None  # type: ignore[assignment]
 
 __all__ = [
     "build_parser",
@@ -41,7 +49,9 @@ __all__ = [
     "main",
     "plan_orders",
     "plan_payload",
+    "run_demo_command",
     "run_plan",
+    "run_plot",
 ]
 
 PROG = "ppswap"
@@ -81,7 +91,7 @@ def plan_orders(config: ScheduleConfig, *, compute_only: bool = False) -> tuple[
 def plan_payload(config: ScheduleConfig, *, compute_only: bool = False) -> dict[str, Any]:
     """The JSON document of ``ppswap plan``; extend it here (e.g. a swap memory table)."""
     orders = plan_orders(config, compute_only=compute_only)
-    return {
+    payload: dict[str, Any] = {
         "schedule": config.schedule,
         "pp": config.pp,
         "vpp": config.vpp,
@@ -91,6 +101,23 @@ def plan_payload(config: ScheduleConfig, *, compute_only: bool = False) -> dict[
             for rank, order in enumerate(orders)
         ],
     }
+    if config.swap:
+        payload["memory"] = memory_table(config)
+    return payload
+
+
+def _memory_text(config: ScheduleConfig) -> str:
+    rows = memory_table(config)
+    lines = [
+        f"swap memory model (resident activation chunks, min_swap_gap={config.min_swap_gap}):",
+        "rank | eligible | peak no swap | peak swap",
+    ]
+    lines += [
+        f"{r['rank']:>4} | {r['eligible']:>8} | {r['peak_chunks_no_swap']:>12} | "
+        f"{r['peak_chunks_swap']:>9}"
+        for r in rows
+    ]
+    return "\n".join(lines)
 
 
 def _plan_text(config: ScheduleConfig, orders: Sequence[Order], compute_only: bool) -> str:
@@ -146,15 +173,49 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         orders = plan_orders(config, compute_only=args.compute_only)
         print(_plan_text(config, orders, args.compute_only))
+        if config.swap and not args.compute_only:
+            print()
+            print(_memory_text(config))
     return 0
 
 
-def _add_plan_parser(subparsers: Any) -> None:
-    plan = subparsers.add_parser(
-        "plan",
-        help="print the per-rank MetaStep orders of a schedule",
-        description="Build, validate and print every rank's order of a pipeline schedule.",
-    )
+def run_plot(args: argparse.Namespace) -> int:
+    """``ppswap plot``: draw the schedule diagram (needs the 'plot' extra: matplotlib)."""
+    try:
+        config = _config_from_args(args)
+    except (TypeError, ValueError) as exc:
+        return _fail(str(exc))
+    if plot_schedule is None:
+        return _fail("ppswap plot needs matplotlib: pip install 'ppswap[plot]'")
+    try:
+        path = plot_schedule(config, args.output)
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(f"wrote {path}")
+    return 0
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    """``ppswap demo``: train the LM without, then with swap, and report."""
+    try:
+        options = DemoOptions(
+            schedule=args.schedule,
+            pp=args.pp,
+            vpp=args.vpp,
+            micro=args.micro,
+            batch=args.batch,
+            steps=args.steps,
+            out_dir=Path(args.out),
+            plot=not args.no_plot,
+            fsdp=args.fsdp,
+            transport=args.transport,
+        )
+    except (TypeError, ValueError) as exc:
+        return _fail(str(exc))
+    return main_demo(options)
+
+
+def _add_schedule_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES)
     plan.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     plan.add_argument("--vpp", type=int, default=1, help="virtual stages per rank")
@@ -170,11 +231,50 @@ def _add_plan_parser(subparsers: Any) -> None:
         default=DEFAULT_MIN_SWAP_GAP,
         help=f"smallest FWD->BWD gap that is swapped (default {DEFAULT_MIN_SWAP_GAP})",
     )
+
+
+def _add_plan_parser(subparsers: Any) -> None:
+    plan = subparsers.add_parser(
+        "plan",
+        help="print the per-rank MetaStep orders of a schedule",
+        description="Build, validate and print every rank's order of a pipeline schedule.",
+    )
+    _add_schedule_arguments(plan)
     plan.add_argument(
         "--compute-only", action="store_true", help="only the compute slots, no lowering"
     )
     plan.add_argument("--format", choices=("text", "json"), default="text")
     plan.set_defaults(handler=run_plan)
+
+
+def _add_plot_parser(subparsers: Any) -> None:
+    plot = subparsers.add_parser(
+        "plot",
+        help="draw the schedule diagram (PNG or SVG)",
+        description="Per-rank lanes on the logical time axis with swap windows (RFC 6.8).",
+    )
+    _add_schedule_arguments(plot)
+    plot.add_argument("-o", "--output", required=True, help="FILE.png or FILE.svg")
+    plot.set_defaults(handler=run_plot, swap=True)
+
+
+def _add_demo_parser(subparsers: Any) -> None:
+    demo = subparsers.add_parser(
+        "demo",
+        help="train a small transformer LM with pp ranks, swap off then on",
+        description="The main job: trains, checks swap on/off agree, reports memory.",
+    )
+    demo.add_argument("--schedule", choices=SCHEDULE_NAMES, default="gpipe")
+    demo.add_argument("--pp", type=int, default=4)
+    demo.add_argument("--vpp", type=int, default=1)
+    demo.add_argument("--micro", type=int, default=8)
+    demo.add_argument("--batch", type=int, default=16)
+    demo.add_argument("--steps", type=int, default=3)
+    demo.add_argument("--out", default="out", help="folder for the trace and diagram")
+    demo.add_argument("--no-plot", action="store_true", help="skip the diagram")
+    demo.add_argument("--fsdp", action="store_true", help="FSDP over dp=2 replicas")
+    demo.add_argument("--transport", choices=("inprocess", "mpi"), default="inprocess")
+    demo.set_defaults(handler=run_demo_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_parser(subparsers)
+    _add_plot_parser(subparsers)
+    _add_demo_parser(subparsers)
     return parser
 
 

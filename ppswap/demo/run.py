@@ -52,6 +52,24 @@ class DemoOptions:
     lr: float = 0.05
     out_dir: Path = Path("out")
     plot: bool = True
+    fsdp: bool = False
+    transport: str = "inprocess"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(
+                f"schedule must be one of {', '.join(_SCHEDULES)}, got {self.schedule!r}"
+            )
+        for name in ("pp", "vpp", "micro", "batch", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.batch % self.micro:
+            raise ValueError(
+                f"batch must be divisible by micro={self.micro}, got batch={self.batch}"
+            )
+        if self.transport not in ("inprocess", "mpi"):
+            raise ValueError(f"transport must be 'inprocess' or 'mpi', got {self.transport!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +193,11 @@ def format_report(report: DemoReport) -> str:
     ):
         chunks_off = plan["peak_chunks_no_swap"]
         chunks_on = plan["peak_chunks_swap"]
+        # The memory model in bytes: a chunk's offloadable bytes come back at most
+        # `chunks_on` at a time; what alias protection pins stays for every live chunk.
         per_chunk = off.peak_saved_bytes / chunks_off if chunks_off else 0.0
-        predicted = per_chunk * chunks_on
+        offloadable = on.offloaded_bytes / plan["eligible"] if plan["eligible"] else 0.0
+        predicted = chunks_on * offloadable + chunks_off * (per_chunk - offloadable)
         cut = 1 - on.peak_saved_bytes / off.peak_saved_bytes if off.peak_saved_bytes else 0.0
         lines.append(
             f"{off.rank:>4} | {off.peak_saved_bytes:>14,} | {on.peak_saved_bytes:>13,} | "

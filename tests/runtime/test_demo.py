@@ -1,0 +1,27 @@
+"""The main job runs end to end (small sizes) and checks itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ppswap.cli import main
+from ppswap.demo.run import DemoOptions, format_report, run_demo
+
+
+def test_demo_trains_and_swap_agrees(tmp_path: Path) -> None:
+    report = run_demo(
+        DemoOptions(pp=2, micro=4, batch=8, steps=2, out_dir=tmp_path, plot=False)
+    )
+    assert report.losses_no_swap == report.losses_swap
+    assert len(report.losses_swap) == 2
+    assert report.losses_swap[1] < report.losses_swap[0]  # it trains
+    for off, on in zip(report.last_no_swap.ranks, report.last_swap.ranks, strict=True):
+        assert on.peak_saved_bytes < off.peak_saved_bytes
+    text = format_report(report)
+    assert "bit-identical: yes" in text
+    assert (tmp_path / "trace_swap.json").exists()
+
+
+def test_cli_refuses_bad_demo_options(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["demo", "--batch", "6", "--micro", "4"]) == 2
+    assert "batch must be divisible by micro=4" in capsys.readouterr().err
