@@ -13,7 +13,15 @@ ZB-H1 one; the *compute* of dw is not deferred on this backend.
 
 Gradients: ``stage.grads`` is aligned with ``module.trainable_params()`` and holds the
 gradient of the mean loss over micro-batches (the last stage seeds each micro-batch's
-backward with ``1 / micro_batch_num``), reset at the start of every run.
+backward with ``1 / micro_batch_num``), reset at the start of every training run. A
+forward-only run (``begin_run(forward_only=True)``, ``forward(record=False)``: evaluation)
+records no graph, keeps no chunk and leaves the gradients as the last training run left
+them.
+
+The loss: on the last stage ``loss_fn(output, target)`` must return a scalar Tensor. A
+loss_fn that raises, returns something else or a tensor with a shape is reported as a
+``PipelineInputError`` naming ``loss_fn`` (at the first FWD of the last stage, before
+any backward runs).
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from ppswap.autograd import record_forward, run_backward
+from ppswap.autograd import record_forward, run_backward, run_without_graph
+from ppswap.errors import PipelineInputError
 from ppswap.swap import module_state_tensors
 
 __all__ = ["LossFn", "PipelineStage", "StageCollector"]
@@ -112,12 +121,20 @@ class PipelineStage:
         return len(self._chunks) + len(self._pending_dw)
 
     # -- run lifecycle (compute thread) ---------------------------------------------------
-    def begin_run(self, *, micro_count: int, loss_fn: LossFn | None, generation: int) -> None:
-        self._params = tuple(self.module.trainable_params())
+    def begin_run(
+        self,
+        *,
+        micro_count: int,
+        loss_fn: LossFn | None,
+        generation: int,
+        forward_only: bool = False,
+    ) -> None:
+        if not forward_only:
+            self._params = tuple(self.module.trainable_params())
+            self._grads = [None] * len(self._params)
         # Parameters, buffers and plain tensor attributes (a shared mask, a rotary table):
         # module state that swap must never move.
         self._module_state = tuple(module_state_tensors(self.module))
-        self._grads = [None] * len(self._params)
         self._chunks.clear()
         self._pending_dw.clear()
         self._loss_fn = loss_fn
@@ -134,7 +151,21 @@ class PipelineStage:
                 raise ValueError(f"stage {self.stage_index} is the last stage: loss_fn is required")
 
             def stage_with_loss(x: Tensor, target: Tensor) -> Tensor:
-                return loss_fn(module(x), target)
+                output = module(x)
+                try:
+                    loss = loss_fn(output, target)
+                except Exception as exc:
+                    raise PipelineInputError(
+                        f"loss_fn {_name_of(loss_fn)} raised {type(exc).__name__} on an output "
+                        f"of shape {_shape_of(output)} and a target of shape "
+                        f"{_shape_of(target)}: {exc}"
+                    ) from exc
+                if not isinstance(loss, Tensor) or loss.shape != ():
+                    raise PipelineInputError(
+                        f"loss_fn {_name_of(loss_fn)} must return a scalar mindspore.Tensor "
+                        f"(shape ()), got {type(loss).__name__} of shape {_shape_of(loss)}"
+                    )
+                return loss
 
             return stage_with_loss
 
@@ -158,22 +189,25 @@ class PipelineStage:
         collector: StageCollector,
         *,
         keep_output: bool = False,
+        record: bool = True,
     ) -> Tensor:
-        """FWD of one micro-batch. Returns the stage output, or the loss on the last stage."""
+        """FWD of one micro-batch. Returns the stage output, or the loss on the last stage.
+
+        ``record=False`` (forward-only runs) runs the forward without recording a graph and
+        without the swap collector: nothing is kept for a backward.
+        """
         if micro in self._chunks or micro in self._pending_dw:
             raise RuntimeError(f"stage {self.stage_index}: FWD of micro {micro} ran twice")
         if self._forward_fn is None:
             raise RuntimeError(f"stage {self.stage_index}: begin_run() was not called")
         inputs_for_graph = (inputs,) if target is None else (inputs, target)
+        if not record:
+            return run_without_graph(self._forward_fn, inputs_for_graph)
         with collector.collection_context(
             self.stage_index, micro, protected=inputs_for_graph, parameters=self._module_state
         ):
             out = record_forward(self._forward_fn, inputs_for_graph)
         collector.protect_aliases(self.stage_index, micro, [out])
-        if self.is_last and out.shape != ():
-            raise ValueError(
-                f"loss_fn must return a scalar, got a tensor of shape {tuple(out.shape)}"
-            )
         self._chunks[micro] = _Chunk(inputs_for_graph, out if keep_output else None)
         return out
 
@@ -230,3 +264,12 @@ class PipelineStage:
         for index, grad in enumerate(weight_grads):
             current = self._grads[index]
             self._grads[index] = grad if current is None else current + grad
+
+
+def _name_of(fn: object) -> str:
+    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
+
+
+def _shape_of(value: object) -> tuple[int, ...] | None:
+    shape = getattr(value, "shape", None)
+    return None if shape is None else tuple(shape)

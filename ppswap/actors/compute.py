@@ -20,6 +20,12 @@
 Every wait has a deadline (``timeout_s``); a missed deadline raises PipelineHangError with
 the flight recorder's dump. Any other failure raises PipelineError naming this rank, the
 actor and the step.
+
+Forward-only runs (``config.forward_only``) run each FWD without recording a graph (no
+backward will come) and copy every output before it is sent.
+
+Fault injection (tests): with a ``FaultPlan`` the actor consults it before every step it
+runs (top-level or a composite's leaf); ``faults=None`` costs one ``is None`` test.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from anyio.abc import ObjectSendStream
 from mindspore import Tensor
 
 from ppswap.actors.executor import DedicatedThread
+from ppswap.actors.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.actors.messages import (
     CopyJobLike,
     CopyRequest,
@@ -110,6 +117,7 @@ class ComputeActor:
         timeout_s: float = math.inf,
         fsdp: FsdpDriver | None = None,
         log_steps: bool = False,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.rank = rank
         self._order = order
@@ -126,7 +134,10 @@ class ComputeActor:
         self._fsdp = fsdp
         self._log_steps = log_steps
         self._log = structlog.get_logger("ppswap").bind(rank=rank, actor=self.actor_name)
-        self._zero_copy_sends = config.p2p == "boundary"
+        self._record = not config.forward_only
+        # A forward-only output is not kept by the stage, so it is always copied.
+        self._zero_copy_sends = config.p2p == "boundary" and self._record
+        self._faults = faults
         self._recvs: dict[MessageKey, ReplyFuture[HostArray]] = {}
         self._outbox: dict[MessageKey, HostArray] = {}
         self._sends: list[ReplyFuture[None]] = []
@@ -135,6 +146,7 @@ class ComputeActor:
         self._steps_executed = 0
         self._exposed_wait_s = 0.0
         self._current: str | None = None
+        self._waiting: dict[int, str] = {}  # id(future) -> what waits for what (dumps)
         recorder.register_pending(rank, self.actor_name, self._pending)
 
     def stats(self) -> ComputeStats:
@@ -142,6 +154,8 @@ class ComputeActor:
 
     def _pending(self) -> list[str]:
         items = [f"at {self._current}"] if self._current else []
+        items.append(f"{self._steps_executed} of {len(self._order)} steps done")
+        items += sorted(self._waiting.values())
         items += [f"recv {f.label}" for f in self._recvs.values() if not f.done]
         items += [f"copy {f.label}" for f in self._copies.values() if not f.done]
         items += [f"send {f.label}" for f in self._sends if not f.done]
@@ -184,6 +198,8 @@ class ComputeActor:
                         micro=step.micro,
                         generation=self._generation,
                     )
+                if self._faults is not None:
+                    await self._inject(self._faults, step)
                 await self._dispatch(step)
         except (PipelineError, anyio.get_cancelled_exc_class()):
             raise
@@ -215,9 +231,27 @@ class ComputeActor:
             )
         await handler(self, step)
 
+    async def _inject(self, faults: FaultPlan, step: MetaStep) -> None:
+        """Apply the plan's compute rule for ``step``: raise or stall on the compute thread
+        (the path a MindSpore failure or a stuck kernel takes), or run a callback here."""
+        rule = faults.match(FaultSite.COMPUTE, self.rank, step)
+        if rule is None:
+            return
+        self._recorder.note(self.rank, self.actor_name, rule.describe(self.rank, step))
+        if rule.action is FaultAction.RAISE:
+            await self._call(rule.raise_fault, self.rank, step)
+        elif rule.action is FaultAction.DELAY:
+            await self._call(time.sleep, rule.delay_s)
+        elif rule.callback is not None:
+            rule.callback()
+
     # -- deadlines ---------------------------------------------------------------------
     async def _wait(self, future: ReplyFuture[T], step: MetaStep) -> T:
-        return await future.wait(self._timeout_s)
+        self._waiting[id(future)] = f"{step.short()} waits for {future.label}"
+        result = await future.wait(self._timeout_s)
+        # Only on success: a wait that failed stays listed for the hang dump.
+        del self._waiting[id(future)]
+        return result
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run on the compute thread with the step deadline (the job itself cannot be
@@ -254,7 +288,12 @@ class ComputeActor:
         inputs = Tensor.from_numpy(payload)
         target_tensor = None if target is None else Tensor.from_numpy(target)
         out = stage.forward(
-            micro, inputs, target_tensor, self._session, keep_output=self._zero_copy_sends
+            micro,
+            inputs,
+            target_tensor,
+            self._session,
+            keep_output=self._zero_copy_sends,
+            record=self._record,
         )
         host: HostArray = out.asnumpy()
         # asnumpy() is a view of the tensor's memory on CPU: copy unless the boundary mode

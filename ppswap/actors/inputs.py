@@ -3,6 +3,29 @@
 Every refusal is a TypeError or ValueError (``PipelineInputError`` for the data) that names
 the parameter, the value and what is allowed. Only after ``prepare_run`` returns does the
 runtime start a thread or touch a tensor.
+
+What is checked (docs/reliability.md lists the tests):
+
+- the backend: MindSpore in PYNATIVE_MODE (GRAPH_MODE cannot split a forward from its
+  backward in time: refused), every stage module a ``mindspore.nn.Cell`` (a PyTorch module
+  is refused: ppswap's PP + swap runs on MindSpore only, as the RFC says);
+- the options: types and ranges of every argument, ``forward_only`` with ``swap``
+  (``ScheduleConfig``), ``faults`` a ``FaultPlan``, ``trace`` a path;
+- the stages: PipelineStage objects agreeing on ``stage_num``, covering the stage indices
+  of the run exactly once;
+- the data: ``inputs`` (first stage) and ``targets`` (last stage) are Tensors or numpy
+  arrays of a numeric dtype with a non-empty batch dimension divisible by
+  ``micro_batch_num``, of the same batch size; floating inputs have the floating dtype of
+  the first stage's parameters (MindSpore does not promote: a float64 batch into a float32
+  model fails in the first FWD); integer inputs (token ids) are free;
+- ``loss_fn``: a callable, required when the run has the last stage (training and
+  forward-only runs alike: the losses are the result).
+
+What cannot be checked without running the model is reported at the first FWD, before any
+backward: a feature shape the first layer does not accept (a PipelineError naming the
+rank, the compute actor and the step, with MindSpore's message), a ``loss_fn`` that raises
+or returns anything but a scalar Tensor (a PipelineInputError naming ``loss_fn``, wrapped
+in that PipelineError).
 """
 
 from __future__ import annotations
@@ -13,9 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, nn
 
+from ppswap.actors.faults import FaultPlan
 from ppswap.actors.messages import HostArray
 from ppswap.actors.p2p import InProcessTransport, Transport
 from ppswap.errors import PipelineInputError
@@ -46,6 +71,7 @@ class RunPlan:
     channel_capacity: int
     # FSDP: the DP x PP mesh; ranks are then world ranks and ``orders`` is indexed by them.
     mesh: DeviceMesh | None = None
+    faults: FaultPlan | None = None
 
     def stages_of(self, rank: int) -> tuple[PipelineStage, ...]:
         if self.mesh is not None:
@@ -89,12 +115,69 @@ def _check_batch(name: str, value: Any, micro: int, dp: int = 1) -> None:
     shape = tuple(value.shape)
     if len(shape) == 0:
         raise PipelineInputError(f"{name} must have a batch dimension, got a scalar")
+    dtype = _numpy_dtype(value)
+    if dtype is not None and dtype.kind not in _NUMERIC_KINDS:
+        raise PipelineInputError(
+            f"{name} must hold numbers (bool, int or float), got dtype {dtype} (shape {shape})"
+        )
+    if shape[0] == 0:
+        raise PipelineInputError(f"{name} must not be empty, got batch size 0 (shape {shape})")
     if shape[0] % (micro * dp) != 0:
         per_replica = f" x dp={dp} (the batch is split across dp replicas)" if dp > 1 else ""
         raise PipelineInputError(
             f"{name} batch size {shape[0]} (shape {shape}) must be divisible by "
             f"micro_batch_num={micro}{per_replica}"
         )
+
+
+_NUMERIC_KINDS = "biuf"
+
+
+def _numpy_dtype(value: Any) -> np.dtype[Any] | None:
+    """The numpy dtype of an array or Tensor (None for a Tensor dtype numpy lacks)."""
+    if isinstance(value, np.ndarray):
+        array_dtype: np.dtype[Any] = value.dtype
+        return array_dtype
+    try:
+        # MindSpore names its dtypes like numpy's, capitalised (Float32, Int64, Bool).
+        dtype: np.dtype[Any] = np.dtype(str(value.dtype).lower())
+    except (TypeError, ValueError):
+        return None
+    # Extension dtypes (bfloat16) are void-like to numpy: not checked.
+    return None if dtype.kind == "V" else dtype
+
+
+def _check_input_dtype(inputs: Any, first: PipelineStage) -> None:
+    """Floating inputs must have the (single) floating dtype of the first stage's params."""
+    dtype = _numpy_dtype(inputs)
+    if dtype is None or dtype.kind != "f":
+        return
+    param_dtypes = {_numpy_dtype(p) for p in first.module.trainable_params()}
+    floating = {d for d in param_dtypes if d is not None and d.kind == "f"}
+    if len(floating) == 1 and dtype not in floating:
+        (expected,) = floating
+        raise PipelineInputError(
+            f"inputs must have dtype {expected} (the first stage's parameters), got {dtype}: "
+            f"convert the batch (e.g. inputs.astype(np.{expected}))"
+        )
+
+
+def _check_backend(stages: Sequence[PipelineStage]) -> None:
+    mode = ms.get_context("mode")
+    if mode != ms.PYNATIVE_MODE:
+        raise ValueError(
+            "the MindSpore execution mode must be PYNATIVE_MODE for pipeline runs (a forward "
+            "and its backward are separate steps), got GRAPH_MODE: call "
+            "mindspore.set_context(mode=mindspore.PYNATIVE_MODE)"
+        )
+    for stage in stages:
+        if not isinstance(stage.module, nn.Cell):
+            raise TypeError(
+                f"stage {stage.stage_index}'s module must be a mindspore.nn.Cell, got "
+                f"{type(stage.module).__module__}.{type(stage.module).__name__} (ppswap runs "
+                "MindSpore PyNative only; PyTorch pipeline parallelism with swap is not "
+                "supported)"
+            )
 
 
 def prepare_run(
@@ -116,10 +199,21 @@ def prepare_run(
     transport: Transport | None,
     trace: str | Path | None,
     mesh: DeviceMesh | None = None,
+    faults: FaultPlan | None = None,
 ) -> RunPlan:
     """Check every argument of ``run_schedule`` and build the finalized orders."""
+    if faults is not None and not isinstance(faults, FaultPlan):
+        raise TypeError(
+            f"faults must be a ppswap.actors.faults.FaultPlan or None, got {type(faults).__name__}"
+        )
+    if trace is not None and not isinstance(trace, str | Path):
+        raise TypeError(f"trace must be a file path (str or Path) or None, got {trace!r}")
     if not isinstance(swap, bool):
         raise TypeError(f"swap must be a bool (True or False), got {swap!r}")
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
+    if not isinstance(p2p, str):
+        raise TypeError(f"p2p must be one of {', '.join(P2P_MODES)}, got {p2p!r}")
     if schedule not in SCHEDULE_NAMES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
     if p2p not in P2P_MODES:
@@ -137,6 +231,7 @@ def prepare_run(
             f"transport must implement ppswap's Transport protocol, got {type(transport).__name__}"
         )
     stage_list = _check_stages(stages)
+    _check_backend(stage_list)
     stage_num = stage_list[0].stage_num
     distributed = transport is not None and not isinstance(transport, InProcessTransport)
     fsdp_mesh = resolve_mesh(stage_list, mesh)
@@ -187,6 +282,7 @@ def prepare_run(
     has_first = 0 in given
     if has_first:
         _check_batch("inputs", inputs, micro_batch_num, dp)
+        _check_input_dtype(inputs, next(s for s in stage_list if s.stage_index == 0))
     if has_last:
         if loss_fn is None or not callable(loss_fn):
             raise TypeError(
@@ -215,6 +311,7 @@ def prepare_run(
         trace=None if trace is None else Path(trace),
         channel_capacity=capacity,
         mesh=fsdp_mesh,
+        faults=faults,
     )
 
 
@@ -250,7 +347,9 @@ def _resolve_pp(schedule: str, pp: int | None, stage_num: int, transport: Transp
                 f"rank), got pp=None with stage_num={stage_num}"
             )
         pp = stage_num
-    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+    if not isinstance(pp, int) or isinstance(pp, bool):
+        raise TypeError(f"pp must be an int >= 1, got {pp!r}")
+    if pp < 1:
         raise ValueError(f"pp must be an int >= 1, got {pp!r}")
     if stage_num % pp != 0:
         raise ValueError(

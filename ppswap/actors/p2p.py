@@ -17,6 +17,11 @@ signatures of ``MPITransport`` (``all_gather(rank, group, key, array)``,
 rendezvous per call. The P2P actor serves a ``CollectiveRequest`` like a send or a
 receive: its own task, a span named ``"{op} {key}"`` on the P2P lane, the result (or
 error) on the request's reply future.
+
+A failed send or receive resolves its reply future with the same ``PipelineError`` the
+actor raises (naming this rank, ``p2p`` and the step), so the run reports the P2P
+failure, not the compute step that waited for it. A ``FaultPlan`` (tests) can fail,
+delay or drop (sends only) a message before it reaches the transport.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import numpy as np
 import structlog
 from anyio.abc import ObjectReceiveStream
 
+from ppswap.actors.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.actors.messages import (
     CollectiveRequest,
     HostArray,
@@ -39,6 +45,7 @@ from ppswap.actors.messages import (
 )
 from ppswap.actors.trace import FlightRecorder
 from ppswap.errors import PipelineError
+from ppswap.scheduler.steps import MetaStep
 
 __all__ = [
     "CollectiveTransport",
@@ -239,8 +246,10 @@ class P2PActor:
         collectives: CollectiveTransport | None = None,
         generation: int = 0,
         log_steps: bool = False,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.rank = rank
+        self._faults = faults
         self._generation = generation
         self._log_steps = log_steps
         self._log = structlog.get_logger("ppswap").bind(rank=rank, actor=self.actor_name)
@@ -272,8 +281,14 @@ class P2PActor:
         self._pending[id(request)] = label
         try:
             with self._recorder.span(self.rank, self.actor_name, label, step=step.short()):
+                deliver = True
+                if self._faults is not None:
+                    deliver = await self._inject(self._faults, step)
                 if isinstance(request, SendRequest):
-                    await self._transport.send(self.rank, request.dst, request.key, request.payload)
+                    if deliver:
+                        await self._transport.send(
+                            self.rank, request.dst, request.key, request.payload
+                        )
                     request.reply.set_result(None)
                 else:
                     payload = await self._transport.recv(self.rank, request.src, request.key)
@@ -288,16 +303,31 @@ class P2PActor:
                     peer=step.peer,
                 )
         except Exception as exc:
-            if not request.reply.done:
-                request.reply.set_exception(exc)
-            raise PipelineError(
+            error = PipelineError(
                 f"{label} failed: {exc!r}",
                 rank=self.rank,
                 actor=self.actor_name,
                 step=step.short(),
-            ) from exc
+            )
+            if not request.reply.done:
+                request.reply.set_exception(error)
+            raise error from exc
         finally:
             self._pending.pop(id(request), None)
+
+    async def _inject(self, faults: FaultPlan, step: MetaStep) -> bool:
+        """Apply the plan's P2P rule for ``step``; False when the message is dropped."""
+        rule = faults.match(FaultSite.P2P, self.rank, step)
+        if rule is None:
+            return True
+        self._recorder.note(self.rank, self.actor_name, rule.describe(self.rank, step))
+        if rule.action is FaultAction.DELAY:
+            await anyio.sleep(rule.delay_s)
+        elif rule.action is FaultAction.DROP:
+            return False
+        else:
+            rule.raise_fault(self.rank, step)
+        return True
 
     async def _serve_collective(self, request: CollectiveRequest) -> None:
         label = f"{request.op} {request.key}"

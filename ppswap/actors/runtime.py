@@ -13,6 +13,15 @@ One run, start to end:
    sessions and stages are torn down on the compute thread (shielded, bounded), so the
    same stages can run again. The error leaves as one ``PipelineError`` naming rank,
    actor and step.
+
+Reliability (docs/reliability.md): every wait has the deadline ``step_timeout``
+(``DEFAULT_STEP_TIMEOUT_S``); a missed one is a ``PipelineHangError`` carrying the flight
+recorder's dump (per actor the last events and pending futures, every channel's
+statistics, the compute thread's current job, the transport's counters). Cancelling the
+awaiting task tears the run down like a failure and re-raises the cancellation. The
+teardown also drops MindSpore's records of forwards whose backward never ran
+(``ppswap.autograd.discard_all``): they would otherwise stay in the process for good.
+``faults`` (a ``FaultPlan``, tests only) injects failures and delays into the actors.
 """
 
 from __future__ import annotations
@@ -32,10 +41,12 @@ import structlog
 from ppswap.actors.compute import ComputeActor, RankInputs
 from ppswap.actors.copy_stream import CopyStreamActor
 from ppswap.actors.executor import DedicatedThread
+from ppswap.actors.faults import FaultPlan
 from ppswap.actors.inputs import RunPlan, prepare_run, split_batches
 from ppswap.actors.messages import CopyRequest, P2PRequest
 from ppswap.actors.p2p import InProcessTransport, P2PActor, Transport
 from ppswap.actors.trace import FlightRecorder
+from ppswap.autograd import discard_all
 from ppswap.errors import first_pipeline_error
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.fsdp.mesh import DeviceMesh
@@ -46,7 +57,13 @@ from ppswap.swap import CopyEngine, EmulatedDevice, PipelineSwapSession, SwapMan
 
 __all__ = ["RankStats", "RunResult", "run_schedule"]
 
-DEFAULT_STEP_TIMEOUT_S = 120.0
+# The deadline of every single wait (a receive, a copy, a collective, a compute job), not
+# of the run. The longest legitimate wait is a receive on the last rank during the
+# pipeline fill (about 2 * pp compute slots) or a first step that compiles kernels; five
+# minutes is far above that for the models this runtime serves, and short enough that a
+# service learns of a hang in minutes (torch.distributed's NCCL default is ten). Raise it
+# for very slow steps; math.inf turns the watchdog off.
+DEFAULT_STEP_TIMEOUT_S = 300.0
 _TEARDOWN_TIMEOUT_S = 60.0
 
 # One run at a time per process: MindSpore autograd must see a single compute thread.
@@ -129,6 +146,7 @@ async def run_schedule(
     transport: Transport | None = None,
     device: CopyEngine | None = None,
     mesh: DeviceMesh | None = None,
+    faults: FaultPlan | None = None,
 ) -> RunResult:
     """Run one training step of a pipeline schedule over ``stages``; see DESIGN.md §6.
 
@@ -142,7 +160,13 @@ async def run_schedule(
     every (stage, dp replica) and the run has ``pp * dp`` ranks in this process; the mesh
     is read from the stages (``mesh``, if given, must be the same). The batch is split
     into dp contiguous blocks, then each block into micro-batches.
+
+    ``forward_only=True`` runs the forwards only (no graph recorded, gradients untouched)
+    and returns the losses. ``step_timeout`` bounds every single wait (see
+    ``DEFAULT_STEP_TIMEOUT_S``). ``faults`` injects test faults (``ppswap.actors.faults``).
     """
+    if device is not None and not isinstance(device, CopyEngine):
+        raise TypeError(f"device must implement CopyEngine or be None, got {type(device).__name__}")
     plan = prepare_run(
         stages,
         schedule,
@@ -161,6 +185,7 @@ async def run_schedule(
         transport=transport,
         trace=trace,
         mesh=mesh,
+        faults=faults,
     )
     async with _exclusive_run():
         return await _run(plan, transport or InProcessTransport(), device or EmulatedDevice())
@@ -168,6 +193,8 @@ async def run_schedule(
 
 async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunResult:
     log = structlog.get_logger("ppswap").bind(actor="runtime")
+    # The library stays silent unless the application configured structlog (structlog's
+    # unconfigured default prints every event): then it logs run and per-step events.
     log_steps = structlog.is_configured()
     recorder = FlightRecorder(keep_spans=plan.trace is not None)
     generation = max(stage.generation for stage in plan.stages) + 1
@@ -178,17 +205,20 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     drivers: dict[int, FsdpRankDriver] = {}
     param_bytes: dict[int, int] = {}
     started = time.perf_counter()
-    log.info(
-        "run_start",
-        schedule=config.schedule,
-        pp=config.pp,
-        vpp=config.vpp,
-        micro=config.micro,
-        swap=config.swap,
-        generation=generation,
-        ranks=list(plan.local_ranks),
-    )
+    if log_steps:
+        log.info(
+            "run_start",
+            schedule=config.schedule,
+            pp=config.pp,
+            vpp=config.vpp,
+            micro=config.micro,
+            swap=config.swap,
+            generation=generation,
+            ranks=list(plan.local_ranks),
+        )
     compute = DedicatedThread("ppswap-compute", join_s=_TEARDOWN_TIMEOUT_S)
+    recorder.register_status("compute thread", lambda: f"running {compute.current_job}")
+    recorder.register_status("transport", lambda: repr(transport.stats()))
     async with compute:
         batches = await compute.run(split_batches, plan)
         for stage in plan.stages:
@@ -213,6 +243,8 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
                     copy_tx, copy_rx = anyio.create_memory_object_stream[CopyRequest](
                         plan.channel_capacity
                     )
+                    recorder.register_channel(rank, "compute->p2p", p2p_tx)
+                    recorder.register_channel(rank, "compute->copy", copy_tx)
                     if plan.mesh is not None:
                         drivers[rank] = FsdpRankDriver(
                             rank=rank,
@@ -241,6 +273,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
                         timeout_s=plan.step_timeout,
                         log_steps=log_steps,
                         fsdp=drivers.get(rank),
+                        faults=plan.faults,
                     )
                     copy_actors[rank] = CopyStreamActor(
                         rank,
@@ -249,6 +282,8 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
                         recorder,
                         generation=generation,
                         log_steps=log_steps,
+                        timeout_s=plan.step_timeout,
+                        faults=plan.faults,
                     )
                     p2p_actor = P2PActor(
                         rank,
@@ -259,6 +294,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
                         generation=generation,
                         log_steps=log_steps,
                         collectives=collectives_for(transport),
+                        faults=plan.faults,
                     )
                     tg.start_soon(actors[rank].run, name=f"compute-{rank}")
                     tg.start_soon(_run_copy_actor, copy_actors[rank], name=f"copy-{rank}")
@@ -273,7 +309,8 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
             error = first_pipeline_error(group)
             if error is group:
                 raise
-            raise error from None
+            # Keep the failure's own cause (the PipelineError contract), not the group.
+            raise error from error.__cause__
         finally:
             if not succeeded:
                 await _teardown(compute, plan, sessions, transport)
@@ -301,7 +338,8 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         swap=config.swap,
         schedule=config.schedule,
     )
-    log.info("run_end", generation=generation, loss=result.loss, step_time_s=elapsed)
+    if log_steps:
+        log.info("run_end", generation=generation, loss=result.loss, step_time_s=elapsed)
     return result
 
 
@@ -319,14 +357,20 @@ def _begin_stage(stage: PipelineStage, plan: RunPlan, generation: int) -> None:
         micro_count=plan.config.micro,
         loss_fn=plan.loss_fn if stage.is_last else None,
         generation=generation,
+        forward_only=plan.config.forward_only,
     )
 
 
 def _abort_all(plan: RunPlan, sessions: dict[int, PipelineSwapSession]) -> None:
     for stage in plan.stages:
         stage.abort_run()
-    for session in sessions.values():
-        session.abort()
+    try:
+        for session in sessions.values():
+            session.abort()
+    finally:
+        # The forwards whose backward never ran stay recorded in MindSpore's executor
+        # (memory that is never given back) until this; see ppswap.autograd.
+        discard_all()
 
 
 async def _teardown(

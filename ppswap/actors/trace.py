@@ -3,6 +3,12 @@
 Every actor records a begin and an end event per MetaStep it serves. The flight recorder
 keeps only the last ``capacity`` events per (rank, actor), always on, so a hang or a failure
 can say what each actor did last. Full spans are kept only when a trace file was asked for.
+
+The dump (``FlightRecorder.dump``, carried by every ``PipelineHangError``) lists, per
+(rank, actor), the last events and what the actor is waiting for (its registered
+``pending`` probe), then the statistics of every registered channel (buffered items,
+open ends, tasks blocked on either end: ``anyio`` memory object streams), then the
+process-wide status probes (the compute thread's current job, the transport's counters).
 """
 
 from __future__ import annotations
@@ -14,11 +20,29 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from anyio.streams.memory import MemoryObjectStreamStatistics
 
 __all__ = ["FlightRecorder", "TraceSpan"]
 
 ACTOR_ORDER = ("compute", "p2p", "copy")
+
+
+class ChannelLike(Protocol):
+    """Either end of an ``anyio`` memory object stream (both report the same state)."""
+
+    def statistics(self) -> MemoryObjectStreamStatistics: ...
+
+
+def describe_channel(stats: MemoryObjectStreamStatistics) -> str:
+    """One line of channel statistics for a dump."""
+    return (
+        f"{stats.current_buffer_used}/{stats.max_buffer_size} buffered, "
+        f"{stats.open_send_streams} senders, {stats.open_receive_streams} receivers open, "
+        f"{stats.tasks_waiting_send} tasks waiting to send, "
+        f"{stats.tasks_waiting_receive} waiting to receive"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +67,8 @@ class FlightRecorder:
         self._events: dict[tuple[int, str], deque[str]] = {}
         self._spans: list[TraceSpan] = []
         self._pending: dict[tuple[int, str], Callable[[], list[str]]] = {}
+        self._channels: dict[tuple[int, str], ChannelLike] = {}
+        self._status: dict[str, Callable[[], str]] = {}
 
     def now_us(self) -> float:
         return (time.perf_counter() - self._origin) * 1e6
@@ -77,6 +103,14 @@ class FlightRecorder:
         """Let an actor report what it is waiting for in a dump."""
         self._pending[(rank, actor)] = probe
 
+    def register_channel(self, rank: int, name: str, channel: ChannelLike) -> None:
+        """Report ``channel``'s statistics in a dump, as ``rank``'s channel ``name``."""
+        self._channels[(rank, name)] = channel
+
+    def register_status(self, name: str, probe: Callable[[], str]) -> None:
+        """Report ``probe()`` in a dump under ``name`` (process-wide state)."""
+        self._status[name] = probe
+
     @property
     def spans(self) -> tuple[TraceSpan, ...]:
         return tuple(self._spans)
@@ -96,6 +130,14 @@ class FlightRecorder:
             if probe is not None:
                 for item in probe():
                     lines.append(f"    pending: {item}")
+        if self._channels:
+            lines.append("channels:")
+            for (rank, name), channel in sorted(self._channels.items(), key=lambda kv: kv[0]):
+                lines.append(f"  rank {rank} {name}: {describe_channel(channel.statistics())}")
+        if self._status:
+            lines.append("process:")
+            for name, status in self._status.items():
+                lines.append(f"  {name}: {status()}")
         return "\n".join(lines)
 
     def write_chrome_trace(self, path: str | Path) -> Path:
