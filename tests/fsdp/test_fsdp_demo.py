@@ -1,0 +1,30 @@
+"""``run_fsdp_demo``: swap on/off bit-identical, parameter and activation savings reported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ppswap.demo.fsdp_demo import format_fsdp_report, run_fsdp_demo
+from ppswap.demo.run import DemoOptions
+
+
+def test_fsdp_demo_reports_parameter_and_activation_savings(tmp_path: Path) -> None:
+    opts = DemoOptions(schedule="gpipe", pp=2, micro=2, batch=4, steps=1, out_dir=tmp_path)
+    report = run_fsdp_demo(opts, dp=2)
+    assert report.losses_no_swap == report.losses_swap
+    assert len(report.last_swap.ranks) == 4
+    for stats in report.last_swap.ranks:
+        assert 0 < stats.resident_param_bytes < stats.unsharded_param_bytes
+        assert stats.resident_param_bytes <= stats.unsharded_param_bytes // 2 + 4096
+    text = format_fsdp_report(report)
+    assert "bit-identical: yes" in text
+    assert "saved by FSDP, dp=2" in text and "saved by swap" in text
+    assert (tmp_path / "trace_fsdp_swap.json").exists()
+
+
+def test_fsdp_demo_refuses_a_batch_that_does_not_split_over_dp(tmp_path: Path) -> None:
+    opts = DemoOptions(pp=2, micro=2, batch=2, steps=1, out_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"batch must be divisible by micro \* dp = 4"):
+        run_fsdp_demo(opts, dp=2)
