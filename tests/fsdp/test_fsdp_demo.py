@@ -11,7 +11,7 @@ from ppswap.demo.run import DemoOptions
 
 
 def test_fsdp_demo_reports_parameter_and_activation_savings(tmp_path: Path) -> None:
-    opts = DemoOptions(schedule="gpipe", pp=2, micro=2, batch=4, steps=1, out_dir=tmp_path)
+    opts = DemoOptions(schedule="gpipe", pp=2, micro=1, batch=2, steps=1, out_dir=tmp_path)
     report = run_fsdp_demo(opts, dp=2)
     assert report.losses_no_swap == report.losses_swap
     assert len(report.last_swap.ranks) == 4
@@ -25,6 +25,6 @@ def test_fsdp_demo_reports_parameter_and_activation_savings(tmp_path: Path) -> N
 
 
 def test_fsdp_demo_refuses_a_batch_that_does_not_split_over_dp(tmp_path: Path) -> None:
-    opts = DemoOptions(pp=2, micro=2, batch=2, steps=1, out_dir=tmp_path)
-    with pytest.raises(ValueError, match=r"batch must be divisible by micro \* dp = 4"):
+    opts = DemoOptions(pp=2, micro=1, batch=3, steps=1, out_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"batch must be divisible by micro \* dp = 2"):
         run_fsdp_demo(opts, dp=2)
