@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ppswap.demo.fsdp_demo import main_fsdp_demo
 from ppswap.demo.run import DemoOptions, main_demo
 from ppswap.scheduler.config import (
     DEFAULT_MIN_SWAP_GAP,
@@ -212,6 +213,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
         )
     except (TypeError, ValueError) as exc:
         return _fail(str(exc))
+    if options.fsdp:
+        return main_fsdp_demo(options)
     return main_demo(options)
 
 

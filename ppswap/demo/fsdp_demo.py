@@ -22,12 +22,11 @@ import time
 from dataclasses import dataclass
 
 import mindspore as ms
-import numpy as np
 
 from ppswap.actors.messages import HostArray
 from ppswap.actors.runtime import RunResult
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
-from ppswap.demo.run import DemoOptions, load_corpus
+from ppswap.demo.run import DemoOptions, lm_batches, load_corpus
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.stage import PipelineStage
@@ -53,23 +52,6 @@ _SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
-
-
-def _lm_batches(
-    text: str, cfg: LMConfig, batch: int, steps: int
-) -> list[tuple[HostArray, HostArray]]:
-    """``steps`` global batches of (tokens, next tokens), drawn like ``ppswap demo``'s."""
-    vocab = sorted(set(text))
-    index = {ch: i for i, ch in enumerate(vocab)}
-    ids = np.array([index[ch] for ch in text], dtype=np.int32)
-    rng = np.random.default_rng(cfg.seed)
-    out: list[tuple[HostArray, HostArray]] = []
-    for _ in range(steps):
-        starts = rng.integers(0, len(ids) - cfg.seq - 1, size=batch)
-        x = np.stack([ids[s : s + cfg.seq] for s in starts])
-        y = np.stack([ids[s + 1 : s + cfg.seq + 1] for s in starts])
-        out.append((x, y))
-    return out
 
 
 def _sharded_lm(cfg: LMConfig, stage_num: int, mesh: DeviceMesh) -> list[PipelineStage]:
@@ -139,7 +121,7 @@ def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()
     cfg = LMConfig(vocab=len(set(text)), seq=32, dim=64, heads=4, layers_per_stage=2)
-    data = _lm_batches(text, cfg, opts.batch, opts.steps)
+    data = lm_batches(text, cfg, opts.batch, opts.steps)
     mesh = DeviceMesh(pp=opts.pp, dp=dp)
     print(
         f"ppswap demo --fsdp: {opts.schedule} pp={opts.pp} vpp={opts.vpp} dp={dp} "

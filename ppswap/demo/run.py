@@ -32,7 +32,7 @@ try:  # the diagram needs the optional 'plot' extra (matplotlib)
 except ImportError:  # pragma: no cover - depends on the environment
     plot_schedule = None  # type: ignore[assignment]
 
-__all__ = ["DemoOptions", "DemoReport", "load_corpus", "run_demo"]
+__all__ = ["DemoOptions", "DemoReport", "lm_batches", "load_corpus", "run_demo"]
 
 _SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -85,12 +85,15 @@ def load_corpus() -> str:
     return resources.files("ppswap").joinpath("data/corpus.txt").read_text(encoding="utf-8")
 
 
-def _batches(text: str, cfg: LMConfig, batch: int, steps: int) -> list[tuple[HostArray, ...]]:
+def lm_batches(
+    text: str, cfg: LMConfig, batch: int, steps: int
+) -> list[tuple[HostArray, HostArray]]:
+    """``steps`` batches of (tokens, next tokens) drawn from ``text`` (seeded by cfg.seed)."""
     vocab = sorted(set(text))
     index = {ch: i for i, ch in enumerate(vocab)}
     ids = np.array([index[ch] for ch in text], dtype=np.int32)
     rng = np.random.default_rng(cfg.seed)
-    out: list[tuple[HostArray, ...]] = []
+    out: list[tuple[HostArray, HostArray]] = []
     for _ in range(steps):
         starts = rng.integers(0, len(ids) - cfg.seq - 1, size=batch)
         x = np.stack([ids[s : s + cfg.seq] for s in starts])
@@ -100,7 +103,7 @@ def _batches(text: str, cfg: LMConfig, batch: int, steps: int) -> list[tuple[Hos
 
 
 def _train(
-    opts: DemoOptions, cfg: LMConfig, data: list[tuple[HostArray, ...]], swap: bool
+    opts: DemoOptions, cfg: LMConfig, data: list[tuple[HostArray, HostArray]], swap: bool
 ) -> tuple[list[float], RunResult]:
     stage_num = opts.pp * opts.vpp
     modules = build_lm_stages(cfg, stage_num)
@@ -145,7 +148,7 @@ def run_demo(opts: DemoOptions) -> DemoReport:
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()
     cfg = LMConfig(vocab=len(set(text)), seq=32, dim=64, heads=4, layers_per_stage=2)
-    data = _batches(text, cfg, opts.batch, opts.steps)
+    data = lm_batches(text, cfg, opts.batch, opts.steps)
     config = ScheduleConfig(
         schedule=opts.schedule,  # type: ignore[arg-type]
         pp=opts.pp,
