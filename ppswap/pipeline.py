@@ -3,7 +3,9 @@
 ``ScheduleGPipe(stages, micro_batch_num=8, swap=True)`` checks its options at once (bad
 input fails at construction, before any work), owns the copy engine (so host buffers are
 pooled across runs) and runs with ``await schedule.run_async(x, targets=y)`` or, from
-synchronous code, ``schedule.run(x, targets=y)``.
+synchronous code, ``schedule.run(x, targets=y)``. ``swap_policy="cost"`` with
+``cost_model=CostModel(...)`` (``ppswap.scheduler.cost``) chooses the swapped chunks by
+their copy cost instead of the fixed gap rule.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import anyio
 from ppswap.actors.p2p import Transport
 from ppswap.actors.runtime import DEFAULT_STEP_TIMEOUT_S, RunResult, run_schedule
 from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.cost import CostModel, SwapPolicy, check_swap_policy
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap import CopyEngine, EmulatedDevice
 
@@ -42,6 +45,8 @@ class _PipelineSchedule:
         step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
         transport: Transport | None = None,
         device: CopyEngine | None = None,
+        swap_policy: SwapPolicy = "gap",
+        cost_model: CostModel | None = None,
     ) -> None:
         self.stages: list[PipelineStage] = (
             [stages] if isinstance(stages, PipelineStage) else list(stages)
@@ -66,6 +71,7 @@ class _PipelineSchedule:
             swap=swap,
             min_swap_gap=min_swap_gap,
         )
+        check_swap_policy(swap_policy, cost_model)
         self.micro_batch_num = micro_batch_num
         self.loss_fn = loss_fn
         self.swap = swap
@@ -74,6 +80,8 @@ class _PipelineSchedule:
         self.overlap_b_f = overlap_b_f
         self.p2p = p2p
         self.min_swap_gap = min_swap_gap
+        self.swap_policy: SwapPolicy = swap_policy
+        self.cost_model = cost_model
         self.step_timeout = step_timeout
         self.transport = transport
         self.device: CopyEngine = device if device is not None else EmulatedDevice()
@@ -99,6 +107,8 @@ class _PipelineSchedule:
             transport=self.transport,
             device=self.device,
             trace=trace,
+            swap_policy=self.swap_policy,
+            cost_model=self.cost_model,
         )
 
     def run(

@@ -47,7 +47,7 @@ from ppswap.errors import PipelineInputError
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.fsdp.plan import check_mesh, replica_of, resolve_mesh, world_orders
 from ppswap.scheduler.config import P2P_MODES, SCHEDULE_NAMES, ScheduleConfig
-from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.cost import CostModel, SwapPolicy, build_orders, check_swap_policy
 from ppswap.scheduler.steps import Order, iter_leaves
 from ppswap.scheduler.validate import validate_all
 from ppswap.stage import LossFn, PipelineStage
@@ -200,8 +200,14 @@ def prepare_run(
     trace: str | Path | None,
     mesh: DeviceMesh | None = None,
     faults: FaultPlan | None = None,
+    swap_policy: SwapPolicy = "gap",
+    cost_model: CostModel | None = None,
 ) -> RunPlan:
-    """Check every argument of ``run_schedule`` and build the finalized orders."""
+    """Check every argument of ``run_schedule`` and build the finalized orders.
+
+    ``swap_policy`` / ``cost_model``: which chunks swap moves (``ppswap.scheduler.cost``):
+    the fixed gap rule (default) or the cost-aware policy under ``cost_model``.
+    """
     if faults is not None and not isinstance(faults, FaultPlan):
         raise TypeError(
             f"faults must be a ppswap.actors.faults.FaultPlan or None, got {type(faults).__name__}"
@@ -210,6 +216,7 @@ def prepare_run(
         raise TypeError(f"trace must be a file path (str or Path) or None, got {trace!r}")
     if not isinstance(swap, bool):
         raise TypeError(f"swap must be a bool (True or False), got {swap!r}")
+    check_swap_policy(swap_policy, cost_model)
     if not isinstance(schedule, str):
         raise TypeError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
     if not isinstance(p2p, str):
@@ -295,7 +302,7 @@ def prepare_run(
             f"inputs and targets must have the same batch size, got {inputs.shape[0]} "
             f"and {targets.shape[0]}"
         )
-    orders = build_all_orders(config)
+    orders = build_orders(config, swap_policy, cost_model)
     validate_all(config, orders)
     orders = world_orders(orders, fsdp_mesh)
     capacity = max(sum(1 for _ in iter_leaves(order)) for order in orders) + 1

@@ -51,6 +51,7 @@ from ppswap.errors import first_pipeline_error
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.fsdp.plan import collectives_for, param_storage_bytes
+from ppswap.scheduler.cost import CostModel, SwapPolicy
 from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap import CopyEngine, EmulatedDevice, PipelineSwapSession, SwapManager
@@ -147,6 +148,8 @@ async def run_schedule(
     device: CopyEngine | None = None,
     mesh: DeviceMesh | None = None,
     faults: FaultPlan | None = None,
+    swap_policy: SwapPolicy = "gap",
+    cost_model: CostModel | None = None,
 ) -> RunResult:
     """Run one training step of a pipeline schedule over ``stages``; see DESIGN.md §6.
 
@@ -164,6 +167,11 @@ async def run_schedule(
     ``forward_only=True`` runs the forwards only (no graph recorded, gradients untouched)
     and returns the losses. ``step_timeout`` bounds every single wait (see
     ``DEFAULT_STEP_TIMEOUT_S``). ``faults`` injects test faults (``ppswap.actors.faults``).
+
+    ``swap_policy="cost"`` with ``cost_model=CostModel(...)`` swaps, per rank, the chunks
+    that keep the predicted exposed copy wait within the model's budget at the lowest
+    peak (``ppswap.scheduler.cost``); the default ``"gap"`` is the fixed rule
+    ``gap >= min_swap_gap``. Either way only with ``swap=True``.
     """
     if device is not None and not isinstance(device, CopyEngine):
         raise TypeError(f"device must implement CopyEngine or be None, got {type(device).__name__}")
@@ -186,6 +194,8 @@ async def run_schedule(
         trace=trace,
         mesh=mesh,
         faults=faults,
+        swap_policy=swap_policy,
+        cost_model=cost_model,
     )
     async with _exclusive_run():
         return await _run(plan, transport or InProcessTransport(), device or EmulatedDevice())
