@@ -34,7 +34,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from ppswap.autograd import record_forward, run_backward, run_without_graph
+from ppswap.autograd import record_forward, release_record, run_backward, run_without_graph
 from ppswap.errors import PipelineInputError
 from ppswap.swap import module_state_tensors
 
@@ -62,6 +62,9 @@ class _Chunk:
     # The record is keyed by the identity of these inputs: they live until the backward.
     inputs: tuple[Tensor, ...]
     output: Tensor | None  # kept only when the send hands it over without a copy
+    # The output's shape and dtype: a zero sensitivity releases an abandoned record.
+    output_shape: tuple[int, ...] = ()
+    output_dtype: Any = None
 
 
 class PipelineStage:
@@ -176,9 +179,26 @@ class PipelineStage:
         return stage_forward
 
     def abort_run(self) -> None:
-        """Drop every chunk of a failed or cancelled run (its graphs and saved tensors)."""
+        """Drop every chunk of a failed or cancelled run (its graphs and saved tensors).
+
+        A recorded forward whose backward never runs keeps what its saved-tensor hooks
+        packed alive inside MindSpore for good, ``discard_all`` or not (measured on
+        mindspore 2.10: every saved activation of the chunk; ppswap's swap collector is
+        active around every FWD). So each chunk still recorded is released by running its
+        backward with a zero sensitivity, in micro-batch order, results dropped (one
+        backward's compute per abandoned chunk). Best effort: a chunk whose backward
+        fails is dropped as it is.
+        """
+        chunks = sorted(self._chunks.items())
         self._chunks.clear()
         self._pending_dw.clear()
+        forward_fn = self._forward_fn
+        if forward_fn is None:
+            return
+        for _, chunk in chunks:
+            release_record(
+                forward_fn, chunk.inputs, self._params, chunk.output_shape, chunk.output_dtype
+            )
 
     # -- compute leaves (compute thread) --------------------------------------------------
     def forward(
@@ -208,7 +228,9 @@ class PipelineStage:
         ):
             out = record_forward(self._forward_fn, inputs_for_graph)
         collector.protect_aliases(self.stage_index, micro, [out])
-        self._chunks[micro] = _Chunk(inputs_for_graph, out if keep_output else None)
+        self._chunks[micro] = _Chunk(
+            inputs_for_graph, out if keep_output else None, tuple(out.shape), out.dtype
+        )
         return out
 
     def backward(self, micro: int, grad_output: Tensor | None, *, split: bool) -> Tensor | None:

@@ -16,7 +16,9 @@ Contract:
 - Completion is signalled to the event loop with ``loop.call_soon_threadsafe``: this module
   needs the asyncio backend (what pytest-asyncio and MindSpore users run).
 - ``stop()`` enqueues a sentinel; the thread finishes the jobs before it and exits. The
-  thread is never a daemon: the owner joins it (``join_s`` bounds that wait).
+  thread is never a daemon: the owner joins it (``join_s`` bounds that wait). A thread
+  started inside an event loop tells that loop when it exits, so ``join`` needs no helper
+  thread (no worker of anyio's thread pool is left behind by a run).
 """
 
 from __future__ import annotations
@@ -76,11 +78,16 @@ class DedicatedThread:
         self._jobs_run = 0
         self._busy_s = 0.0
         self._current: str | None = None
+        self._exit_loop: asyncio.AbstractEventLoop | None = None
+        self._exited: anyio.Event | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError(f"thread {self.name!r} was already started")
+        with contextlib.suppress(RuntimeError):  # no running loop: join() uses a helper
+            self._exit_loop = asyncio.get_running_loop()
+            self._exited = anyio.Event()
         self._thread = threading.Thread(target=self._serve, name=self.name, daemon=False)
         self._thread.start()
 
@@ -95,7 +102,13 @@ class DedicatedThread:
         if thread is None:
             return
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(thread.join, self._join_s)
+            if self._exited is not None and self._exit_loop is asyncio.get_running_loop():
+                with anyio.move_on_after(self._join_s):
+                    await self._exited.wait()
+                if self._exited.is_set():
+                    thread.join()  # at once: the thread is past its last statement
+            else:
+                await anyio.to_thread.run_sync(thread.join, self._join_s)
         if thread.is_alive():
             raise RuntimeError(
                 f"thread {self.name!r} did not stop within {self._join_s}s "
@@ -140,6 +153,15 @@ class DedicatedThread:
         return job.result  # type: ignore[return-value]
 
     def _serve(self) -> None:
+        try:
+            self._serve_jobs()
+        finally:
+            loop, exited = self._exit_loop, self._exited
+            if loop is not None and exited is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody joins
+                    loop.call_soon_threadsafe(exited.set)
+
+    def _serve_jobs(self) -> None:
         while True:
             item = self._queue.get()
             if item is _STOP:
