@@ -23,6 +23,7 @@ import psutil
 from ppswap import PipelineError, PipelineHangError, PipelineStage, RunResult, run_schedule
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapGroup, swap_wrapper
+from ppswap.swap.entries import GroupPhase
 
 DIM = 8
 BATCH = 8
@@ -76,8 +77,8 @@ def grads_of(stages: list[PipelineStage]) -> list[np.ndarray]:
 
 async def run_case(stages: list[PipelineStage], case: Case, **overrides: Any) -> RunResult:
     x, y = make_data()
-    kwargs = case.kwargs() | {"step_timeout": 30.0} | overrides
-    return await run_schedule(stages, case.schedule, inputs=x, targets=y, **kwargs)
+    kwargs = case.kwargs() | {"inputs": x, "targets": y, "step_timeout": 30.0} | overrides
+    return await run_schedule(stages, case.schedule, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,13 @@ def ppswap_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("ppswap-"))
 
 
-def live_swap_objects() -> tuple[int, int]:
-    """(SwapGroup, PipelineSwapSession) objects still alive in the process."""
+def swap_object_counts() -> tuple[int, int]:
+    """(SwapGroup, PipelineSwapSession) objects alive in the process, released or not.
+
+    MindSpore may keep the saved-tensor hook of a recent forward (and, through it, a
+    finished session) alive for a while: a few such objects are not a leak, a count that
+    grows with the runs is.
+    """
     gc.collect()
     groups = sessions = 0
     for obj in gc.get_objects():
@@ -145,6 +151,20 @@ def live_swap_objects() -> tuple[int, int]:
         if kind is SwapGroup:
             groups += 1
         elif kind is PipelineSwapSession:
+            sessions += 1
+    return groups, sessions
+
+
+def live_swap_objects() -> tuple[int, int]:
+    """(groups not released, sessions still holding chunks) in the process: what a run
+    must never leave behind."""
+    gc.collect()
+    groups = sessions = 0
+    for obj in gc.get_objects():
+        kind = type(obj)
+        if kind is SwapGroup and obj.phase is not GroupPhase.RELEASED:
+            groups += 1
+        elif kind is PipelineSwapSession and obj.stats().live_chunks:
             sessions += 1
     return groups, sessions
 
@@ -200,4 +220,5 @@ __all__ = [
     "rss_bytes",
     "run_case",
     "run_in_fresh_loop",
+    "swap_object_counts",
 ]
