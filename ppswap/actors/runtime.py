@@ -40,6 +40,12 @@ import structlog
 
 from ppswap.actors.compute import ComputeActor, RankInputs
 from ppswap.actors.copy_stream import CopyStreamActor
+from ppswap.actors.distributed import (
+    abort_job,
+    configure_transport,
+    gather_results,
+    is_distributed,
+)
 from ppswap.actors.executor import DedicatedThread
 from ppswap.actors.faults import FaultPlan
 from ppswap.actors.inputs import RunPlan, prepare_run, split_batches
@@ -229,6 +235,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     compute = DedicatedThread("ppswap-compute", join_s=_TEARDOWN_TIMEOUT_S)
     recorder.register_status("compute thread", lambda: f"running {compute.current_job}")
     recorder.register_status("transport", lambda: repr(transport.stats()))
+    configure_transport(transport, config.num_stages, config.micro)
     async with compute:
         batches = await compute.run(split_batches, plan)
         for stage in plan.stages:
@@ -317,6 +324,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
             succeeded = True
         except BaseExceptionGroup as group:
             error = first_pipeline_error(group)
+            abort_job(transport, error)
             if error is group:
                 raise
             # Keep the failure's own cause (the PipelineError contract), not the group.
@@ -337,6 +345,8 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         )
         for rank in plan.local_ranks
     ]
+    if is_distributed(transport):
+        losses, ranks = await gather_results(transport, ranks[0], losses, config.micro)  # type: ignore[arg-type]
     trace_path = recorder.write_chrome_trace(plan.trace) if plan.trace is not None else None
     result = RunResult(
         losses=losses,

@@ -19,6 +19,7 @@ import mindspore as ms
 import numpy as np
 
 from ppswap.actors.messages import HostArray
+from ppswap.actors.p2p import Transport
 from ppswap.actors.runtime import RunResult
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -102,28 +103,50 @@ def lm_batches(
     return out
 
 
+def mpi_transport() -> Transport:
+    """An MPITransport for this process (``mpiexec -n PP ppswap demo --transport mpi``).
+
+    Imported here, not at the top: importing mpi4py's MPI initializes MPI, which only an
+    MPI run should do.
+    """
+    from ppswap.actors.mpi import MPITransport
+
+    return MPITransport()
+
+
 def _train(
-    opts: DemoOptions, cfg: LMConfig, data: list[tuple[HostArray, HostArray]], swap: bool
+    opts: DemoOptions,
+    cfg: LMConfig,
+    data: list[tuple[HostArray, HostArray]],
+    swap: bool,
+    transport: Transport | None,
 ) -> tuple[list[float], RunResult]:
     stage_num = opts.pp * opts.vpp
     modules = build_lm_stages(cfg, stage_num)
     for module in modules:
         for index, layer in enumerate(module.layers):
             module.layers[index] = swap_wrapper(layer)
-    stages = [PipelineStage(m, i, stage_num) for i, m in enumerate(modules)]
+    rank = getattr(transport, "rank", None)
+    stages = [
+        PipelineStage(m, i, stage_num)
+        for i, m in enumerate(modules)
+        if rank is None or i % opts.pp == rank  # under MPI: this process's stages only
+    ]
     schedule = _SCHEDULES[opts.schedule](
         stages,
         opts.micro,
         loss_fn=cross_entropy_loss,
         swap=swap,
-        pp=opts.pp if opts.vpp > 1 else None,
+        pp=opts.pp if opts.vpp > 1 or transport is not None else None,
         device=EmulatedDevice(),
+        transport=transport,
     )
     losses: list[float] = []
     result: RunResult | None = None
     label = "swap on " if swap else "swap off"
+    suffix = "" if rank is None else f"_rank{rank}"
     for step, (x, y) in enumerate(data):
-        trace = opts.out_dir / f"trace_{'swap' if swap else 'noswap'}.json"
+        trace = opts.out_dir / f"trace_{'swap' if swap else 'noswap'}{suffix}.json"
         result = schedule.run(x, targets=y, trace=trace if step == len(data) - 1 else None)
         losses.append(result.loss)
         for stage in stages:
@@ -131,6 +154,8 @@ def _train(
                 param.set_data(param - opts.lr * grad)
         done = step + 1
         bar = "#" * (20 * done // len(data))
+        if rank:  # under MPI only rank 0 reports
+            continue
         print(
             f"\r  {label} [{bar:<20}] step {done}/{len(data)} loss {result.loss:.4f} "
             f"({result.step_time_s:.2f}s)",
@@ -138,13 +163,21 @@ def _train(
             file=sys.stderr,
             flush=True,
         )
-    print(file=sys.stderr)
+    if not rank:
+        print(file=sys.stderr)
     assert result is not None
     return losses, result
 
 
-def run_demo(opts: DemoOptions) -> DemoReport:
+def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoReport:
+    """Train without, then with swap. With an MPI ``transport`` this process runs its own
+    rank's stages; every process gets the whole report back."""
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    if transport is not None and getattr(transport, "world_size", opts.pp) != opts.pp:
+        raise ValueError(
+            f"pp must equal the MPI world size {transport.world_size}, got "  # type: ignore[attr-defined]
+            f"pp={opts.pp} (launch with mpiexec -n {opts.pp})"
+        )
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()
     cfg = LMConfig(vocab=len(set(text)), seq=32, dim=64, heads=4, layers_per_stage=2)
@@ -156,15 +189,17 @@ def run_demo(opts: DemoOptions) -> DemoReport:
         micro=opts.micro,
         swap=True,
     )
-    print(
-        f"ppswap demo: {opts.schedule} pp={opts.pp} vpp={opts.vpp} micro={opts.micro}, "
-        f"char LM ({cfg.layers_per_stage} blocks/stage, dim {cfg.dim}), {opts.steps} steps",
-        file=sys.stderr,
-    )
-    losses_off, last_off = _train(opts, cfg, data, swap=False)
-    losses_on, last_on = _train(opts, cfg, data, swap=True)
+    quiet = bool(getattr(transport, "rank", 0))  # under MPI only rank 0 reports
+    if not quiet:
+        print(
+            f"ppswap demo: {opts.schedule} pp={opts.pp} vpp={opts.vpp} micro={opts.micro}, "
+            f"char LM ({cfg.layers_per_stage} blocks/stage, dim {cfg.dim}), {opts.steps} steps",
+            file=sys.stderr,
+        )
+    losses_off, last_off = _train(opts, cfg, data, False, transport)
+    losses_on, last_on = _train(opts, cfg, data, True, transport)
     predicted = memory_table(config)
-    if opts.plot:
+    if opts.plot and not quiet:
         _plot(config, opts.out_dir / f"schedule_{opts.schedule}.png")
     return DemoReport(losses_off, losses_on, last_off, last_on, predicted)
 
@@ -217,8 +252,14 @@ def format_report(report: DemoReport) -> str:
 
 def main_demo(opts: DemoOptions) -> int:
     started = time.perf_counter()
-    report = run_demo(opts)
+    transport = mpi_transport() if opts.transport == "mpi" else None
+    report = run_demo(opts, transport)
+    if getattr(transport, "rank", 0):
+        return 0 if report.losses_no_swap == report.losses_swap else 1
     print(format_report(report))
-    print(f"traces: {opts.out_dir}/trace_noswap.json, {opts.out_dir}/trace_swap.json")
+    suffix = "" if transport is None else "_rank*"
+    print(
+        f"traces: {opts.out_dir}/trace_noswap{suffix}.json, {opts.out_dir}/trace_swap{suffix}.json"
+    )
     print(f"done in {time.perf_counter() - started:.1f}s")
     return 0 if report.losses_no_swap == report.losses_swap else 1

@@ -1,0 +1,113 @@
+"""What a run does differently when each rank is its own process (MPI).
+
+- Before the actors start, the transport gets the run's tag layout
+  (``configure(num_stages, micro_count)``, which also starts a new message epoch, so a stale
+  message of an earlier run is an error, never a wrong tensor).
+- After the run every rank all-gathers a small float64 record (its RankStats, then the
+  last stage's losses, NaN elsewhere), so every process returns the same RunResult: the
+  losses of the last stage and the stats of every rank. Rank 0 prints, say.
+- When a rank fails, waiting peers would only notice at their watchdog deadline. A
+  transport with ``abort_on_failure`` (MPITransport) ends the whole job instead: the
+  failing rank writes its PipelineError to stderr, naming itself, then aborts every
+  process (``MPI.COMM_WORLD.Abort``), so all of them exit non-zero at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ppswap.actors.messages import HostArray
+
+__all__ = [
+    "DistributedTransport",
+    "abort_job",
+    "configure_transport",
+    "gather_results",
+    "is_distributed",
+]
+
+_RESULT_KEY = "ppswap.run_result"
+_ABORT_GRACE_S = 0.5
+
+
+@runtime_checkable
+class DistributedTransport(Protocol):
+    """A transport whose ranks are separate processes (MPITransport)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def configure(self, num_stages: int, micro_count: int) -> None: ...
+
+    async def all_gather(
+        self, rank: int, group: tuple[int, ...], key: str, array: HostArray
+    ) -> list[HostArray]: ...
+
+
+def is_distributed(transport: object) -> bool:
+    return isinstance(transport, DistributedTransport)
+
+
+def configure_transport(transport: object, num_stages: int, micro_count: int) -> None:
+    """Give a distributed transport the run's tag layout (and a new epoch)."""
+    if isinstance(transport, DistributedTransport):
+        transport.configure(num_stages, micro_count)
+
+
+async def gather_results(
+    transport: DistributedTransport,
+    stats: Any,
+    losses: list[float],
+    micro_count: int,
+) -> tuple[list[float], list[Any]]:
+    """All-gather every rank's stats and the last stage's losses.
+
+    ``stats`` is this rank's RankStats (a dataclass of numbers); returns the losses (from
+    whichever rank had them) and the stats of every rank, indexed by rank.
+    """
+    fields = dataclasses.astuple(stats)
+    record = np.full(len(fields) + micro_count, math.nan, dtype=np.float64)
+    record[: len(fields)] = [float(v) for v in fields]
+    if losses:
+        record[len(fields) :] = losses
+    group = tuple(range(transport.world_size))
+    records = await transport.all_gather(transport.rank, group, _RESULT_KEY, record)
+    stats_type = type(stats)
+    kinds = [f.type for f in dataclasses.fields(stats_type)]
+    everyone = [
+        stats_type(
+            *(_typed(kind, value) for kind, value in zip(kinds, r[: len(fields)], strict=True))
+        )
+        for r in records
+    ]
+    gathered_losses: list[float] = []
+    for r in records:
+        tail = r[len(fields) :]
+        if not np.isnan(tail).all():
+            gathered_losses = [float(v) for v in tail]
+    return gathered_losses, everyone
+
+
+def _typed(kind: object, value: float) -> int | float:
+    return int(value) if kind in (int, "int") else float(value)
+
+
+def abort_job(transport: object, error: BaseException) -> None:
+    """End every process of the job if the transport asks for it (see module doc)."""
+    if not is_distributed(transport) or not getattr(transport, "abort_on_failure", True):
+        return
+    rank = getattr(transport, "rank", "?")
+    print(f"ppswap: rank {rank} failed, aborting the job: {error}", file=sys.stderr, flush=True)
+    # mpiexec forwards each rank's output through a proxy that the abort kills: give the
+    # message a moment to get through (seen lost otherwise), then end the job.
+    time.sleep(_ABORT_GRACE_S)
+    transport.abort(1)  # type: ignore[attr-defined]

@@ -1,0 +1,65 @@
+"""One rank of a pipeline run over MPITransport; writes what it computed for the test.
+
+    mpiexec -n N python run_pipeline.py OUT_DIR SCHEDULE STAGE_NUM MICRO OVERLAP SWAP [FAIL]
+
+Every process builds all stage modules from the same seed (as the in-process reference
+does) and runs only its own stages. Rank r writes OUT_DIR/rank{r}.npz with the losses it
+got back and the gradients of its stages. FAIL=1 makes rank 1's FWD of micro 1 raise.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import anyio
+import numpy as np
+
+from ppswap import PipelineStage, run_schedule
+from ppswap.actors.faults import FaultPlan, fail_compute
+from ppswap.actors.mpi import MPITransport
+from ppswap.demo.model import build_mlp_stages, mse_loss
+from ppswap.scheduler.steps import StepKind
+from ppswap.swap import swap_wrapper
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_data import DIM, data
+
+
+async def main() -> None:
+    out_dir = Path(sys.argv[1])
+    schedule, stage_num, micro = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    overlap, swap = sys.argv[5] == "1", sys.argv[6] == "1"
+    fail = len(sys.argv) > 7 and sys.argv[7] == "1"
+    transport = MPITransport()
+    rank, world = transport.rank, transport.world_size
+    modules = build_mlp_stages(stage_num, dim=DIM, wrap=swap_wrapper)
+    stages = [PipelineStage(m, i, stage_num) for i, m in enumerate(modules) if i % world == rank]
+    x, y = data()
+    faults = FaultPlan(rules=(fail_compute(StepKind.FWD, rank=1, micro=1),)) if fail else None
+    result = await run_schedule(
+        stages,
+        schedule,
+        micro_batch_num=micro,
+        inputs=x,
+        targets=y,
+        loss_fn=mse_loss,
+        swap=swap,
+        overlap_b_f=overlap,
+        transport=transport,
+        step_timeout=60,
+        faults=faults,
+    )
+    grads = {f"grad_s{s.stage_index}_{k}": g.asnumpy() for s in stages for k, g in enumerate(s.grads)}
+    np.savez(
+        out_dir / f"rank{rank}.npz",
+        losses=np.array(result.losses),
+        offloaded=np.array([r.offloaded_bytes for r in result.ranks]),
+        stat_ranks=np.array([r.rank for r in result.ranks]),
+        **grads,
+    )
+    transport.close()
+
+
+if __name__ == "__main__":
+    anyio.run(main)
