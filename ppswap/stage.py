@@ -178,7 +178,7 @@ class PipelineStage:
 
         return stage_forward
 
-    def abort_run(self) -> None:
+    def abort_run(self, releasable: Callable[[int, int], bool] | None = None) -> None:
         """Drop every chunk of a failed or cancelled run (its graphs and saved tensors).
 
         A recorded forward whose backward never runs keeps what its saved-tensor hooks
@@ -186,8 +186,10 @@ class PipelineStage:
         mindspore 2.10: every saved activation of the chunk; ppswap's swap collector is
         active around every FWD). So each chunk still recorded is released by running its
         backward with a zero sensitivity, in micro-batch order, results dropped (one
-        backward's compute per abandoned chunk). Best effort: a chunk whose backward
-        fails is dropped as it is.
+        backward's compute per abandoned chunk). ``releasable(stage, micro)`` (default:
+        every chunk) says which chunks may run that backward: the runtime skips a chunk
+        whose swap copy never finished (its unpack would wait for a copy that will never
+        run). Best effort: a chunk skipped or whose backward fails is dropped as it is.
         """
         chunks = sorted(self._chunks.items())
         self._chunks.clear()
@@ -195,7 +197,9 @@ class PipelineStage:
         forward_fn = self._forward_fn
         if forward_fn is None:
             return
-        for _, chunk in chunks:
+        for micro, chunk in chunks:
+            if releasable is not None and not releasable(self.stage_index, micro):
+                continue
             release_record(
                 forward_fn, chunk.inputs, self._params, chunk.output_shape, chunk.output_dtype
             )

@@ -32,6 +32,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -381,9 +382,25 @@ def _begin_stage(stage: PipelineStage, plan: RunPlan, generation: int) -> None:
     )
 
 
+def _copies_settled(session: PipelineSwapSession, stage: int, micro: int) -> bool:
+    """Whether every copy job of chunk (stage, micro) has ended (or it has no group): then
+    its backward can unpack without waiting for a copy that no actor will run any more."""
+    name = session.group_name(stage, micro)
+    if name not in session.manager:
+        return True
+    return all(job.done.is_set() for job in session.manager.get_group(name).jobs())
+
+
 def _abort_all(plan: RunPlan, sessions: dict[int, PipelineSwapSession]) -> None:
-    for stage in plan.stages:
-        stage.abort_run()
+    """Teardown on the compute thread: release the stages' abandoned records (before the
+    groups go: their backward unpacks from them), abort the sessions, then discard_all."""
+    for rank in plan.local_ranks:
+        session = sessions.get(rank)
+        for stage in plan.stages_of(rank):
+            if session is None:
+                stage.abort_run()
+            else:
+                stage.abort_run(partial(_copies_settled, session))
     try:
         for session in sessions.values():
             session.abort()

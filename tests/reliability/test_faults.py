@@ -83,7 +83,7 @@ async def test_injected_fault_ends_the_run_naming_rank_actor_step(
     assert (failure.rank, failure.actor, failure.step) == (rank, actor, step)
     assert f"[rank {rank}, actor {actor}, step {step}]" in failure.message
     assert failure.cause_type is InjectedFault
-    assert elapsed < STEP_TIMEOUT_S
+    assert elapsed < STEP_TIMEOUT_S / 2  # well within the deadline: teardown never waits it out
     assert_clean(stages, device, baseline)
     # The same stages run again, correctly.
     await run_case(stages, case, device=device)

@@ -47,8 +47,11 @@ SOAK_RUNS = int(os.environ.get("PPSWAP_SOAK_RUNS", "20"))
 SOAK_DIM = 256
 SOAK_BATCH = 512
 MB = 2**20
+# MindSpore itself keeps ~15 KB per forward+backward (measured with a plain
+# mindspore.value_and_grad loop as well): ~0.1-0.2 MB per run of 8 chunks here. A leak of
+# the runtime (an abandoned chunk's activations) is ~1 MB per chunk.
 MAX_SLOPE_BYTES_PER_RUN = 0.5 * MB
-MAX_GROWTH_BYTES = 16 * MB
+MAX_GROWTH_BYTES = 4 * MB + MAX_SLOPE_BYTES_PER_RUN * SOAK_RUNS
 
 
 def _soak_data() -> tuple[np.ndarray, np.ndarray]:
@@ -177,5 +180,5 @@ def test_discard_all_is_needed() -> None:
     count = max(100, SOAK_RUNS * 5)
     released = _abandon_records(count, release=True)
     kept = _abandon_records(count, release=False)
-    # Measured here: ~0.2 KB vs ~100 KB per abandoned record (64 x 64 MLP block).
+    # Measured here: ~5 KB vs ~156 KB per abandoned record (a 64-wide MLP stage).
     assert kept > 4 * max(released, 0) + 2 * MB, (kept, released)
