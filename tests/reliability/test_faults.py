@@ -19,12 +19,13 @@ from reliability_support import (
     failure_of,
     grads_of,
     live_swap_objects,
+    make_data,
     make_stages,
     reference,
     run_case,
 )
 
-from ppswap import PipelineError, PipelineHangError, StepKind
+from ppswap import PipelineError, PipelineHangError, PipelineStage, StepKind, run_schedule
 from ppswap.actors.faults import (
     FaultAction,
     FaultPlan,
@@ -40,8 +41,10 @@ from ppswap.actors.faults import (
     fail_copy,
     fail_p2p,
 )
+from ppswap.demo.model import build_mlp_stages, mse_loss
+from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.scheduler.steps import MetaStep
-from ppswap.swap import EmulatedDevice
+from ppswap.swap import EmulatedDevice, swap_wrapper
 
 STEP_TIMEOUT_S = 20.0
 GPIPE_PP4 = Case(schedule="gpipe", pp=4, stage_num=4, micro=4)
@@ -252,3 +255,39 @@ def test_first_matching_rule_wins_and_wildcards_match_any() -> None:
     assert plan.match(FaultSite.COPY, 1, fwd) is None
     with pytest.raises(InjectedFault, match=re.escape("rank 1, F2.1")):
         specific.raise_fault(1, fwd)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("rule", "rank", "actor", "step"),
+    [
+        (fail_compute(StepKind.BWD, rank=1, micro=2), 1, "compute", "B2.1"),
+        (fail_copy("load", rank=2, micro=1), 2, "copy", "LL1.0"),
+    ],
+)
+async def test_a_fault_under_fsdp_is_named_and_the_sharded_stages_run_again(
+    rule: FaultRule, rank: int, actor: str, step: str
+) -> None:
+    mesh = DeviceMesh(dp=2, pp=2)
+
+    def sharded() -> list[PipelineStage]:
+        stages = []
+        for dp_rank in range(mesh.dp):
+            for index, module in enumerate(build_mlp_stages(2, dim=8, wrap=swap_wrapper)):
+                fully_shard(module, mesh=mesh, dp_rank=dp_rank)
+                stages.append(PipelineStage(module, index, 2))
+        return stages
+
+    x, y = make_data(batch=16)
+    kwargs = {"micro_batch_num": 4, "inputs": x, "targets": y, "loss_fn": mse_loss, "swap": True}
+    reference_stages = sharded()
+    await run_schedule(reference_stages, "gpipe", **kwargs)
+    stages = sharded()
+    failure = await failure_of(
+        run_schedule(stages, "gpipe", faults=FaultPlan((rule,)), step_timeout=20.0, **kwargs)
+    )
+    assert (failure.rank, failure.actor, failure.step) == (rank, actor, step)
+    assert failure.cause_type is InjectedFault
+    await run_schedule(stages, "gpipe", **kwargs)
+    assert_same_grads(grads_of(reference_stages), grads_of(stages))
