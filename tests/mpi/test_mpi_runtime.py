@@ -53,7 +53,9 @@ def _in_process(schedule: str, stage_num: int, micro: int, overlap: bool, pp: in
         )
 
     result = anyio.run(run)
-    grads = {f"grad_s{s.stage_index}_{k}": g.asnumpy() for s in stages for k, g in enumerate(s.grads)}
+    grads = {
+        f"grad_s{s.stage_index}_{k}": g.asnumpy() for s in stages for k, g in enumerate(s.grads)
+    }
     return result, grads
 
 

@@ -50,7 +50,9 @@ async def main() -> None:
         step_timeout=60,
         faults=faults,
     )
-    grads = {f"grad_s{s.stage_index}_{k}": g.asnumpy() for s in stages for k, g in enumerate(s.grads)}
+    grads = {
+        f"grad_s{s.stage_index}_{k}": g.asnumpy() for s in stages for k, g in enumerate(s.grads)
+    }
     np.savez(
         out_dir / f"rank{rank}.npz",
         losses=np.array(result.losses),
