@@ -61,13 +61,27 @@ def _data(batch: int) -> tuple[np.ndarray, np.ndarray]:
 class SyncExecutor:
     """Runs the finalized orders of every rank on this thread, no actors, no channels."""
 
-    def __init__(self, stages: list[PipelineStage], schedule: str, pp: int, micro: int,
-                 swap: bool) -> None:
+    def __init__(
+        self, stages: list[PipelineStage], schedule: str, pp: int, micro: int, swap: bool
+    ) -> None:
         x, y = _data(micro * 2)
         self.plan = prepare_run(
-            stages, schedule, micro_batch_num=micro, inputs=x, targets=y, loss_fn=mse_loss,
-            swap=swap, pp=pp, split_dw=False, overlap_b_f=False, p2p="plain", min_swap_gap=4,
-            forward_only=False, step_timeout=60.0, transport=None, trace=None,
+            stages,
+            schedule,
+            micro_batch_num=micro,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            swap=swap,
+            pp=pp,
+            split_dw=False,
+            overlap_b_f=False,
+            p2p="plain",
+            min_swap_gap=4,
+            forward_only=False,
+            step_timeout=60.0,
+            transport=None,
+            trace=None,
         )
         self.stages = {s.stage_index: s for s in stages}
 
@@ -79,8 +93,13 @@ class SyncExecutor:
         for stage in self.stages.values():
             stage.begin_run(micro_count=config.micro, loss_fn=mse_loss, generation=1)
         sessions = {
-            r: PipelineSwapSession(SwapManager(), engine, rank=r, generation=1,
-                                   eligible=eligible_chunks(plan.orders[r]))
+            r: PipelineSwapSession(
+                SwapManager(),
+                engine,
+                rank=r,
+                generation=1,
+                eligible=eligible_chunks(plan.orders[r]),
+            )
             for r in range(config.pp)
         }
         mailbox: dict[tuple[str, int, int], np.ndarray] = {}
@@ -113,30 +132,41 @@ class SyncExecutor:
             return ("B", step.stage, step.micro) in mailbox
         return True
 
-    def _execute(self, step: MetaStep, session: PipelineSwapSession, batches: Any,
-                 mailbox: dict[tuple[str, int, int], np.ndarray],
-                 outbox: dict[tuple[str, int, int], np.ndarray]) -> None:
+    def _execute(
+        self,
+        step: MetaStep,
+        session: PipelineSwapSession,
+        batches: Any,
+        mailbox: dict[tuple[str, int, int], np.ndarray],
+        outbox: dict[tuple[str, int, int], np.ndarray],
+    ) -> None:
         kind = step.kind
         if kind is StepKind.FWD:
             stage = self.stages[step.stage]
-            payload = (batches.inputs[step.micro] if stage.is_first
-                       else mailbox.pop(("F", step.stage, step.micro)))
-            target = (Tensor.from_numpy(batches.targets[step.micro]) if stage.is_last
-                      else None)
+            payload = (
+                batches.inputs[step.micro]
+                if stage.is_first
+                else mailbox.pop(("F", step.stage, step.micro))
+            )
+            target = Tensor.from_numpy(batches.targets[step.micro]) if stage.is_last else None
             out = stage.forward(step.micro, Tensor.from_numpy(payload), target, session)
             if not stage.is_last:
                 outbox[("F", step.stage + 1, step.micro)] = out.asnumpy().copy()
         elif kind is StepKind.BWD:
             stage = self.stages[step.stage]
             grad = None if stage.is_last else mailbox.pop(("B", step.stage, step.micro))
-            dx = stage.backward(step.micro, None if grad is None else Tensor.from_numpy(grad),
-                                split=False)
+            dx = stage.backward(
+                step.micro, None if grad is None else Tensor.from_numpy(grad), split=False
+            )
             session.release_chunk(step.stage, step.micro)
             if dx is not None:
                 outbox[("B", step.stage - 1, step.micro)] = dx.asnumpy().copy()
         elif kind in (StepKind.SEND_F, StepKind.SEND_B):
-            key = (("F", step.stage + 1, step.micro) if kind is StepKind.SEND_F
-                   else ("B", step.stage - 1, step.micro))
+            key = (
+                ("F", step.stage + 1, step.micro)
+                if kind is StepKind.SEND_F
+                else ("B", step.stage - 1, step.micro)
+            )
             mailbox[key] = outbox.pop(key)
         elif kind is StepKind.SWAP_LAUNCH_OFFLOAD:
             session.prepare_offload(step.stage, step.micro).run()
@@ -149,8 +179,9 @@ class SyncExecutor:
         # RECV_*: the message is already in the mailbox when its consumer is ready.
 
 
-async def _actors_run(stages: list[PipelineStage], schedule: str, pp: int, micro: int,
-                      swap: bool, lags: list[float]) -> tuple[float, int]:
+async def _actors_run(
+    stages: list[PipelineStage], schedule: str, pp: int, micro: int, swap: bool, lags: list[float]
+) -> tuple[float, int]:
     x, y = _data(micro * 2)
 
     async def heartbeat() -> None:
@@ -163,8 +194,14 @@ async def _actors_run(stages: list[PipelineStage], schedule: str, pp: int, micro
         tg.start_soon(heartbeat)
         started = time.perf_counter()
         result = await run_schedule(
-            stages, schedule, micro_batch_num=micro, inputs=x, targets=y, loss_fn=mse_loss,
-            swap=swap, pp=pp,
+            stages,
+            schedule,
+            micro_batch_num=micro,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            swap=swap,
+            pp=pp,
         )
         wall = time.perf_counter() - started
         tg.cancel_scope.cancel()
@@ -190,17 +227,23 @@ def main() -> None:
             started = time.perf_counter()
             steps = sync.run()
             sync_times.append(time.perf_counter() - started)
-            wall, actor_steps = anyio.run(
-                _actors_run, stages, schedule, pp, micro, swap, all_lags
-            )
+            wall, actor_steps = anyio.run(_actors_run, stages, schedule, pp, micro, swap, all_lags)
             assert actor_steps == steps, (actor_steps, steps)
             actor_times.append(wall)
         sync_s, actor_s = statistics.median(sync_times), statistics.median(actor_times)
-        rows.append({
-            "schedule": schedule, "pp": pp, "stages": stage_num, "micro": micro,
-            "swap": swap, "steps": steps, "sync_ms": sync_s * 1e3, "actors_ms": actor_s * 1e3,
-            "overhead_us_per_step": (actor_s - sync_s) / steps * 1e6,
-        })
+        rows.append(
+            {
+                "schedule": schedule,
+                "pp": pp,
+                "stages": stage_num,
+                "micro": micro,
+                "swap": swap,
+                "steps": steps,
+                "sync_ms": sync_s * 1e3,
+                "actors_ms": actor_s * 1e3,
+                "overhead_us_per_step": (actor_s - sync_s) / steps * 1e6,
+            }
+        )
     lags_ms = sorted(v * 1e3 for v in all_lags)
     lag = {
         "samples": len(lags_ms),
@@ -208,16 +251,22 @@ def main() -> None:
         "p99_ms": lags_ms[int(len(lags_ms) * 0.99)],
         "max_ms": lags_ms[-1],
     }
-    print("| schedule | pp | stages | micro | swap | MetaSteps | sync loop ms | actors ms "
-          "| overhead us/MetaStep |")
+    print(
+        "| schedule | pp | stages | micro | swap | MetaSteps | sync loop ms | actors ms "
+        "| overhead us/MetaStep |"
+    )
     print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['schedule']} | {r['pp']} | {r['stages']} | {r['micro']} | {r['swap']} "
-              f"| {r['steps']} | {r['sync_ms']:.1f} | {r['actors_ms']:.1f} "
-              f"| {r['overhead_us_per_step']:.1f} |")
+        print(
+            f"| {r['schedule']} | {r['pp']} | {r['stages']} | {r['micro']} | {r['swap']} "
+            f"| {r['steps']} | {r['sync_ms']:.1f} | {r['actors_ms']:.1f} "
+            f"| {r['overhead_us_per_step']:.1f} |"
+        )
     print()
-    print(f"event-loop lag while training ({lag['samples']} heartbeats of 1 ms): "
-          f"p50 {lag['p50_ms']:.2f} ms, p99 {lag['p99_ms']:.2f} ms, max {lag['max_ms']:.2f} ms")
+    print(
+        f"event-loop lag while training ({lag['samples']} heartbeats of 1 ms): "
+        f"p50 {lag['p50_ms']:.2f} ms, p99 {lag['p99_ms']:.2f} ms, max {lag['max_ms']:.2f} ms"
+    )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"rows": rows, "lag": lag}, handle, indent=2)
