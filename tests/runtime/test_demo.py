@@ -9,9 +9,7 @@ from ppswap.demo.run import DemoOptions, format_report, run_demo
 
 
 def test_demo_trains_and_swap_agrees(tmp_path: Path) -> None:
-    report = run_demo(
-        DemoOptions(pp=2, micro=4, batch=8, steps=2, out_dir=tmp_path, plot=False)
-    )
+    report = run_demo(DemoOptions(pp=2, micro=4, batch=8, steps=2, out_dir=tmp_path, plot=False))
     assert report.losses_no_swap == report.losses_swap
     assert len(report.losses_swap) == 2
     assert report.losses_swap[1] < report.losses_swap[0]  # it trains
