@@ -19,12 +19,11 @@ from ppswap.scheduler.cost import (
     build_cost_aware_orders,
     build_orders,
     check_swap_policy,
-    column_starts,
-    estimate_copies,
     plan_cost_aware,
+    simulate_run,
 )
 from ppswap.scheduler.lowering import build_all_orders, build_exec_order
-from ppswap.scheduler.simulate import build_timeline, memory_profile
+from ppswap.scheduler.simulate import memory_profile
 from ppswap.scheduler.steps import StepKind
 from ppswap.scheduler.swap_plan import eligible_chunks, inject_swap_steps, strip_swap_steps
 
@@ -65,14 +64,11 @@ def test_the_hand_checked_order_is_the_gap_rules() -> None:
 
 def test_copies_of_half_a_slot_are_hidden() -> None:
     order = build_exec_order(GPIPE_PP1, 0)
-    timeline = build_timeline(GPIPE_PP1, (order,))
-    cost = model(0.5)
-    starts = column_starts(timeline, cost)
-    assert starts == tuple(float(c) for c in range(9))
-    estimate = estimate_copies(order, 0, timeline, starts, cost)
-    assert estimate.exposed_s == 0.0
-    assert estimate.copy_busy_s == 8 * 0.5
-    assert estimate.end_s == 8.0
+    estimate = simulate_run(GPIPE_PP1, (order,), model(0.5))
+    assert estimate.slot_times == (tuple((float(c), float(c + 1)) for c in range(8)),)
+    assert estimate.exposed_s == (0.0,)
+    assert estimate.copy_busy_s == (8 * 0.5,)
+    assert estimate.step_s == 8.0
 
 
 def test_copies_of_one_slot_expose_two_slots() -> None:
@@ -80,12 +76,11 @@ def test_copies_of_one_slot_expose_two_slots() -> None:
     # LL1 [6,7]; WL0 waits 4 -> 5; B0 [5,6]; WO3 ok at 6, LL2 [7,8], WL1 waits 6 -> 7;
     # B1 [7,8]; LL3 [8,9], WL2 ok; B2 [8,9]; WL3 ok; B3 [9,10].
     order = build_exec_order(GPIPE_PP1, 0)
-    timeline = build_timeline(GPIPE_PP1, (order,))
-    cost = model(1.0)
-    estimate = estimate_copies(order, 0, timeline, column_starts(timeline, cost), cost)
-    assert estimate.exposed_s == pytest.approx(2.0)
-    assert estimate.copy_busy_s == pytest.approx(8.0)
-    assert estimate.end_s == pytest.approx(10.0)
+    estimate = simulate_run(GPIPE_PP1, (order,), model(1.0))
+    assert estimate.exposed_s == pytest.approx((2.0,))
+    assert estimate.copy_busy_s == pytest.approx((8.0,))
+    assert estimate.step_s == pytest.approx(10.0)
+    assert estimate.slot_times[0][4:] == ((5, 6), (7, 8), (8, 9), (9, 10))
 
 
 def test_copy_overhead_and_per_stage_bytes_are_added() -> None:
@@ -97,12 +92,43 @@ def test_copy_overhead_and_per_stage_bytes_are_added() -> None:
     assert cost.copy_s(StepKind.SWAP_LAUNCH_OFFLOAD, 1) == pytest.approx(4.25)
 
 
-def test_shared_compute_columns_last_as_long_as_all_their_leaves() -> None:
+def test_slot_times_follow_dependencies_and_the_shared_thread() -> None:
     config = ScheduleConfig(schedule="gpipe", pp=2, micro=2)
-    timeline = build_timeline(config, build_all_orders(config))
-    # columns: F0.0 | F1.0 F0.1 | F1.1 | B0.1 | B1.1 B0.0 | B1.0
-    assert column_starts(timeline, model(1.0)) == (0, 1, 2, 3, 4, 5, 6)
-    assert column_starts(timeline, model(1.0, shared=True)) == (0, 1, 3, 4, 5, 7, 8)
+    orders = build_all_orders(config)
+    # one device per rank: rank 1 starts when F0.0 is done; B0.0 waits for B0.1
+    assert simulate_run(config, orders, model(1.0)).slot_times == (
+        ((0, 1), (1, 2), (4, 5), (5, 6)),
+        ((1, 2), (2, 3), (3, 4), (4, 5)),
+    )
+    # one compute thread for both ranks, first come first served (ties: lower rank)
+    assert simulate_run(config, orders, model(1.0, shared=True)).slot_times == (
+        ((0, 1), (1, 2), (5, 6), (7, 8)),
+        ((2, 3), (3, 4), (4, 5), (6, 7)),
+    )
+
+
+def test_composite_slots_last_two_leaves() -> None:
+    config = ScheduleConfig(schedule="1f1b", pp=2, micro=4, overlap_b_f=True)
+    orders = build_all_orders(config)
+    times = simulate_run(config, orders, model(1.0)).slot_times
+    for order, rank_times in zip(orders, times, strict=True):
+        for slot, (start, end) in zip((s for s in order if s.is_compute), rank_times, strict=True):
+            assert end - start == (2.0 if slot.sub_steps else 1.0)
+
+
+def test_slot_times_refuse_orders_that_cannot_finish() -> None:
+    config = ScheduleConfig(schedule="gpipe", pp=2, micro=2)
+    rank0, rank1 = build_all_orders(config)
+    with pytest.raises(ValueError, match="one order per rank"):
+        simulate_run(config, (rank0,), model(1.0))
+    with pytest.raises(ValueError, match="which no rank runs"):
+        simulate_run(config, (rank0, rank1[:1]), model(1.0))
+    b00 = next(i for i, s in enumerate(rank0) if s.short() == "B0.0")
+    swapped = (*rank0[:1], rank0[b00], *rank0[1:b00], *rank0[b00 + 1 :])
+    with pytest.raises(ValueError, match="wait on each other"):
+        simulate_run(config, (swapped, rank1), model(1.0))
+    with pytest.raises(TypeError, match="cost must be a CostModel"):
+        simulate_run(config, (rank0, rank1), 1.0)  # type: ignore[arg-type]
 
 
 # -- selection -------------------------------------------------------------------------------
@@ -127,7 +153,8 @@ def test_copies_that_never_end_choose_nothing(config: ScheduleConfig) -> None:
     assert any(rank.candidates for rank in plan.ranks)
     for rank in plan.ranks:
         assert rank.peak_chunks == rank.peak_chunks_no_swap
-        assert math.isinf(rank.exposed_s_gap) or not rank.candidates
+    # the first copy never ends: its rank waits forever, and every rank after it with it
+    assert math.isinf(max(rank.exposed_s_gap for rank in plan.ranks))
     orders = build_cost_aware_orders(config, cost)
     assert orders == build_all_orders(replace(config, swap=False))
     assert all(not step.is_swap for order in orders for step in order)
@@ -141,22 +168,22 @@ def test_budget_is_respected_and_the_orders_carry_the_plan(
     cost = model(copy_s, shared=True)
     plan = plan_cost_aware(config, cost)
     orders = build_cost_aware_orders(config, cost)
-    timeline = build_timeline(config, orders)
-    starts = column_starts(timeline, cost)
-    assert plan.step_s == starts[-1]
+    estimate = simulate_run(config, orders, cost)
+    assert (
+        plan.step_s
+        == simulate_run(config, build_all_orders(replace(config, swap=False)), cost).step_s
+    )
     for rank, order in zip(plan.ranks, orders, strict=True):
         assert rank.within_budget
         assert rank.budget_s == pytest.approx(0.02 * plan.step_s)
         assert rank.chunks <= rank.candidates
         assert eligible_chunks(order) == rank.chunks
         # the orders are the fixed rule's placement of the chosen chunks, re-estimated
-        assert estimate_copies(order, rank.rank, timeline, starts, cost).exposed_s == (
-            pytest.approx(rank.exposed_s)
-        )
+        assert estimate.exposed_s[rank.rank] == pytest.approx(rank.exposed_s)
         assert max(memory_profile(order)) == rank.peak_chunks
         assert rank.peak_chunks_gap <= rank.peak_chunks <= rank.peak_chunks_no_swap
-        if rank.exposed_s_gap <= rank.budget_s:
-            assert rank.chunks == rank.candidates
+        if rank.exposed_s_gap <= rank.budget_s:  # the fixed rule fits here: no worse peak
+            assert rank.peak_chunks == rank.peak_chunks_gap
 
 
 def test_a_tight_budget_keeps_a_useful_subset() -> None:
@@ -203,14 +230,13 @@ def test_a_larger_budget_never_raises_the_peak(config: ScheduleConfig) -> None:
     shared=st.booleans(),
     data=st.data(),
 )
-def test_adding_chunks_never_shortens_the_exposed_wait(
+def test_adding_chunks_of_a_rank_never_shortens_its_exposed_wait(
     config: ScheduleConfig, copy_s: float, shared: bool, data: st.DataObject
 ) -> None:
-    """What lets the greedy drop a chunk for good once it breaks the budget."""
+    """What lets the greedy drop a chunk for good once it breaks the budget (the other
+    ranks without swap here; across ranks it is the greedy's approximation)."""
     cost = model(copy_s, shared=shared)
     plain = build_all_orders(replace(config, swap=False))
-    timeline = build_timeline(config, plain)
-    starts = column_starts(timeline, cost)
     rank = data.draw(st.integers(0, config.pp - 1))
     candidates = sorted(eligible_chunks(build_exec_order(config, rank)))
     if not candidates:
@@ -220,7 +246,8 @@ def test_adding_chunks_never_shortens_the_exposed_wait(
 
     def exposed(chunks: frozenset[tuple[int, int]]) -> float:
         order = inject_swap_steps(plain[rank], config, rank, chunks=chunks)
-        return estimate_copies(order, rank, timeline, starts, cost).exposed_s
+        orders = (*plain[:rank], order, *plain[rank + 1 :])
+        return simulate_run(config, orders, cost).exposed_s[rank]
 
     assert exposed(small) <= exposed(large) + 1e-9
 

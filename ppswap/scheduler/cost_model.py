@@ -1,0 +1,347 @@
+"""The time model of the cost-aware swap policy: :class:`CostModel` and :func:`simulate_run`.
+
+A deterministic, event-by-event simulation of one training step of every rank's finalized
+order (with or without swap steps), in seconds, from a few measured numbers. The policy in
+``ppswap.scheduler.cost`` uses it to predict the exposed copy wait of a chunk selection.
+
+The simulation
+    Each rank walks its order. A compute slot (a leaf, or a composite holding two) is
+    requested when the rank has reached it and every leaf it depends on has finished (the
+    dependencies of ``simulate.build_timeline``: FWD after the previous stage's FWD;
+    BWD / BWD_INPUT after the next stage's backward consumer, or after its own FWD on the
+    last stage; BWD_WEIGHT after its BWD_INPUT). It runs for ``leaf_s`` per compute leaf
+    on the rank's own device, or, with ``shared_compute``, on the one compute thread every
+    rank shares, which serves requests first come, first served (ties: lower rank): the
+    in-process runtime. P2P and FSDP steps take no time. SWAP_LAUNCH_* queues a copy of
+    ``copy_s(kind, stage)`` on the rank's FIFO copy stream (it starts when the stream is
+    free and not before the launch); SWAP_WAIT_* blocks the rank until its copy is done:
+    that block is the *exposed* wait, as ``RankStats.exposed_copy_wait_s`` measures it. A
+    stall delays the rank's next requests and, through the dependencies and the shared
+    thread, the other ranks: exactly what happens at run time, to the precision of the
+    inputs. What it leaves out: the compute-thread time of the swap steps themselves and
+    copies competing with compute for CPU (fold both into ``leaf_s`` by measuring it in a
+    swap run), and P2P latency.
+
+Nothing here imports MindSpore or anyio; every function is pure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.steps import Order, StepKind
+from ppswap.scheduler.swap_plan import CONSUMER_KINDS, compute_slots
+
+__all__ = ["DEFAULT_COST_BUDGET", "CostModel", "RunEstimate", "Simulator", "simulate_run"]
+
+DEFAULT_COST_BUDGET = 0.02
+"""The default exposed-wait budget: 2% of the step time, per rank."""
+
+_LAUNCH_KINDS = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
+_LAUNCH_OF_WAIT = {
+    StepKind.SWAP_WAIT_OFFLOAD: StepKind.SWAP_LAUNCH_OFFLOAD,
+    StepKind.SWAP_WAIT_LOAD: StepKind.SWAP_LAUNCH_LOAD,
+}
+_Leaf = tuple[StepKind, int, int]
+
+
+def _check_number(name: str, value: Any, *, allow_inf: bool, allow_zero: bool) -> float:
+    allowed = (
+        f"a number {'>= 0' if allow_zero else '> 0'}"
+        f"{' (math.inf allowed)' if allow_inf else ', finite'}"
+    )
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be {allowed}, got {value!r}")
+    number = float(value)
+    if (
+        math.isnan(number)
+        or number < 0
+        or (number == 0 and not allow_zero)
+        or (math.isinf(number) and not allow_inf)
+    ):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return number
+
+
+def _check_chunk_bytes(value: Any) -> None:
+    allowed = "an int >= 0 or a non-empty tuple of ints >= 0 (one per global stage)"
+    items = value if isinstance(value, tuple) else (value,)
+    if isinstance(value, tuple) and not value:
+        raise ValueError(f"chunk_bytes must be {allowed}, got {value!r}")
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise TypeError(f"chunk_bytes must be {allowed}, got {value!r}")
+        if item < 0:
+            raise ValueError(f"chunk_bytes must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """What the cost policy knows about copies and compute.
+
+    ``chunk_bytes``: bytes one chunk moves each way, one int for every stage or a tuple
+    indexed by global stage. ``d2h_gbps`` / ``h2d_gbps``: copy bandwidth in GB/s (1e9
+    bytes/s, as ``EmulatedDevice``); ``math.inf`` is a free copy, ``0`` a copy that never
+    ends. ``leaf_s``: wall time of one compute leaf. ``budget``: the exposed wait allowed
+    per rank, a share of the step time in ``[0, 1]`` (0.02 = 2%). ``copy_overhead_s``: a
+    fixed cost per copy on top of ``bytes / bandwidth``. ``shared_compute``: all ranks
+    share one compute thread (the in-process runtime); False is one device per rank.
+
+    Measure them on the target: ``leaf_s`` as a swap run's step time divided by its
+    compute leaves, ``chunk_bytes`` as ``RankStats.offloaded_bytes`` per offloaded chunk,
+    ``copy_overhead_s`` as the unthrottled ``copy_busy_s / copies`` minus a plain memcpy
+    of the chunk.
+    """
+
+    chunk_bytes: int | tuple[int, ...]
+    d2h_gbps: float
+    h2d_gbps: float
+    leaf_s: float
+    budget: float = DEFAULT_COST_BUDGET
+    copy_overhead_s: float = 0.0
+    shared_compute: bool = False
+
+    def __post_init__(self) -> None:
+        _check_chunk_bytes(self.chunk_bytes)
+        _check_number("d2h_gbps", self.d2h_gbps, allow_inf=True, allow_zero=True)
+        _check_number("h2d_gbps", self.h2d_gbps, allow_inf=True, allow_zero=True)
+        _check_number("leaf_s", self.leaf_s, allow_inf=False, allow_zero=False)
+        budget = _check_number("budget", self.budget, allow_inf=False, allow_zero=True)
+        if budget > 1:
+            raise ValueError(
+                f"budget must be a share of the step time in [0, 1] (0.02 = 2%), got "
+                f"{self.budget!r}"
+            )
+        _check_number("copy_overhead_s", self.copy_overhead_s, allow_inf=False, allow_zero=True)
+        if not isinstance(self.shared_compute, bool):
+            raise TypeError(f"shared_compute must be a bool, got {self.shared_compute!r}")
+
+    def bytes_of(self, stage: int) -> int:
+        """Bytes one chunk of global stage ``stage`` moves in each direction."""
+        if isinstance(self.chunk_bytes, int):
+            return self.chunk_bytes
+        return self.chunk_bytes[stage]
+
+    def copy_s(self, kind: StepKind, stage: int) -> float:
+        """Copy-stream time of one chunk's offload (LAUNCH_OFFLOAD) or load (LAUNCH_LOAD)."""
+        gbps = self.d2h_gbps if kind is StepKind.SWAP_LAUNCH_OFFLOAD else self.h2d_gbps
+        nbytes = self.bytes_of(stage)
+        if nbytes == 0 or math.isinf(gbps):
+            return self.copy_overhead_s
+        if gbps == 0:
+            return math.inf
+        return self.copy_overhead_s + nbytes / (gbps * 1e9)
+
+    def check_for(self, config: ScheduleConfig) -> None:
+        """ValueError when ``chunk_bytes`` is a tuple of the wrong length for ``config``."""
+        if isinstance(self.chunk_bytes, tuple) and len(self.chunk_bytes) != config.num_stages:
+            raise ValueError(
+                f"cost.chunk_bytes must hold one entry per global stage ({config.num_stages} "
+                f"for pp={config.pp}, vpp={config.vpp}), got {len(self.chunk_bytes)}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RunEstimate:
+    """The simulated step (seconds): per rank the (start, end) of every compute slot in
+    order, the exposed copy wait and the copy stream's busy time; the step's end."""
+
+    slot_times: tuple[tuple[tuple[float, float], ...], ...]
+    exposed_s: tuple[float, ...]
+    copy_busy_s: tuple[float, ...]
+    step_s: float
+
+
+_COMPUTE, _LAUNCH, _WAIT = 0, 1, 2
+_Op = tuple[int, int | tuple[bool, int, int], float]
+"""A step of a rank's program: (COMPUTE, slot id, 0), (LAUNCH, copy key, seconds) or
+(WAIT, copy key, 0); P2P and FSDP steps are left out (they take no time)."""
+
+
+class Simulator:
+    """The part of a simulation that does not depend on the swap steps: every compute slot
+    of every rank (numbered globally), the slots each one waits for, its leaves. Build it
+    once per schedule, then :meth:`run` the orders of as many swap selections as needed
+    (their compute slots must be those it was built from)."""
+
+    def __init__(self, config: ScheduleConfig, orders: Sequence[Order], cost: CostModel) -> None:
+        if not isinstance(config, ScheduleConfig):
+            raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
+        if not isinstance(cost, CostModel):
+            raise TypeError(f"cost must be a CostModel, got {type(cost).__name__}")
+        if len(orders) != config.pp:
+            raise ValueError(
+                f"orders must hold one order per rank (pp={config.pp}), got {len(orders)}"
+            )
+        cost.check_for(config)
+        self.config = config
+        self.cost = cost
+        slots = [compute_slots(order) for order in orders]
+        self.slot_ids: list[list[int]] = []
+        self.leaves: list[int] = []
+        owner: dict[_Leaf, int] = {}
+        for rank_slots in slots:
+            ids = []
+            for slot in rank_slots:
+                ids.append(len(self.leaves))
+                for leaf in slot.leaves:
+                    owner[(leaf.kind, leaf.stage, leaf.micro)] = len(self.leaves)
+                self.leaves.append(len(slot.leaves))
+            self.slot_ids.append(ids)
+        consumer = {
+            leaf.chunk: leaf.kind
+            for rank_slots in slots
+            for slot in rank_slots
+            for leaf in slot.leaves
+            if leaf.kind in CONSUMER_KINDS
+        }
+        last = config.num_stages - 1
+        self.deps: list[tuple[int, ...]] = []
+        for rank, rank_slots in enumerate(slots):
+            for slot in rank_slots:
+                needed: list[_Leaf] = []
+                for leaf in slot.leaves:
+                    stage, micro = leaf.stage, leaf.micro
+                    if leaf.kind is StepKind.FWD and stage > 0:
+                        needed.append((StepKind.FWD, stage - 1, micro))
+                    elif leaf.kind in CONSUMER_KINDS and stage == last:
+                        needed.append((StepKind.FWD, stage, micro))
+                    elif leaf.kind in CONSUMER_KINDS:
+                        upstream = consumer.get((stage + 1, micro), StepKind.BWD)
+                        needed.append((upstream, stage + 1, micro))
+                    elif leaf.kind is StepKind.BWD_WEIGHT:
+                        needed.append((StepKind.BWD_INPUT, stage, micro))
+                for dep in needed:
+                    if dep not in owner:
+                        raise ValueError(
+                            f"{slot.step.short()} of rank {rank} waits for {dep[0].value}"
+                            f"(stage={dep[1]}, micro={dep[2]}), which no rank runs"
+                        )
+                self.deps.append(tuple(owner[dep] for dep in needed))
+
+    def program(self, rank: int, order: Order) -> tuple[_Op, ...]:
+        """Rank ``rank``'s ``order`` (with its swap steps) as the simulator runs it."""
+        ids = iter(self.slot_ids[rank])
+        ops: list[_Op] = []
+        for step in order:
+            if step.is_compute:
+                slot_id = next(ids, None)
+                if slot_id is None:
+                    raise ValueError(f"the order of rank {rank} has more compute slots than built")
+                ops.append((_COMPUTE, slot_id, 0.0))
+            elif step.kind in _LAUNCH_KINDS:
+                key = (step.kind is StepKind.SWAP_LAUNCH_LOAD, step.stage, step.micro)
+                ops.append((_LAUNCH, key, self.cost.copy_s(step.kind, step.stage)))
+            elif step.kind in _LAUNCH_OF_WAIT:
+                key = (step.kind is StepKind.SWAP_WAIT_LOAD, step.stage, step.micro)
+                ops.append((_WAIT, key, 0.0))
+        if next(ids, None) is not None:
+            raise ValueError(f"the order of rank {rank} has fewer compute slots than built")
+        return tuple(ops)
+
+    def run(self, programs: Sequence[Sequence[_Op]]) -> RunEstimate:
+        """Simulate one step of every rank's program (see the module docstring)."""
+        pp = self.config.pp
+        shared = self.cost.shared_compute
+        leaf_s = self.cost.leaf_s
+        finished = [-1.0] * len(self.leaves)
+        times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+        now = [0.0] * pp
+        stream = [0.0] * pp
+        exposed = [0.0] * pp
+        busy = [0.0] * pp
+        copies: list[dict[object, float]] = [{} for _ in range(pp)]
+        index = [0] * pp
+        shared_free = 0.0
+        waiting = [
+            self._advance(r, programs[r], index, now, stream, exposed, busy, copies)
+            for r in range(pp)
+        ]
+        while True:
+            chosen = -1
+            chosen_ready = 0.0
+            for rank in range(pp):
+                slot_id = waiting[rank]
+                if slot_id < 0:
+                    continue
+                ready = now[rank]
+                for dep in self.deps[slot_id]:
+                    done = finished[dep]
+                    if done < 0:
+                        break
+                    if done > ready:
+                        ready = done
+                else:
+                    if chosen < 0 or ready < chosen_ready:
+                        chosen, chosen_ready = rank, ready
+            if chosen < 0:
+                stuck = [rank for rank in range(pp) if waiting[rank] >= 0]
+                if not stuck:
+                    break
+                raise ValueError(f"the orders of ranks {stuck} wait on each other: no rank can run")
+            slot_id = waiting[chosen]
+            start = max(chosen_ready, shared_free) if shared else chosen_ready
+            end = start + self.leaves[slot_id] * leaf_s
+            if shared:
+                shared_free = end
+            finished[slot_id] = end
+            times[chosen].append((start, end))
+            now[chosen] = end
+            index[chosen] += 1
+            waiting[chosen] = self._advance(
+                chosen, programs[chosen], index, now, stream, exposed, busy, copies
+            )
+        return RunEstimate(
+            slot_times=tuple(tuple(rank) for rank in times),
+            exposed_s=tuple(exposed),
+            copy_busy_s=tuple(busy),
+            step_s=max(now, default=0.0),
+        )
+
+    @staticmethod
+    def _advance(
+        rank: int,
+        program: Sequence[_Op],
+        index: list[int],
+        now: list[float],
+        stream: list[float],
+        exposed: list[float],
+        busy: list[float],
+        copies: list[dict[object, float]],
+    ) -> int:
+        """Run rank ``rank``'s swap steps up to its next compute slot; return that slot's
+        id (-1: the program is done)."""
+        position = index[rank]
+        while position < len(program):
+            op, key, duration = program[position]
+            if op == _COMPUTE:
+                index[rank] = position
+                return key  # type: ignore[return-value]
+            if op == _LAUNCH:
+                stream[rank] = max(now[rank], stream[rank]) + duration
+                busy[rank] += duration
+                copies[rank][key] = stream[rank]
+            else:
+                done = copies[rank].pop(key, None)
+                if done is None:
+                    raise ValueError(f"rank {rank}: a swap wait has no launch before it ({key})")
+                if done > now[rank]:
+                    exposed[rank] += done - now[rank]
+                    now[rank] = done
+            position += 1
+        index[rank] = position
+        return -1
+
+
+def simulate_run(config: ScheduleConfig, orders: Sequence[Order], cost: CostModel) -> RunEstimate:
+    """Simulate one step of ``orders`` (one per rank, swap steps optional) under ``cost``.
+
+    See the module docstring. Raises ValueError when a slot waits for a leaf no rank runs,
+    a wait has no launch, or the ranks wait on each other in a cycle.
+    """
+    simulator = Simulator(config, orders, cost)
+    return simulator.run([simulator.program(rank, order) for rank, order in enumerate(orders)])
