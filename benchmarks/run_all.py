@@ -1,0 +1,358 @@
+"""Run every benchmark and write ``docs/benchmarks.md`` (the ``make bench`` target).
+
+    make bench                                   # = .venv/bin/python benchmarks/run_all.py
+    python benchmarks/run_all.py [--quick] [--only NAME ...] [--output PATH]
+
+Each benchmark runs as its own process (its own MindSpore context, its own time limit);
+its standard output (markdown) becomes one section of the document, with its command and
+wall time. A benchmark that fails or outruns its limit leaves a note with the end of its
+error output instead of a table; the others still run. The document starts with the
+machine (CPU, cores, memory, load average before and after), the software versions, the
+commit, and a headline table assembled from the memory and cost benchmarks' JSON output,
+so every figure it quotes comes from this command. ``--quick`` runs shorter variants (for
+checking the pipeline, not for publishing). The whole run takes about 6-8 minutes on the
+2-core development machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+DEFAULT_OUTPUT = ROOT / "docs" / "benchmarks.md"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark script: its section title, arguments and time limit."""
+
+    name: str
+    script: str
+    title: str
+    about: str
+    args: tuple[str, ...] = ()
+    quick_args: tuple[str, ...] = ()
+    limit_s: float = 300.0
+    json_out: bool = False  # pass ``--json FILE`` and keep the numbers for the headline
+
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark(
+        "memory",
+        "bench_memory.py",
+        "Memory: what swap saves",
+        "Measured peak saved-activation bytes per rank without and with swap (the demo LM, "
+        "every block wrapped with `swap_wrapper`, no throttling), beside the planner's "
+        "prediction in chunks converted to bytes. The residue is what swap cannot move: "
+        "bytes pinned on device because they alias the stage input, a received buffer, the "
+        "output handed to the next stage or the loss, and tensors saved outside the wrapped "
+        "blocks (embedding, final norm, head, loss).",
+        limit_s=300.0,
+        json_out=True,
+    ),
+    Benchmark(
+        "cost",
+        "bench_cost.py",
+        "Cost: step time and exposed copy wait",
+        "Step time, exposed copy wait and hidden copy share with copies throttled to half a "
+        "compute slot per chunk, 2x and 4x that; the fixed gap rule against the cost-aware "
+        "policy (`swap_policy=\"cost\"`, budget 2% of the step). 'predicted' is the cost "
+        "model's exposed wait for the same plan.",
+        args=("--repeats", "2"),
+        quick_args=("--repeats", "1"),
+        limit_s=480.0,
+        json_out=True,
+    ),
+    Benchmark(
+        "scale",
+        "bench_scale.py",
+        "Scale on paper",
+        "What `ppswap plan --swap` predicts for pp up to 64, vpp up to 4 and micro up to "
+        "1024 (peak resident chunks, bubble share) and how long planning takes.",
+        quick_args=("--quick",),
+        limit_s=300.0,
+        json_out=True,
+    ),
+    Benchmark(
+        "memory-model",
+        "memory_model_table.py",
+        "Memory model per rank (pp4, m8)",
+        "The planner's predicted resident chunks per rank (the source of `docs/memory-model.md`).",
+        limit_s=60.0,
+    ),
+    Benchmark(
+        "plan",
+        "bench_plan.py",
+        "Planner time (issue 2)",
+        "Lowering time of every rank of interleaved pp32 vpp4 with FSDP and batch P2P.",
+        args=("--repeats", "3"),
+        quick_args=("--repeats", "1"),
+        limit_s=180.0,
+    ),
+    Benchmark(
+        "runtime",
+        "bench_runtime.py",
+        "Orchestration cost of the actor runtime",
+        "Overhead per MetaStep of the actors against a synchronous loop over the same "
+        "orders, and event-loop lag while training.",
+        args=("--repeats", "3"),
+        quick_args=("--repeats", "1"),
+        limit_s=180.0,
+    ),
+    Benchmark(
+        "p2p",
+        "bench_p2p.py",
+        "P2P transport (MPI, 2 processes)",
+        "`MPITransport` against mpi4py's own ping-pong (needs the venv's `mpiexec`).",
+        quick_args=("--rounds", "2", "--max-mib", "4"),
+        limit_s=120.0,
+    ),
+)
+
+
+@dataclass
+class Outcome:
+    """What one benchmark produced."""
+
+    bench: Benchmark
+    command: str
+    wall_s: float
+    markdown: str
+    error: str | None
+    data: Any = None
+
+
+def run_benchmark(bench: Benchmark, quick: bool, scratch: Path) -> Outcome:
+    """Run one benchmark script as a subprocess within its time limit."""
+    script = BENCH / bench.script
+    args = list(bench.quick_args if quick and bench.quick_args else bench.args)
+    shown = " ".join(["python", f"benchmarks/{bench.script}", *args])
+    json_path = scratch / f"{bench.name}.json"
+    if bench.json_out:
+        args += ["--json", str(json_path)]
+    if not script.exists():
+        return Outcome(bench, shown, 0.0, "", f"{script.name} is not in benchmarks/ yet")
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=bench.limit_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        tail = exc.stderr if isinstance(exc.stderr, str) else ""
+        return Outcome(
+            bench,
+            shown,
+            time.perf_counter() - started,
+            "",
+            f"did not finish within its limit of {bench.limit_s:.0f} s; not included."
+            + (f"\n\n```\n{_tail(tail)}\n```" if tail else ""),
+        )
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        return Outcome(
+            bench,
+            shown,
+            wall,
+            proc.stdout,
+            f"exited with status {proc.returncode}:\n\n```\n{_tail(proc.stderr)}\n```",
+        )
+    data = json.loads(json_path.read_text()) if bench.json_out and json_path.exists() else None
+    return Outcome(bench, shown, wall, proc.stdout, None, data)
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _commit() -> str:
+    def git(*args: str) -> str:
+        proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return proc.stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return f"{commit}{' (with uncommitted changes)' if dirty else ''}"
+
+
+def machine_section(load_before: tuple[float, ...], load_after: tuple[float, ...]) -> str:
+    loads = ", ".join(f"{v:.2f}" for v in load_before)
+    loads_after = ", ".join(f"{v:.2f}" for v in load_after)
+    return "\n".join(
+        [
+            "| | |",
+            "|---|---|",
+            f"| CPU | {_cpu_model()}, {os.cpu_count()} logical cores |",
+            f"| memory | {_memory_gib()} |",
+            f"| OS | {platform.platform()} |",
+            f"| Python | {platform.python_version()} |",
+            f"| mindspore / numpy / anyio | {_version('mindspore')} / {_version('numpy')} / "
+            f"{_version('anyio')} |",
+            f"| ppswap commit | {_commit()} |",
+            f"| load average (1, 5, 15 min) | before: {loads}; after: {loads_after} |",
+            "| MindSpore mode | PyNative on CPU, `pynative_synchronize=True` in the memory and "
+            "cost benchmarks |",
+        ]
+    )
+
+
+def headline(outcomes: Sequence[Outcome]) -> str:
+    """Memory reduction and the cost at half-slot copies, one row per schedule."""
+    by_name = {o.bench.name: o for o in outcomes}
+    memory = by_name.get("memory")
+    cost = by_name.get("cost")
+    if memory is None or memory.data is None:
+        return "(the memory benchmark did not run: no headline)"
+    rows: dict[str, dict[str, Any]] = {}
+    for row in memory.data:
+        entry = rows.setdefault(row["schedule"], {"before": 0, "after": 0})
+        entry["before"] = max(entry["before"], row["peak_no_swap"])
+        entry["after"] = max(entry["after"], row["peak_swap"])
+    cost_rows = cost.data["rows"] if cost is not None and cost.data is not None else []
+    lines = [
+        "| schedule | peak saved MiB, no swap | with swap | reduction "
+        "| step time, swap / no swap | exposed wait, half-slot copies |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, entry in rows.items():
+        base = next(
+            (r for r in cost_rows if r["schedule"] == name and r["policy"] == "no swap"), None
+        )
+        half = next(
+            (
+                r
+                for r in cost_rows
+                if r["schedule"] == name and r["policy"] == "gap" and r["copy_slots"] == 0.5
+            ),
+            None,
+        )
+        ratio = f"{half['step_s'] / base['step_s']:.2f}" if half and base else "-"
+        exposed = f"{100 * half['exposed_share']:.1f}%" if half else "-"
+        cut = 100 * (entry["before"] - entry["after"]) / entry["before"] if entry["before"] else 0
+        lines.append(
+            f"| {name} | {entry['before'] / 2**20:.1f} | {entry['after'] / 2**20:.1f} | "
+            f"{cut:.0f}% | {ratio} | {exposed} |"
+        )
+    return "\n".join(lines)
+
+
+def render(outcomes: Sequence[Outcome], machine: str, total_s: float, quick: bool) -> str:
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "# Benchmarks",
+        "",
+        f"Generated by `make bench` (`python benchmarks/run_all.py{' --quick' if quick else ''}`)"
+        f" on {now}, in {total_s / 60:.1f} minutes. Do not edit by hand: rerun the command.",
+        "",
+        "## Machine",
+        "",
+        machine,
+        "",
+        "Timings on this machine are noisy: it has two cores and other work may run beside "
+        "the benchmarks (see the load average). Memory figures are exact and repeatable "
+        "(except with overlap_b_f, where the two leaves of a composite may run in either "
+        "order).",
+        "",
+        "## Headline",
+        "",
+        "Largest rank per schedule (pp4, m8; 'exposed wait' is the worst rank's, as a share "
+        "of the step, with the default plan; the step-time ratio uses the same throttled "
+        "run). Details in the sections below.",
+        "",
+        headline(outcomes),
+        "",
+    ]
+    for outcome in outcomes:
+        parts += [
+            f"## {outcome.bench.title}",
+            "",
+            outcome.bench.about,
+            "",
+            f"Command: `{outcome.command}` ({outcome.wall_s:.0f} s)",
+            "",
+        ]
+        if outcome.markdown.strip():
+            parts += [outcome.markdown.strip(), ""]
+        if outcome.error is not None:
+            parts += [f"**Not complete**: {outcome.error}", ""]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs, for checking")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[b.name for b in BENCHMARKS],
+        default=None,
+        help="run only these benchmarks",
+    )
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    args = parser.parse_args(argv)
+    chosen = [b for b in BENCHMARKS if args.only is None or b.name in args.only]
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="ppswap-bench-") as scratch:
+        for bench in chosen:
+            print(f"[bench] {bench.name}: {bench.script} ...", flush=True)
+            outcome = run_benchmark(bench, args.quick, Path(scratch))
+            status = "ok" if outcome.error is None else "NOT COMPLETE"
+            print(f"[bench] {bench.name}: {status} in {outcome.wall_s:.0f} s", flush=True)
+            outcomes.append(outcome)
+    total = time.perf_counter() - started
+    machine = machine_section(load_before, os.getloadavg())
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(render(outcomes, machine, total, args.quick))
+    print(f"[bench] wrote {args.output} ({total:.0f} s)")
+    return 0 if all(o.error is None for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
