@@ -37,10 +37,12 @@ Selection (candidates: the fixed rule's chunks, of every rank)
     Why a greedy suffices: a swapped chunk lowers its rank's profile by one exactly over
     its off-device window, so a peak drops only when every peak step is covered; the greedy
     covers peak steps one at a time with the chunk that costs least, and the budget check
-    is the simulation's. Chunks with gap 2 or 3 are never candidates: with these anchors
-    their load is launched where their offload is waited, so they free nothing.
+    is the simulation's. The candidates are the fixed rule's chunks only, so the policy
+    refines the default and never moves more: chunks with gap 2 or 3 would free nothing
+    anyway without FSDP (their load is launched where their offload is waited).
     Cost of planning: one simulation per candidate and round (quadratic in the chunks
-    when the budget binds; milliseconds to a second at pp4 m8, see bench_scale.py).
+    when the budget binds; milliseconds to a second at pp4 m8, see bench_scale.py). The
+    runtime plans once per run.
 
 Nothing here imports MindSpore or anyio; every function is pure. The policy is not a step
 of ``lowering.build_exec_order`` because the memory model (``simulate``) imports lowering:
