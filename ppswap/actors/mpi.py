@@ -8,8 +8,9 @@ design notes and the measured overhead. In short:
   then sleeping doubling intervals up to ``poll_interval_s``. Spinning keeps a message in
   flight off asyncio's 1 ms timer resolution; the cap keeps a rank that waits for its
   peer's compute from burning its core.
-- Wire format: a fixed-size header (magic, epoch, identity, byte count, ``dtype.str``,
-  shape) on tag ``2t``, then the raw bytes of the C-contiguous payload on tag ``2t + 1``.
+- Wire format: a header (magic, epoch, identity, byte count, ``dtype.str``, shape) on tag
+  ``2t``, followed in the same message by a payload of up to 16 KiB; a larger payload's
+  raw C-contiguous bytes follow on tag ``2t + 1``.
   Any shape and any dtype named by ``dtype.str`` arrives bit-exact; object and structured
   dtypes raise ``TypeError``.
 - Tags: P2P uses ``t = MessageKey.tag(num_stages, micro_count)`` on its own duplicate of
@@ -27,6 +28,7 @@ design notes and the measured overhead. In short:
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import struct
@@ -35,7 +37,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import anyio
 import numpy as np
@@ -51,13 +53,15 @@ Array = npt.NDArray[Any]
 
 _MAGIC = 0x7070_7377_6170_0001  # "ppswap", wire format 1
 _MAX_NDIM = 32
-# magic, epoch, identity, nbytes, ndim, dtype.str, shape (padded with zeros)
-_HEADER = struct.Struct(f"<Qqqqq32s{_MAX_NDIM}q")
+# magic, epoch, identity, nbytes, ndim, dtype.str
+_HEADER = struct.Struct("<Qqqqq32s")  # then ndim int64 dims
+_HEADER_MAX_BYTES = _HEADER.size + 8 * _MAX_NDIM
+_INLINE_MAX_BYTES = 16 * 1024  # payloads up to this size travel inside the header message
 _DEFAULT_MICRO_COUNT = 1 << 16
 _SPIN_BYTES_PER_S = 1e9
 _FIRST_SLEEP_S = 20e-6
 _CLOSE_DEADLINE_S = 1.0
-_POOL_MIN_BYTES = 256 * 1024
+_POOL_MIN_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -74,6 +78,7 @@ class _Header:
     nbytes: int
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
+    size: int  # bytes of the header itself; an inline payload follows it
 
 
 @dataclass(slots=True)
@@ -85,7 +90,7 @@ class _Counters:
 
 
 class _RecvBufferPool:
-    """Receive buffers of at least 256 KiB, recycled once no array views them any more.
+    """Receive buffers of at least 4 MiB, recycled once no array views them any more.
 
     A fresh large ``np.empty`` is paid for in page faults on first touch (for 64 MiB about
     as long as the transfer itself); PP runs receive the same sizes again and again. Each
@@ -113,7 +118,7 @@ class _RecvBufferPool:
             block = np.empty(nbytes, dtype=np.uint8)
         lease = (ctypes.c_ubyte * nbytes).from_buffer(block.data)
         weakref.finalize(lease, self._give_back, block).atexit = False
-        return np.frombuffer(memoryview(lease), dtype=np.uint8)
+        return np.frombuffer(cast(bytearray, lease), dtype=np.uint8)  # lease is the base
 
     def clear(self) -> None:
         with self._lock:
@@ -138,14 +143,22 @@ def _p2p_identity(key: MessageKey) -> int:
     return (key.stage << 32) | (key.micro << 1) | (key.direction == "B")
 
 
+@functools.lru_cache(maxsize=256)
+def _wire_dtype(dtype: np.dtype[Any]) -> bytes | None:
+    """``dtype.str`` as bytes when it names ``dtype`` exactly, else None (not sendable)."""
+    if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
+        return None
+    encoded = dtype.str.encode("ascii")
+    return encoded if len(encoded) <= 32 else None
+
+
 def _wire_array(payload: object, name: str) -> Array:
     """``payload`` as a C-contiguous array whose dtype survives the header, or raise."""
     if not isinstance(payload, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(payload).__name__}")
-    dtype = payload.dtype
-    if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
+    if _wire_dtype(payload.dtype) is None:
         raise TypeError(
-            f"{name} has dtype {dtype!r}; allowed: dtypes named by dtype.str "
+            f"{name} has dtype {payload.dtype!r}; allowed: dtypes named by dtype.str "
             "(numeric, bool, complex, datetime, fixed-width strings), not object/structured"
         )
     if payload.ndim > _MAX_NDIM:
@@ -154,30 +167,50 @@ def _wire_array(payload: object, name: str) -> Array:
     return payload if payload.flags.c_contiguous else payload.copy(order="C")
 
 
-def _encode_header(epoch: int, identity: int, body: Array) -> bytes:
-    dtype_str = body.dtype.str.encode("ascii")
-    if len(dtype_str) > 32:
-        raise TypeError(f"payload dtype {body.dtype.str!r} is too long to encode")
-    shape = body.shape + (0,) * (_MAX_NDIM - body.ndim)
-    return _HEADER.pack(_MAGIC, epoch, identity, body.nbytes, body.ndim, dtype_str, *shape)
+def _encode_message(epoch: int, identity: int, body: Array) -> bytes:
+    """The header, followed by the payload itself when it is small enough to inline.
+
+    ``body`` comes from ``_wire_array`` (so its dtype is known to be sendable).
+    """
+    dtype_str = _wire_dtype(body.dtype)
+    header = _HEADER.pack(_MAGIC, epoch, identity, body.nbytes, body.ndim, dtype_str)
+    header += struct.pack(f"<{body.ndim}q", *body.shape)
+    if 0 < body.nbytes <= _INLINE_MAX_BYTES:
+        header += body.tobytes()
+    return header
 
 
-def _decode_header(header: bytearray, epoch: int, identity: int, what: str) -> _Header:
-    magic, got_epoch, got_identity, nbytes, ndim, dtype_str, *dims = _HEADER.unpack(header)
-    if magic != _MAGIC:
+@functools.lru_cache(maxsize=256)
+def _parse_dtype(dtype_str: bytes) -> np.dtype[Any]:
+    return np.dtype(dtype_str.rstrip(b"\0").decode("ascii"))
+
+
+def _describe(what_parts: tuple[object, ...]) -> str:
+    return " ".join(map(str, what_parts))
+
+
+def _decode_header(
+    header: Array, epoch: int, identity: int, what_parts: tuple[object, ...]
+) -> _Header:
+    """The header at the start of ``header``; ``what_parts`` name the message in errors."""
+    magic, got_epoch, got_identity, nbytes, ndim, dtype_str = _HEADER.unpack_from(header.data)
+    if magic != _MAGIC or not 0 <= ndim <= _MAX_NDIM:
+        what = _describe(what_parts)
         raise RuntimeError(f"{what}: not a ppswap message header (magic {magic:#x})")
     if (got_epoch, got_identity) != (epoch, identity):
+        what = _describe(what_parts)
         raise RuntimeError(
             f"{what}: the header belongs to another message (epoch {got_epoch}, identity "
             f"{got_identity:#x}; expected epoch {epoch}, identity {identity:#x}): a stale "
             "message from an earlier run, ranks configured with different layouts, group "
             "members that disagree on the group, or a collective tag collision"
         )
-    dtype = np.dtype(dtype_str.rstrip(b"\0").decode("ascii"))
-    shape = tuple(dims[:ndim])
+    dtype = _parse_dtype(dtype_str)
+    shape = struct.unpack_from(f"<{ndim}q", header.data, _HEADER.size)
     if nbytes != math.prod(shape) * dtype.itemsize:
+        what = _describe(what_parts)
         raise RuntimeError(f"{what}: corrupt header ({nbytes} bytes for {shape} of {dtype})")
-    return _Header(nbytes, dtype, shape)
+    return _Header(nbytes, dtype, shape, _HEADER.size + 8 * ndim)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
@@ -223,6 +256,7 @@ class MPITransport:
         self._num_stages = max(1, (self._tag_ub + 1) // (4 * _DEFAULT_MICRO_COUNT))
         self._micro_count = _DEFAULT_MICRO_COUNT
         self._epoch = 0
+        self._p2p_tags: dict[MessageKey, int] = {}
         self._inflight: dict[int, _InFlight] = {}
         self._counters = _Counters()
         self._closed = False
@@ -259,6 +293,7 @@ class MPITransport:
             )
         self._num_stages = num_stages
         self._micro_count = micro_count
+        self._p2p_tags.clear()
         self._epoch += 1
         self._counters.collective_calls.clear()
 
@@ -281,7 +316,7 @@ class MPITransport:
         self._check_local("dst", dst)
         _check_int("src", src, 0, self._world_size)
         tag = self._p2p_tag(key)
-        what = f"recv {key} from rank {src}"
+        what = ("recv", key, "from rank", src)  # formatted only in an error message
         payload = await self._recv_message(self._p2p_comm, src, tag, _p2p_identity(key), what)
         self._counters.received += 1
         return payload
@@ -396,8 +431,15 @@ class MPITransport:
             raise ValueError(f"{name}={value!r}; allowed: this process's rank {self._rank}")
 
     def _p2p_tag(self, key: MessageKey) -> int:
+        """The header tag of ``key`` in this run's layout (validated once per key)."""
         if not isinstance(key, MessageKey):
             raise TypeError(f"key must be a MessageKey, got {key!r}")
+        tag = self._p2p_tags.get(key)
+        if tag is None:
+            tag = self._p2p_tags[key] = self._new_p2p_tag(key)
+        return tag
+
+    def _new_p2p_tag(self, key: MessageKey) -> int:
         if key.direction not in ("F", "B"):
             raise ValueError(f"key.direction={key.direction!r}; allowed: 'F' or 'B'")
         _check_int("key.stage", key.stage, 0, self._num_stages)
@@ -441,7 +483,7 @@ class MPITransport:
         received: dict[int, Array] = {}
 
         async def receive(j: int) -> None:
-            what = f"collective {key!r} from rank {group[j]}"
+            what = ("collective", key, "from rank", group[j])
             received[j] = await self._recv_message(self._coll_comm, group[j], tag, identity, what)
 
         comm = self._coll_comm
@@ -457,25 +499,28 @@ class MPITransport:
     async def _send_message(
         self, comm: MPI.Comm, dst: int, tag: int, identity: int, body: Array
     ) -> None:
-        header = _encode_header(self._epoch, identity, body)
-        requests = [comm.Isend([header, MPI.BYTE], dst, tag)]
-        if body.nbytes:
-            requests.append(comm.Isend([body.reshape(-1).view(np.uint8), MPI.BYTE], dst, tag + 1))
+        message = _encode_message(self._epoch, identity, body)
+        requests = [comm.Isend(message, dst, tag)]
+        if body.nbytes > _INLINE_MAX_BYTES:
+            requests.append(comm.Isend(body.reshape(-1).view(np.uint8), dst, tag + 1))
         p2p_send = comm is self._p2p_comm
-        await self._complete(_InFlight(requests, (header, body), p2p_send), body.nbytes)
+        await self._complete(_InFlight(requests, (message, body), p2p_send), body.nbytes)
 
     async def _recv_message(
-        self, comm: MPI.Comm, src: int, tag: int, identity: int, what: str
+        self, comm: MPI.Comm, src: int, tag: int, identity: int, what: tuple[object, ...]
     ) -> Array:
-        header = bytearray(_HEADER.size)
-        request = comm.Irecv([header, MPI.BYTE], src, tag)
-        await self._complete(_InFlight([request], (header,), p2p_send=False), 0)
-        meta = _decode_header(header, self._epoch, identity, what)
+        first = np.empty(_HEADER_MAX_BYTES + _INLINE_MAX_BYTES, dtype=np.uint8)
+        request = comm.Irecv(first, src, tag)
+        await self._complete(_InFlight([request], (first,), p2p_send=False), 0)
+        meta = _decode_header(first, self._epoch, identity, what)
         if meta.nbytes == 0:
             return np.empty(meta.shape, dtype=meta.dtype)
-        raw = self._recv_pool.take(meta.nbytes)
-        request = comm.Irecv([raw, MPI.BYTE], src, tag + 1)
-        await self._complete(_InFlight([request], (raw,), p2p_send=False), meta.nbytes)
+        if meta.nbytes <= _INLINE_MAX_BYTES:
+            raw = first[meta.size : meta.size + meta.nbytes].copy()
+        else:
+            raw = self._recv_pool.take(meta.nbytes)
+            request = comm.Irecv(raw, src, tag + 1)
+            await self._complete(_InFlight([request], (raw,), p2p_send=False), meta.nbytes)
         return raw.view(meta.dtype).reshape(meta.shape)
 
     def _test(self, record: _InFlight) -> bool:

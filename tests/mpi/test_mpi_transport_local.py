@@ -60,7 +60,9 @@ PAYLOADS = {
     "strings": np.array(["a", "bcd"]),
     "datetime": np.arange(3).astype("datetime64[ms]"),
     "nan": np.array([np.nan, -0.0, np.inf]),
-    "large": np.arange(1 << 18, dtype=np.float64),  # 2 MiB: pooled receive buffer
+    "inline-limit": np.arange(16 * 1024, dtype=np.uint8),  # largest inline payload
+    "above-inline": np.arange(16 * 1024 + 1, dtype=np.uint8),  # header + body messages
+    "large": np.arange(1 << 19, dtype=np.float64),  # 4 MiB: pooled receive buffer
 }
 
 
@@ -193,22 +195,22 @@ def test_single_member_collectives(transport: MPITransport) -> None:
 
 
 def test_recv_buffer_pool_recycles_only_unreferenced_blocks() -> None:
-    pool = _RecvBufferPool(capacity_bytes=4 << 20)
-    first = pool.take(1 << 20)
+    size = 4 << 20
+    pool = _RecvBufferPool(capacity_bytes=2 * size)
+    first = pool.take(size)
     address = first.ctypes.data
     view = first.view(np.float64)[3:]
     del first
     gc.collect()
-    second = pool.take(1 << 20)
+    second = pool.take(size)
     assert second.ctypes.data != address  # ``view`` still uses the first block
     del view
-    third = pool.take(1 << 20)
+    third = pool.take(size)
     assert third.ctypes.data == address  # recycled
-    small = pool.take(1024)
-    assert small.nbytes == 1024
+    small = pool.take(1 << 20)
     assert small.base is None  # below the pooling threshold: a plain allocation
     disabled = _RecvBufferPool(capacity_bytes=0)
-    assert disabled.take(1 << 20).base is None
+    assert disabled.take(size).base is None
 
 
 @pytest.mark.parametrize(
@@ -228,6 +230,7 @@ def test_recv_buffer_pool_recycles_only_unreferenced_blocks() -> None:
             "structured",
         ),
         (lambda t: t.recv(0, 0, MessageKey("X", 1, 0)), ValueError, "direction"),
+        (lambda t: t.recv(0, 0, ["F", 1, 0]), TypeError, "MessageKey"),
         (lambda t: t.recv(0, 0, MessageKey("F", 4, 0)), ValueError, "key.stage=4"),
         (lambda t: t.recv(0, 0, MessageKey("F", 1, 8)), ValueError, "key.micro=8"),
         (lambda t: t.recv(1, 0, MessageKey("F", 1, 0)), ValueError, "dst=1"),
