@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
 
-__all__ = ["configure_logging"]
+from ppswap.scheduler.steps import MetaStep
+
+__all__ = ["configure_logging", "log_step"]
+
+
+def log_step(log: Any, event: str, step: MetaStep, generation: int, **fields: Any) -> None:
+    """One debug event about ``step``, with the fields every step event carries."""
+    log.debug(
+        event,
+        step=step.kind.value,
+        stage=step.stage,
+        micro=step.micro,
+        generation=generation,
+        **fields,
+    )
 
 
 def configure_logging(*, json: bool = False, level: int | str = logging.INFO) -> None:

@@ -55,6 +55,7 @@ from ppswap.actors.messages import (
 )
 from ppswap.actors.trace import FlightRecorder
 from ppswap.errors import PipelineError, PipelineHangError, first_pipeline_error
+from ppswap.logs import log_step
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
 from ppswap.stage import PipelineStage, StageCollector
@@ -191,13 +192,7 @@ class ComputeActor:
         try:
             with self._recorder.span(self.rank, self.actor_name, step.short()):
                 if self._log_steps:
-                    self._log.debug(
-                        "step",
-                        step=step.kind.value,
-                        stage=step.stage,
-                        micro=step.micro,
-                        generation=self._generation,
-                    )
+                    log_step(self._log, "step", step, self._generation)
                 if self._faults is not None:
                     await self._inject(self._faults, step)
                 await self._dispatch(step)
@@ -440,15 +435,7 @@ class ComputeActor:
         self._exposed_wait_s += waited
         await self._call(finish, step.stage, step.micro)
         if self._log_steps:
-            self._log.debug(
-                "swap_wait",
-                step=step.kind.value,
-                stage=step.stage,
-                micro=step.micro,
-                generation=self._generation,
-                bytes=moved,
-                waited_s=waited,
-            )
+            log_step(self._log, "swap_wait", step, self._generation, bytes=moved, waited_s=waited)
 
     _handlers: ClassVar[dict[StepKind, Callable[[ComputeActor, MetaStep], Awaitable[None]]]] = {
         StepKind.FWD: _fwd,

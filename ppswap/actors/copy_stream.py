@@ -27,6 +27,7 @@ from ppswap.actors.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.actors.messages import CopyRequest
 from ppswap.actors.trace import FlightRecorder
 from ppswap.errors import PipelineError, PipelineHangError
+from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
 
 __all__ = ["CopyStats", "CopyStreamActor"]
@@ -128,15 +129,8 @@ class CopyStreamActor:
         self._bytes += moved
         request.reply.set_result(moved)
         if self._log_steps:
-            self._log.debug(
-                "copy",
-                step=step.kind.value,
-                stage=step.stage,
-                micro=step.micro,
-                generation=self._generation,
-                bytes=moved,
-                seconds=time.perf_counter() - started,
-            )
+            seconds = time.perf_counter() - started
+            log_step(self._log, "copy", step, self._generation, bytes=moved, seconds=seconds)
 
     async def _inject(self, faults: FaultPlan, step: MetaStep) -> None:
         """Apply the plan's copy rule for ``step``: fail the copy, or hold the stream."""

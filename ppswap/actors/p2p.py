@@ -45,6 +45,7 @@ from ppswap.actors.messages import (
 )
 from ppswap.actors.trace import FlightRecorder
 from ppswap.errors import PipelineError
+from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
 
 __all__ = [
@@ -294,14 +295,8 @@ class P2PActor:
                     payload = await self._transport.recv(self.rank, request.src, request.key)
                     request.reply.set_result(payload)
             if self._log_steps:
-                self._log.debug(
-                    label.split(" ", 1)[0],
-                    step=step.kind.value,
-                    stage=step.stage,
-                    micro=step.micro,
-                    generation=self._generation,
-                    peer=step.peer,
-                )
+                event = label.split(" ", 1)[0]
+                log_step(self._log, event, step, self._generation, peer=step.peer)
         except Exception as exc:
             error = PipelineError(
                 f"{label} failed: {exc!r}",
