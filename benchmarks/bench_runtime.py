@@ -208,6 +208,32 @@ async def _actors_run(
     return wall, sum(r.steps_executed for r in result.ranks)
 
 
+def _measure(
+    schedule: str,
+    pp: int,
+    stage_num: int,
+    micro: int,
+    swap: bool,
+    repeats: int,
+    lags: list[float],
+) -> tuple[int, float, float]:
+    """Median wall time of the sync loop and of run_schedule over the same orders."""
+    stages = _stages(stage_num)
+    sync = SyncExecutor(stages, schedule, pp, micro, swap)
+    sync.run()  # warm-up
+    anyio.run(_actors_run, stages, schedule, pp, micro, swap, [])
+    sync_times, actor_times = [], []
+    steps = 0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        steps = sync.run()
+        sync_times.append(time.perf_counter() - started)
+        wall, actor_steps = anyio.run(_actors_run, stages, schedule, pp, micro, swap, lags)
+        assert actor_steps == steps, (actor_steps, steps)
+        actor_times.append(wall)
+    return steps, statistics.median(sync_times), statistics.median(actor_times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -217,31 +243,26 @@ def main() -> None:
     rows = []
     all_lags: list[float] = []
     for schedule, pp, stage_num, micro, swap in CONFIGS:
-        stages = _stages(stage_num)
-        sync = SyncExecutor(stages, schedule, pp, micro, swap)
-        sync.run()  # warm-up
-        anyio.run(_actors_run, stages, schedule, pp, micro, swap, [])
-        sync_times, actor_times = [], []
-        steps = 0
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            steps = sync.run()
-            sync_times.append(time.perf_counter() - started)
-            wall, actor_steps = anyio.run(_actors_run, stages, schedule, pp, micro, swap, all_lags)
-            assert actor_steps == steps, (actor_steps, steps)
-            actor_times.append(wall)
-        sync_s, actor_s = statistics.median(sync_times), statistics.median(actor_times)
+        # Two sizes of the same schedule: the slope is the cost per MetaStep, free of the
+        # fixed per-run costs (planning and validation, thread start and join).
+        small = _measure(schedule, pp, stage_num, micro, swap, args.repeats, all_lags)
+        large = _measure(schedule, pp, stage_num, 4 * micro, swap, args.repeats, all_lags)
+        extra_steps = large[0] - small[0]
+        sync_slope = (large[1] - small[1]) / extra_steps
+        actor_slope = (large[2] - small[2]) / extra_steps
         rows.append(
             {
                 "schedule": schedule,
                 "pp": pp,
                 "stages": stage_num,
-                "micro": micro,
+                "micro": f"{micro} / {4 * micro}",
                 "swap": swap,
-                "steps": steps,
-                "sync_ms": sync_s * 1e3,
-                "actors_ms": actor_s * 1e3,
-                "overhead_us_per_step": (actor_s - sync_s) / steps * 1e6,
+                "steps": f"{small[0]} / {large[0]}",
+                "sync_ms": f"{small[1] * 1e3:.0f} / {large[1] * 1e3:.0f}",
+                "actors_ms": f"{small[2] * 1e3:.0f} / {large[2] * 1e3:.0f}",
+                "fixed_ms": (small[2] - actor_slope * small[0]) * 1e3
+                - (small[1] - sync_slope * small[0]) * 1e3,
+                "overhead_us_per_step": (actor_slope - sync_slope) * 1e6,
             }
         )
     lags_ms = sorted(v * 1e3 for v in all_lags)
@@ -253,16 +274,21 @@ def main() -> None:
     }
     print(
         "| schedule | pp | stages | micro | swap | MetaSteps | sync loop ms | actors ms "
-        "| overhead us/MetaStep |"
+        "| fixed per run ms | overhead us/MetaStep |"
     )
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['schedule']} | {r['pp']} | {r['stages']} | {r['micro']} | {r['swap']} "
-            f"| {r['steps']} | {r['sync_ms']:.1f} | {r['actors_ms']:.1f} "
+            f"| {r['steps']} | {r['sync_ms']} | {r['actors_ms']} | {r['fixed_ms']:.1f} "
             f"| {r['overhead_us_per_step']:.1f} |"
         )
     print()
+    print(
+        "overhead per MetaStep = slope of run_schedule's wall time over MetaSteps minus the "
+        "sync loop's slope (micro and 4x micro); fixed per run = the rest (planning, "
+        "validation, threads)."
+    )
     print(
         f"event-loop lag while training ({lag['samples']} heartbeats of 1 ms): "
         f"p50 {lag['p50_ms']:.2f} ms, p99 {lag['p99_ms']:.2f} ms, max {lag['max_ms']:.2f} ms"
