@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -187,15 +188,22 @@ class ComputeActor:
             )
 
     async def _run_step(self, step: MetaStep) -> None:
-        """Run one step (top-level or a composite's leaf), turning any failure into a
-        PipelineError (or PipelineHangError) that names this rank, actor and step."""
+        """Run one step (top-level or a composite's leaf); failures name this step."""
+        with self._failures_named(step.short()):
+            if self._log_steps:
+                log_step(self._log, "step", step, self._generation)
+            if self._faults is not None:
+                await self._inject(self._faults, step)
+            await self._dispatch(step)
+
+    @contextmanager
+    def _failures_named(self, label: str) -> Iterator[None]:
+        """Record ``label`` as a span; turn any failure inside into a PipelineError (or a
+        PipelineHangError with the flight recorder's dump) naming rank, actor and ``label``.
+        """
         try:
-            with self._recorder.span(self.rank, self.actor_name, step.short()):
-                if self._log_steps:
-                    log_step(self._log, "step", step, self._generation)
-                if self._faults is not None:
-                    await self._inject(self._faults, step)
-                await self._dispatch(step)
+            with self._recorder.span(self.rank, self.actor_name, label):
+                yield
         except (PipelineError, anyio.get_cancelled_exc_class()):
             raise
         except FutureTimeoutError as exc:
@@ -203,15 +211,12 @@ class ComputeActor:
                 str(exc),
                 rank=self.rank,
                 actor=self.actor_name,
-                step=step.short(),
+                step=label,
                 dump=self._recorder.dump(),
             ) from exc
         except Exception as exc:
             raise PipelineError(
-                f"{type(exc).__name__}: {exc}",
-                rank=self.rank,
-                actor=self.actor_name,
-                step=step.short(),
+                f"{type(exc).__name__}: {exc}", rank=self.rank, actor=self.actor_name, step=label
             ) from exc
 
     async def _dispatch(self, step: MetaStep) -> None:
@@ -386,23 +391,8 @@ class ComputeActor:
         """After the order: the gradient reduce-scatters (errors named like a step's)."""
         label = "fsdp finish"
         self._current = label
-        try:
-            with self._recorder.span(self.rank, self.actor_name, label):
-                await fsdp.finish()
-        except (PipelineError, anyio.get_cancelled_exc_class()):
-            raise
-        except FutureTimeoutError as exc:
-            raise PipelineHangError(
-                str(exc),
-                rank=self.rank,
-                actor=self.actor_name,
-                step=label,
-                dump=self._recorder.dump(),
-            ) from exc
-        except Exception as exc:
-            raise PipelineError(
-                f"{type(exc).__name__}: {exc}", rank=self.rank, actor=self.actor_name, step=label
-            ) from exc
+        with self._failures_named(label):
+            await fsdp.finish()
 
     # -- swap ----------------------------------------------------------------------------
     async def _launch_copy(self, step: MetaStep) -> None:
