@@ -27,17 +27,11 @@ design notes and the measured overhead. In short:
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import math
-import struct
-import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import anyio
 import numpy as np
@@ -45,23 +39,26 @@ import numpy.typing as npt
 from mpi4py import MPI
 
 from ppswap.actors.messages import MessageKey
+from ppswap.actors.mpi_wire import (
+    HEADER_MAX_BYTES,
+    INLINE_MAX_BYTES,
+    RecvBufferPool,
+    decode_header,
+    digest,
+    encode_message,
+    p2p_identity,
+    wire_array,
+)
 from ppswap.actors.p2p import TransportStats
 
 __all__ = ["MPITransport"]
 
 Array = npt.NDArray[Any]
 
-_MAGIC = 0x7070_7377_6170_0001  # "ppswap", wire format 1
-_MAX_NDIM = 32
-# magic, epoch, identity, nbytes, ndim, dtype.str
-_HEADER = struct.Struct("<Qqqqq32s")  # then ndim int64 dims
-_HEADER_MAX_BYTES = _HEADER.size + 8 * _MAX_NDIM
-_INLINE_MAX_BYTES = 16 * 1024  # payloads up to this size travel inside the header message
 _DEFAULT_MICRO_COUNT = 1 << 16
 _SPIN_BYTES_PER_S = 1e9
 _FIRST_SLEEP_S = 20e-6
 _CLOSE_DEADLINE_S = 1.0
-_POOL_MIN_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -73,144 +70,12 @@ class _InFlight:
     p2p_send: bool  # counted as undelivered by stats() while pending
 
 
-@dataclass(frozen=True, slots=True)
-class _Header:
-    nbytes: int
-    dtype: np.dtype[Any]
-    shape: tuple[int, ...]
-    size: int  # bytes of the header itself; an inline payload follows it
-
-
 @dataclass(slots=True)
 class _Counters:
     sent: int = 0
     received: int = 0
     bytes_sent: int = 0
     collective_calls: dict[tuple[str, tuple[int, ...], str], int] = field(default_factory=dict)
-
-
-class _RecvBufferPool:
-    """Receive buffers of at least 4 MiB, recycled once no array views them any more.
-
-    A fresh large ``np.empty`` is paid for in page faults on first touch (for 64 MiB about
-    as long as the transfer itself); PP runs receive the same sizes again and again. Each
-    buffer handed out is a numpy view of a ctypes lease over a pooled block; every array
-    derived from it keeps the lease alive, and the lease's finalizer returns the block
-    (possibly on another thread, hence the lock). At most ``capacity_bytes`` are kept idle.
-    """
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self._capacity_bytes = capacity_bytes
-        self._lock = threading.Lock()
-        self._idle: dict[int, list[Array]] = {}
-        self._idle_bytes = 0
-
-    def take(self, nbytes: int) -> Array:
-        """A writable uint8 array of ``nbytes`` (contents undefined)."""
-        if nbytes < _POOL_MIN_BYTES or self._capacity_bytes == 0:
-            return np.empty(nbytes, dtype=np.uint8)
-        with self._lock:
-            blocks = self._idle.get(nbytes)
-            block = blocks.pop() if blocks else None
-            if block is not None:
-                self._idle_bytes -= nbytes
-        if block is None:
-            block = np.empty(nbytes, dtype=np.uint8)
-        lease = (ctypes.c_ubyte * nbytes).from_buffer(block.data)
-        weakref.finalize(lease, self._give_back, block).atexit = False
-        return np.frombuffer(cast(bytearray, lease), dtype=np.uint8)  # lease is the base
-
-    def clear(self) -> None:
-        with self._lock:
-            self._idle.clear()
-            self._idle_bytes = 0
-
-    def _give_back(self, block: Array) -> None:
-        with self._lock:
-            if self._idle_bytes + block.nbytes <= self._capacity_bytes:
-                self._idle.setdefault(block.nbytes, []).append(block)
-                self._idle_bytes += block.nbytes
-
-
-def _digest(*parts: object) -> int:
-    """A stable signed 64-bit hash of ``parts`` (the same on every rank and process)."""
-    raw = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little", signed=True)
-
-
-def _p2p_identity(key: MessageKey) -> int:
-    """``key`` packed into one int (exact, no hash): stage, micro, direction."""
-    return (key.stage << 32) | (key.micro << 1) | (key.direction == "B")
-
-
-@functools.lru_cache(maxsize=256)
-def _wire_dtype(dtype: np.dtype[Any]) -> bytes | None:
-    """``dtype.str`` as bytes when it names ``dtype`` exactly, else None (not sendable)."""
-    if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
-        return None
-    encoded = dtype.str.encode("ascii")
-    return encoded if len(encoded) <= 32 else None
-
-
-def _wire_array(payload: object, name: str) -> Array:
-    """``payload`` as a C-contiguous array whose dtype survives the header, or raise."""
-    if not isinstance(payload, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray, got {type(payload).__name__}")
-    if _wire_dtype(payload.dtype) is None:
-        raise TypeError(
-            f"{name} has dtype {payload.dtype!r}; allowed: dtypes named by dtype.str "
-            "(numeric, bool, complex, datetime, fixed-width strings), not object/structured"
-        )
-    if payload.ndim > _MAX_NDIM:
-        raise ValueError(f"{name} has ndim {payload.ndim}; at most {_MAX_NDIM} allowed")
-    # np.ascontiguousarray would turn a 0-d array into a 1-d one
-    return payload if payload.flags.c_contiguous else payload.copy(order="C")
-
-
-def _encode_message(epoch: int, identity: int, body: Array) -> bytes:
-    """The header, followed by the payload itself when it is small enough to inline.
-
-    ``body`` comes from ``_wire_array`` (so its dtype is known to be sendable).
-    """
-    dtype_str = _wire_dtype(body.dtype)
-    header = _HEADER.pack(_MAGIC, epoch, identity, body.nbytes, body.ndim, dtype_str)
-    header += struct.pack(f"<{body.ndim}q", *body.shape)
-    if 0 < body.nbytes <= _INLINE_MAX_BYTES:
-        header += body.tobytes()
-    return header
-
-
-@functools.lru_cache(maxsize=256)
-def _parse_dtype(dtype_str: bytes) -> np.dtype[Any]:
-    return np.dtype(dtype_str.rstrip(b"\0").decode("ascii"))
-
-
-def _describe(what_parts: tuple[object, ...]) -> str:
-    return " ".join(map(str, what_parts))
-
-
-def _decode_header(
-    header: Array, epoch: int, identity: int, what_parts: tuple[object, ...]
-) -> _Header:
-    """The header at the start of ``header``; ``what_parts`` name the message in errors."""
-    magic, got_epoch, got_identity, nbytes, ndim, dtype_str = _HEADER.unpack_from(header.data)
-    if magic != _MAGIC or not 0 <= ndim <= _MAX_NDIM:
-        what = _describe(what_parts)
-        raise RuntimeError(f"{what}: not a ppswap message header (magic {magic:#x})")
-    if (got_epoch, got_identity) != (epoch, identity):
-        what = _describe(what_parts)
-        raise RuntimeError(
-            f"{what}: the header belongs to another message (epoch {got_epoch}, identity "
-            f"{got_identity:#x}; expected epoch {epoch}, identity {identity:#x}): a stale "
-            "message from an earlier run, ranks configured with different layouts, group "
-            "members that disagree on the group, or a collective tag collision"
-        )
-    dtype = _parse_dtype(dtype_str)
-    shape = struct.unpack_from(f"<{ndim}q", header.data, _HEADER.size)
-    if nbytes != math.prod(shape) * dtype.itemsize:
-        what = _describe(what_parts)
-        raise RuntimeError(f"{what}: corrupt header ({nbytes} bytes for {shape} of {dtype})")
-    return _Header(nbytes, dtype, shape, _HEADER.size + 8 * ndim)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
@@ -260,7 +125,7 @@ class MPITransport:
         self._inflight: dict[int, _InFlight] = {}
         self._counters = _Counters()
         self._closed = False
-        self._recv_pool = _RecvBufferPool(recv_pool_bytes)
+        self._recv_pool = RecvBufferPool(recv_pool_bytes)
 
     # -- properties and set-up --------------------------------------------------------------
 
@@ -304,9 +169,9 @@ class MPITransport:
         self._check_open()
         self._check_local("src", src)
         _check_int("dst", dst, 0, self._world_size)
-        body = _wire_array(payload, "payload")
+        body = wire_array(payload, "payload")
         tag = self._p2p_tag(key)
-        await self._send_message(self._p2p_comm, dst, tag, _p2p_identity(key), body)
+        await self._send_message(self._p2p_comm, dst, tag, p2p_identity(key), body)
         self._counters.sent += 1
         self._counters.bytes_sent += body.nbytes
 
@@ -317,7 +182,7 @@ class MPITransport:
         _check_int("src", src, 0, self._world_size)
         tag = self._p2p_tag(key)
         what = ("recv", key, "from rank", src)  # formatted only in an error message
-        payload = await self._recv_message(self._p2p_comm, src, tag, _p2p_identity(key), what)
+        payload = await self._recv_message(self._p2p_comm, src, tag, p2p_identity(key), what)
         self._counters.received += 1
         return payload
 
@@ -341,7 +206,7 @@ class MPITransport:
         self._check_open()
         self._check_local("rank", rank)
         index = self._check_group(group)
-        body = _wire_array(array, "array")
+        body = wire_array(array, "array")
         tag, identity = self._collective_tag("all_gather", group, key)
         outgoing = {j: body for j in range(len(group)) if j != index}
         received = await self._exchange(group, tag, identity, key, outgoing)
@@ -366,7 +231,7 @@ class MPITransport:
                 f"arrays has {len(arrays)} entries; allowed: {len(group)}, one per member "
                 f"of group {group}"
             )
-        bodies = [_wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
+        bodies = [wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
         tag, identity = self._collective_tag("reduce_scatter_sum", group, key)
         outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
         received = await self._exchange(group, tag, identity, key, outgoing)
@@ -465,8 +330,8 @@ class MPITransport:
         calls = self._counters.collective_calls
         call = calls.get((op, members, key), 0)
         calls[(op, members, key)] = call + 1
-        tag_hash = _digest(op, members, key, call, self._epoch) % ((self._tag_ub + 1) // 2)
-        return 2 * tag_hash, _digest(op, group, key, call)
+        tag_hash = digest(op, members, key, call, self._epoch) % ((self._tag_ub + 1) // 2)
+        return 2 * tag_hash, digest(op, group, key, call)
 
     async def _exchange(
         self,
@@ -499,9 +364,9 @@ class MPITransport:
     async def _send_message(
         self, comm: MPI.Comm, dst: int, tag: int, identity: int, body: Array
     ) -> None:
-        message = _encode_message(self._epoch, identity, body)
+        message = encode_message(self._epoch, identity, body)
         requests = [comm.Isend(message, dst, tag)]
-        if body.nbytes > _INLINE_MAX_BYTES:
+        if body.nbytes > INLINE_MAX_BYTES:
             requests.append(comm.Isend(body.reshape(-1).view(np.uint8), dst, tag + 1))
         p2p_send = comm is self._p2p_comm
         await self._complete(_InFlight(requests, (message, body), p2p_send), body.nbytes)
@@ -509,13 +374,13 @@ class MPITransport:
     async def _recv_message(
         self, comm: MPI.Comm, src: int, tag: int, identity: int, what: tuple[object, ...]
     ) -> Array:
-        first = np.empty(_HEADER_MAX_BYTES + _INLINE_MAX_BYTES, dtype=np.uint8)
+        first = np.empty(HEADER_MAX_BYTES + INLINE_MAX_BYTES, dtype=np.uint8)
         request = comm.Irecv(first, src, tag)
         await self._complete(_InFlight([request], (first,), p2p_send=False), 0)
-        meta = _decode_header(first, self._epoch, identity, what)
+        meta = decode_header(first, self._epoch, identity, what)
         if meta.nbytes == 0:
             return np.empty(meta.shape, dtype=meta.dtype)
-        if meta.nbytes <= _INLINE_MAX_BYTES:
+        if meta.nbytes <= INLINE_MAX_BYTES:
             raw = first[meta.size : meta.size + meta.nbytes].copy()
         else:
             raw = self._recv_pool.take(meta.nbytes)

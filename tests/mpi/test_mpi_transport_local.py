@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("mpi4py")
 
 from ppswap.actors.messages import MessageKey
-from ppswap.actors.mpi import MPITransport, _RecvBufferPool
+from ppswap.actors.mpi import MPITransport
+from ppswap.actors.mpi_wire import RecvBufferPool
 
 Array = npt.NDArray[Any]
 
@@ -196,7 +197,7 @@ def test_single_member_collectives(transport: MPITransport) -> None:
 
 def test_recv_buffer_pool_recycles_only_unreferenced_blocks() -> None:
     size = 4 << 20
-    pool = _RecvBufferPool(capacity_bytes=2 * size)
+    pool = RecvBufferPool(capacity_bytes=2 * size)
     first = pool.take(size)
     address = first.ctypes.data
     view = first.view(np.float64)[3:]
@@ -209,7 +210,7 @@ def test_recv_buffer_pool_recycles_only_unreferenced_blocks() -> None:
     assert third.ctypes.data == address  # recycled
     small = pool.take(1 << 20)
     assert small.base is None  # below the pooling threshold: a plain allocation
-    disabled = _RecvBufferPool(capacity_bytes=0)
+    disabled = RecvBufferPool(capacity_bytes=0)
     assert disabled.take(size).base is None
 
 

@@ -1,0 +1,178 @@
+"""The wire format of ``MPITransport``: message headers, payload encoding, receive pool.
+
+Pure numpy and the standard library (no MPI import), so it is testable and readable on
+its own. A message is a header (magic, epoch, identity, byte count, ``dtype.str``, shape)
+followed, for payloads up to ``INLINE_MAX_BYTES``, by the payload itself; larger payloads
+travel as a second message (see ``ppswap.actors.mpi``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from ppswap.actors.messages import MessageKey
+
+__all__ = [
+    "HEADER_MAX_BYTES",
+    "INLINE_MAX_BYTES",
+    "RecvBufferPool",
+    "WireHeader",
+    "decode_header",
+    "digest",
+    "encode_message",
+    "p2p_identity",
+    "wire_array",
+]
+
+Array = npt.NDArray[Any]
+
+MAGIC = 0x7070_7377_6170_0001  # "ppswap", wire format 1
+MAX_NDIM = 32
+# magic, epoch, identity, nbytes, ndim, dtype.str
+HEADER_STRUCT = struct.Struct("<Qqqqq32s")  # then ndim int64 dims
+HEADER_MAX_BYTES = HEADER_STRUCT.size + 8 * MAX_NDIM
+INLINE_MAX_BYTES = 16 * 1024  # payloads up to this size travel inside the header message
+POOL_MIN_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class WireHeader:
+    nbytes: int
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    size: int  # bytes of the header itself; an inline payload follows it
+
+
+class RecvBufferPool:
+    """Receive buffers of at least 4 MiB, recycled once no array views them any more.
+
+    A fresh large ``np.empty`` is paid for in page faults on first touch (for 64 MiB about
+    as long as the transfer itself); PP runs receive the same sizes again and again. Each
+    buffer handed out is a numpy view of a ctypes lease over a pooled block; every array
+    derived from it keeps the lease alive, and the lease's finalizer returns the block
+    (possibly on another thread, hence the lock). At most ``capacity_bytes`` are kept idle.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[Array]] = {}
+        self._idle_bytes = 0
+
+    def take(self, nbytes: int) -> Array:
+        """A writable uint8 array of ``nbytes`` (contents undefined)."""
+        if nbytes < POOL_MIN_BYTES or self._capacity_bytes == 0:
+            return np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            blocks = self._idle.get(nbytes)
+            block = blocks.pop() if blocks else None
+            if block is not None:
+                self._idle_bytes -= nbytes
+        if block is None:
+            block = np.empty(nbytes, dtype=np.uint8)
+        lease = (ctypes.c_ubyte * nbytes).from_buffer(block.data)
+        weakref.finalize(lease, self._give_back, block).atexit = False
+        return np.frombuffer(cast(bytearray, lease), dtype=np.uint8)  # lease is the base
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
+
+    def _give_back(self, block: Array) -> None:
+        with self._lock:
+            if self._idle_bytes + block.nbytes <= self._capacity_bytes:
+                self._idle.setdefault(block.nbytes, []).append(block)
+                self._idle_bytes += block.nbytes
+
+
+def digest(*parts: object) -> int:
+    """A stable signed 64-bit hash of ``parts`` (the same on every rank and process)."""
+    raw = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
+
+
+def p2p_identity(key: MessageKey) -> int:
+    """``key`` packed into one int (exact, no hash): stage, micro, direction."""
+    return (key.stage << 32) | (key.micro << 1) | (key.direction == "B")
+
+
+@functools.lru_cache(maxsize=256)
+def wire_dtype(dtype: np.dtype[Any]) -> bytes | None:
+    """``dtype.str`` as bytes when it names ``dtype`` exactly, else None (not sendable)."""
+    if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
+        return None
+    encoded = dtype.str.encode("ascii")
+    return encoded if len(encoded) <= 32 else None
+
+
+def wire_array(payload: object, name: str) -> Array:
+    """``payload`` as a C-contiguous array whose dtype survives the header, or raise."""
+    if not isinstance(payload, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(payload).__name__}")
+    if wire_dtype(payload.dtype) is None:
+        raise TypeError(
+            f"{name} has dtype {payload.dtype!r}; allowed: dtypes named by dtype.str "
+            "(numeric, bool, complex, datetime, fixed-width strings), not object/structured"
+        )
+    if payload.ndim > MAX_NDIM:
+        raise ValueError(f"{name} has ndim {payload.ndim}; at most {MAX_NDIM} allowed")
+    # np.ascontiguousarray would turn a 0-d array into a 1-d one
+    return payload if payload.flags.c_contiguous else payload.copy(order="C")
+
+
+def encode_message(epoch: int, identity: int, body: Array) -> bytes:
+    """The header, followed by the payload itself when it is small enough to inline.
+
+    ``body`` comes from ``wire_array`` (so its dtype is known to be sendable).
+    """
+    dtype_str = wire_dtype(body.dtype)
+    header = HEADER_STRUCT.pack(MAGIC, epoch, identity, body.nbytes, body.ndim, dtype_str)
+    header += struct.pack(f"<{body.ndim}q", *body.shape)
+    if 0 < body.nbytes <= INLINE_MAX_BYTES:
+        header += body.tobytes()
+    return header
+
+
+@functools.lru_cache(maxsize=256)
+def parse_dtype(dtype_str: bytes) -> np.dtype[Any]:
+    return np.dtype(dtype_str.rstrip(b"\0").decode("ascii"))
+
+
+def describe(what_parts: tuple[object, ...]) -> str:
+    return " ".join(map(str, what_parts))
+
+
+def decode_header(
+    header: Array, epoch: int, identity: int, what_parts: tuple[object, ...]
+) -> WireHeader:
+    """The header at the start of ``header``; ``what_parts`` name the message in errors."""
+    magic, got_epoch, got_identity, nbytes, ndim, dtype_str = HEADER_STRUCT.unpack_from(header.data)
+    if magic != MAGIC or not 0 <= ndim <= MAX_NDIM:
+        what = describe(what_parts)
+        raise RuntimeError(f"{what}: not a ppswap message header (magic {magic:#x})")
+    if (got_epoch, got_identity) != (epoch, identity):
+        what = describe(what_parts)
+        raise RuntimeError(
+            f"{what}: the header belongs to another message (epoch {got_epoch}, identity "
+            f"{got_identity:#x}; expected epoch {epoch}, identity {identity:#x}): a stale "
+            "message from an earlier run, ranks configured with different layouts, group "
+            "members that disagree on the group, or a collective tag collision"
+        )
+    dtype = parse_dtype(dtype_str)
+    shape = struct.unpack_from(f"<{ndim}q", header.data, HEADER_STRUCT.size)
+    if nbytes != math.prod(shape) * dtype.itemsize:
+        what = describe(what_parts)
+        raise RuntimeError(f"{what}: corrupt header ({nbytes} bytes for {shape} of {dtype})")
+    return WireHeader(nbytes, dtype, shape, HEADER_STRUCT.size + 8 * ndim)
