@@ -31,15 +31,24 @@ Selection (candidates: the fixed rule's chunks, of every rank)
        gap, the earliest FWD, the lowest rank. The greedy stops when no candidate lowers
        its rank's profile: no remaining chunk is off device at a peak step of its rank, so
        more copies would only spend bandwidth.
-    3. Pruning, newest first: a chosen chunk whose removal keeps every budget and leaves
-       its rank's peak where it is, is dropped; the policy moves no bytes that do not
-       lower a peak.
+    3. Also the other way round: from the fixed rule's set, remove one chunk at a time
+       until every rank fits: the chunk whose removal cuts the exposed wait beyond the
+       budgets most, then raises its rank's profile least, then has the shortest gap.
+       (Ranks interact through the shared compute thread and the dependencies, so adding
+       up and removing down can end at different selections.)
+    4. Both results are pruned, last chosen first: a chunk whose removal keeps every
+       budget and leaves its rank's peak where it is, is dropped (the policy moves no
+       bytes that do not lower a peak). The better of the two is taken: lower peaks,
+       largest rank first, then fewer chunks.
     Why a greedy suffices: a swapped chunk lowers its rank's profile by one exactly over
     its off-device window, so a peak drops only when every peak step is covered; the greedy
     covers peak steps one at a time with the chunk that costs least, and the budget check
     is the simulation's. The candidates are the fixed rule's chunks only, so the policy
     refines the default and never moves more: chunks with gap 2 or 3 would free nothing
     anyway without FSDP (their load is launched where their offload is waited).
+    Behaviour: with one device per rank, slower copies or a smaller budget never give a
+    lower peak on any rank (tested on every schedule family); with a shared compute thread
+    the ranks compete for it and the selection may trade one rank's peak for another's.
     Cost of planning: one simulation per candidate and round (quadratic in the chunks
     when the budget binds; milliseconds to a second at pp4 m8, see bench_scale.py). The
     runtime plans once per run.
@@ -213,7 +222,7 @@ def _with(
 
 
 def _greedy(planner: _Planner, candidates: Sequence[_Candidate], budget_s: float) -> _Evaluation:
-    """Steps 2 and 3 of the selection (module docstring)."""
+    """Step 2 of the selection, then the pruning (module docstring)."""
     current = planner.evaluate(tuple(frozenset() for _ in planner.plain))
     remaining = list(candidates)
     added: list[_Candidate] = []
@@ -251,7 +260,15 @@ def _greedy(planner: _Planner, candidates: Sequence[_Candidate], budget_s: float
         _, current, chosen = best
         added.append(chosen)
         remaining = [c for c in remaining if c != chosen and c not in dropped]
-    for candidate in reversed(added):
+    return _prune(planner, current, added, budget_s)
+
+
+def _prune(
+    planner: _Planner, current: _Evaluation, chosen: Sequence[_Candidate], budget_s: float
+) -> _Evaluation:
+    """Step 4: drop, last chosen first, every chunk whose removal keeps every budget and
+    its rank's peak."""
+    for candidate in reversed(chosen):
         rank = candidate.rank
         trial = planner.evaluate(
             _with(current.selection, rank, current.selection[rank] - {candidate.chunk})
@@ -259,6 +276,51 @@ def _greedy(planner: _Planner, candidates: Sequence[_Candidate], budget_s: float
         if _fits(trial, budget_s) and trial.peaks[rank][0] <= current.peaks[rank][0]:
             current = trial
     return current
+
+
+def _excess(evaluation: _Evaluation, budget_s: float) -> float:
+    return sum(max(0.0, exposed - budget_s) for exposed in evaluation.estimate.exposed_s)
+
+
+def _removal(
+    planner: _Planner, candidates: Sequence[_Candidate], full: _Evaluation, budget_s: float
+) -> _Evaluation:
+    """Step 3: from the fixed rule's set, remove one chunk at a time until every rank fits:
+    the one whose removal cuts the exposed wait beyond the budgets most, then raises its
+    rank's (peak, steps at peak) least, then has the shortest gap."""
+    current = full
+    remaining = list(candidates)
+    while remaining and not _fits(current, budget_s):
+        best: tuple[tuple[float, ...], _Evaluation, _Candidate] | None = None
+        for candidate in remaining:
+            rank = candidate.rank
+            trial = planner.evaluate(
+                _with(current.selection, rank, current.selection[rank] - {candidate.chunk})
+            )
+            key = (
+                _excess(trial, budget_s),
+                *trial.peaks[rank],
+                candidate.gap,
+                -candidate.fwd_slot,
+                rank,
+            )
+            if best is None or key < best[0]:
+                best = (key, trial, candidate)
+        assert best is not None
+        _, current, removed = best
+        remaining.remove(removed)
+    kept = [candidate for candidate in candidates if candidate in remaining]
+    return _prune(planner, current, kept, budget_s)
+
+
+def _better(first: _Evaluation, second: _Evaluation) -> _Evaluation:
+    """The selection with the lower peaks (largest rank first), then fewer chunks."""
+
+    def rank_key(evaluation: _Evaluation) -> tuple[list[int], int]:
+        peaks = sorted((peak for peak, _ in evaluation.peaks), reverse=True)
+        return peaks, sum(len(chunks) for chunks in evaluation.selection)
+
+    return second if rank_key(second) < rank_key(first) else first
 
 
 def plan_cost_aware(config: ScheduleConfig, cost: CostModel) -> CostPlan:
@@ -280,7 +342,13 @@ def plan_cost_aware(config: ScheduleConfig, cost: CostModel) -> CostPlan:
         frozenset(c.chunk for c in candidates if c.rank == rank) for rank in range(config.pp)
     )
     full = planner.evaluate(fixed)
-    chosen = full if _fits(full, budget_s) else _greedy(planner, candidates, budget_s)
+    if _fits(full, budget_s):
+        chosen = full
+    else:
+        chosen = _better(
+            _greedy(planner, candidates, budget_s),
+            _removal(planner, candidates, full, budget_s),
+        )
     return CostPlan(
         ranks=tuple(
             RankCostPlan(

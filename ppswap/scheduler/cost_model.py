@@ -15,7 +15,10 @@ The simulation
     in-process runtime. P2P and FSDP steps take no time. SWAP_LAUNCH_* queues a copy of
     ``copy_s(kind, stage)`` on the rank's FIFO copy stream (it starts when the stream is
     free and not before the launch); SWAP_WAIT_* blocks the rank until its copy is done:
-    that block is the *exposed* wait, as ``RankStats.exposed_copy_wait_s`` measures it. A
+    that block is the *exposed* wait, as ``RankStats.exposed_copy_wait_s`` measures it.
+    With ``shared_compute`` each swap step also runs a job on the shared thread, as the
+    runtime does (``prepare_*`` before the copy starts, ``finish_*`` after the wait): it
+    queues behind the compute already requested and takes ``swap_step_s``. A
     stall delays the rank's next requests and, through the dependencies and the shared
     thread, the other ranks: exactly what happens at run time, to the precision of the
     inputs. What it leaves out: the compute-thread time of the swap steps themselves and
@@ -90,6 +93,9 @@ class CostModel:
     per rank, a share of the step time in ``[0, 1]`` (0.02 = 2%). ``copy_overhead_s``: a
     fixed cost per copy on top of ``bytes / bandwidth``. ``shared_compute``: all ranks
     share one compute thread (the in-process runtime); False is one device per rank.
+    ``swap_step_s``: with ``shared_compute``, the compute-thread time of each swap step's
+    own job (preparing a copy, finishing one); 0 still queues the job behind the compute
+    already requested, which is what delays a copy's start there.
 
     Measure them on the target: ``leaf_s`` as a swap run's step time divided by its
     compute leaves, ``chunk_bytes`` as ``RankStats.offloaded_bytes`` per offloaded chunk,
@@ -104,6 +110,7 @@ class CostModel:
     budget: float = DEFAULT_COST_BUDGET
     copy_overhead_s: float = 0.0
     shared_compute: bool = False
+    swap_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_chunk_bytes(self.chunk_bytes)
@@ -119,6 +126,7 @@ class CostModel:
         _check_number("copy_overhead_s", self.copy_overhead_s, allow_inf=False, allow_zero=True)
         if not isinstance(self.shared_compute, bool):
             raise TypeError(f"shared_compute must be a bool, got {self.shared_compute!r}")
+        _check_number("swap_step_s", self.swap_step_s, allow_inf=False, allow_zero=True)
 
     def bytes_of(self, stage: int) -> int:
         """Bytes one chunk of global stage ``stage`` moves in each direction."""
@@ -245,96 +253,116 @@ class Simulator:
 
     def run(self, programs: Sequence[Sequence[_Op]]) -> RunEstimate:
         """Simulate one step of every rank's program (see the module docstring)."""
-        pp = self.config.pp
-        shared = self.cost.shared_compute
-        leaf_s = self.cost.leaf_s
-        finished = [-1.0] * len(self.leaves)
-        times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
-        now = [0.0] * pp
-        stream = [0.0] * pp
-        exposed = [0.0] * pp
-        busy = [0.0] * pp
-        copies: list[dict[object, float]] = [{} for _ in range(pp)]
-        index = [0] * pp
-        shared_free = 0.0
-        waiting = [
-            self._advance(r, programs[r], index, now, stream, exposed, busy, copies)
-            for r in range(pp)
-        ]
+        state = _RunState(self, programs)
         while True:
             chosen = -1
             chosen_ready = 0.0
-            for rank in range(pp):
-                slot_id = waiting[rank]
-                if slot_id < 0:
-                    continue
-                ready = now[rank]
-                for dep in self.deps[slot_id]:
-                    done = finished[dep]
-                    if done < 0:
-                        break
-                    if done > ready:
-                        ready = done
-                else:
-                    if chosen < 0 or ready < chosen_ready:
-                        chosen, chosen_ready = rank, ready
+            for rank in range(self.config.pp):
+                ready = state.ready(rank)
+                if ready is not None and (chosen < 0 or ready < chosen_ready):
+                    chosen, chosen_ready = rank, ready
             if chosen < 0:
-                stuck = [rank for rank in range(pp) if waiting[rank] >= 0]
+                stuck = [rank for rank in range(self.config.pp) if state.request[rank] != _DONE]
                 if not stuck:
                     break
                 raise ValueError(f"the orders of ranks {stuck} wait on each other: no rank can run")
-            slot_id = waiting[chosen]
-            start = max(chosen_ready, shared_free) if shared else chosen_ready
-            end = start + self.leaves[slot_id] * leaf_s
-            if shared:
-                shared_free = end
-            finished[slot_id] = end
-            times[chosen].append((start, end))
-            now[chosen] = end
-            index[chosen] += 1
-            waiting[chosen] = self._advance(
-                chosen, programs[chosen], index, now, stream, exposed, busy, copies
-            )
+            state.serve(chosen, chosen_ready)
         return RunEstimate(
-            slot_times=tuple(tuple(rank) for rank in times),
-            exposed_s=tuple(exposed),
-            copy_busy_s=tuple(busy),
-            step_s=max(now, default=0.0),
+            slot_times=tuple(tuple(rank) for rank in state.times),
+            exposed_s=tuple(state.exposed),
+            copy_busy_s=tuple(state.busy),
+            step_s=max(state.now, default=0.0),
         )
 
-    @staticmethod
-    def _advance(
-        rank: int,
-        program: Sequence[_Op],
-        index: list[int],
-        now: list[float],
-        stream: list[float],
-        exposed: list[float],
-        busy: list[float],
-        copies: list[dict[object, float]],
-    ) -> int:
-        """Run rank ``rank``'s swap steps up to its next compute slot; return that slot's
-        id (-1: the program is done)."""
-        position = index[rank]
+
+_DONE, _SLOT, _JOB = -1, 0, 1  # what a rank asks for next: nothing, its compute slot, a job
+
+
+class _RunState:
+    """The mutable state of one ``Simulator.run``: per rank its position in its program,
+    clock, copy stream and pending request; the shared compute thread's clock."""
+
+    def __init__(self, simulator: Simulator, programs: Sequence[Sequence[_Op]]) -> None:
+        pp = simulator.config.pp
+        self.sim = simulator
+        self.programs = programs
+        self.shared = simulator.cost.shared_compute
+        self.finished = [-1.0] * len(simulator.leaves)
+        self.times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+        self.now = [0.0] * pp
+        self.stream = [0.0] * pp
+        self.exposed = [0.0] * pp
+        self.busy = [0.0] * pp
+        self.copies: list[dict[object, float]] = [{} for _ in range(pp)]
+        self.index = [0] * pp
+        self.request = [_DONE] * pp
+        self.job_done = [False] * pp  # the current swap step's compute-thread job has run
+        self.waited = [False] * pp  # the current SWAP_WAIT's copy has been waited for
+        self.shared_free = 0.0
+        for rank in range(pp):
+            self.advance(rank)
+
+    def ready(self, rank: int) -> float | None:
+        """When rank ``rank``'s request can start (None: nothing to run, or inputs missing)."""
+        kind = self.request[rank]
+        if kind == _DONE:
+            return None
+        ready = self.now[rank]
+        if kind == _JOB:
+            return ready
+        slot_id = self.programs[rank][self.index[rank]][1]
+        for dep in self.sim.deps[slot_id]:  # type: ignore[index]
+            done = self.finished[dep]
+            if done < 0:
+                return None
+            ready = max(ready, done)
+        return ready
+
+    def serve(self, rank: int, ready: float) -> None:
+        """Run rank ``rank``'s request (on its device or the shared thread), then advance."""
+        start = max(ready, self.shared_free) if self.shared else ready
+        if self.request[rank] == _JOB:
+            end = start + self.sim.cost.swap_step_s
+            self.job_done[rank] = True
+        else:
+            slot_id = self.programs[rank][self.index[rank]][1]
+            end = start + self.sim.leaves[slot_id] * self.sim.cost.leaf_s  # type: ignore[index]
+            self.finished[slot_id] = end  # type: ignore[index]
+            self.times[rank].append((start, end))
+            self.index[rank] += 1
+        if self.shared:
+            self.shared_free = end
+        self.now[rank] = end
+        self.advance(rank)
+
+    def advance(self, rank: int) -> None:
+        """Run rank ``rank``'s program up to its next request: a compute slot, or (shared
+        compute thread only) the job before a copy starts or after a copy was waited for."""
+        program = self.programs[rank]
+        position = self.index[rank]
         while position < len(program):
             op, key, duration = program[position]
             if op == _COMPUTE:
-                index[rank] = position
-                return key  # type: ignore[return-value]
-            if op == _LAUNCH:
-                stream[rank] = max(now[rank], stream[rank]) + duration
-                busy[rank] += duration
-                copies[rank][key] = stream[rank]
-            else:
-                done = copies[rank].pop(key, None)
+                self.index[rank], self.request[rank] = position, _SLOT
+                return
+            if op == _WAIT and not self.waited[rank]:
+                done = self.copies[rank].pop(key, None)
                 if done is None:
                     raise ValueError(f"rank {rank}: a swap wait has no launch before it ({key})")
-                if done > now[rank]:
-                    exposed[rank] += done - now[rank]
-                    now[rank] = done
+                if done > self.now[rank]:
+                    self.exposed[rank] += done - self.now[rank]
+                    self.now[rank] = done
+                self.waited[rank] = True
+            if self.shared and not self.job_done[rank]:
+                self.index[rank], self.request[rank] = position, _JOB
+                return
+            if op == _LAUNCH:
+                self.stream[rank] = max(self.now[rank], self.stream[rank]) + duration
+                self.busy[rank] += duration
+                self.copies[rank][key] = self.stream[rank]
+            self.job_done[rank] = self.waited[rank] = False
             position += 1
-        index[rank] = position
-        return -1
+        self.index[rank], self.request[rank] = position, _DONE
 
 
 def simulate_run(config: ScheduleConfig, orders: Sequence[Order], cost: CostModel) -> RunEstimate:
