@@ -26,8 +26,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# pytest exits 5 when it collected no tests: a broken suite here, so say so and fail.
 test: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider
+	@$(BIN)/pytest -q -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
