@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mindspore as ms
 import numpy as np
+import numpy.typing as npt
 from mindspore import Tensor, nn, ops
 
 __all__ = [
@@ -20,7 +22,10 @@ __all__ = [
     "TransformerBlock",
     "build_lm_stages",
     "build_lm_unsplit",
+    "build_mlp_stages",
     "cross_entropy_loss",
+    "mse_loss",
+    "unsplit_loss_and_grads",
 ]
 
 
@@ -173,3 +178,34 @@ def build_mlp_stages(
 def mse_loss(output: Tensor, target: Tensor) -> Tensor:
     """Mean squared error over the micro-batch."""
     return ops.mean((output - target) ** 2)
+
+
+def unsplit_loss_and_grads(
+    modules: list[nn.Cell],
+    inputs: npt.NDArray[Any],
+    targets: npt.NDArray[Any],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+) -> tuple[float, list[list[npt.NDArray[Any]]]]:
+    """The reference a pipeline run must match: the stage modules chained into one model,
+    run on the whole batch; its loss and gradients grouped per stage (each group aligned
+    with that stage's ``trainable_params()``).
+
+    With equal micro-batches and a mean-reduced loss, the mean of the per-micro-batch
+    losses equals this full-batch loss.
+    """
+    model = build_lm_unsplit(list(modules))
+    x, y = Tensor(inputs), Tensor(targets)
+
+    def full_loss() -> Tensor:
+        return loss_fn(model(x), y)
+
+    loss, vjp_fn = ms.vjp(full_loss, weights=model.trainable_params())
+    _, grads = vjp_fn(Tensor(np.float32(1.0)))
+    flat = [g.asnumpy() for g in grads]
+    per_stage: list[list[npt.NDArray[Any]]] = []
+    cursor = 0
+    for module in modules:
+        count = len(module.trainable_params())
+        per_stage.append(flat[cursor : cursor + count])
+        cursor += count
+    return float(loss.asnumpy()), per_stage

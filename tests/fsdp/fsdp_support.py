@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn
 
 from ppswap import PipelineStage
-from ppswap.demo.model import build_lm_unsplit, build_mlp_stages
+from ppswap.demo.model import build_mlp_stages
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.swap import swap_wrapper
 
@@ -40,32 +37,6 @@ def batch(size: int, *, dim: int = DIM, seed: int = 1) -> tuple[np.ndarray, np.n
     x = rng.standard_normal((size, dim)).astype(np.float32)
     y = rng.standard_normal((size, dim)).astype(np.float32)
     return x, y
-
-
-def unsplit_reference(
-    modules: Sequence[nn.Cell],
-    inputs: np.ndarray,
-    targets: np.ndarray,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-) -> tuple[float, list[list[np.ndarray]]]:
-    """Loss of the unsplit model on the whole batch and its gradients, grouped per stage."""
-    model = build_lm_unsplit(list(modules))
-    params = model.trainable_params()
-    x, y = Tensor(inputs), Tensor(targets)
-
-    def full_loss() -> Tensor:
-        return loss_fn(model(x), y)
-
-    loss, vjp_fn = ms.vjp(full_loss, weights=params)
-    _, grads = vjp_fn(Tensor(np.float32(1.0)))
-    flat = [g.asnumpy() for g in grads]
-    per_stage: list[list[np.ndarray]] = []
-    cursor = 0
-    for module in modules:
-        count = len(module.trainable_params())
-        per_stage.append(flat[cursor : cursor + count])
-        cursor += count
-    return float(loss.asnumpy()), per_stage
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fsdp_support import DIM, batch, sharded_stages, unsplit_reference
+from fsdp_support import DIM, batch, sharded_stages
 
 from ppswap import PipelineStage, RunResult, run_schedule
-from ppswap.demo.model import build_mlp_stages, mse_loss
+from ppswap.demo.model import build_mlp_stages, mse_loss, unsplit_loss_and_grads
 from ppswap.fsdp import DeviceMesh, fsdp_state_of, full_gradients, full_parameters
 
 DP = 2
@@ -82,7 +82,7 @@ async def test_fsdp_matches_unsplit_and_swap_is_bit_identical(
             np.testing.assert_array_equal(full, ref.asnumpy())
 
     x, y = batch(DP * micro)
-    ref_loss, ref_grads = unsplit_reference(reference_modules, x, y, mse_loss)
+    ref_loss, ref_grads = unsplit_loss_and_grads(reference_modules, x, y, mse_loss)
     np.testing.assert_allclose(base.loss, ref_loss, rtol=1e-5)
     for stage_ref, stage_run in zip(ref_grads, base_grads, strict=True):
         for g_ref, g_run in zip(stage_ref, stage_run, strict=True):

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from runtime_reference import unsplit_loss_and_grads
 
 from ppswap import PipelineStage, run_schedule
-from ppswap.demo.model import build_mlp_stages, mse_loss
+from ppswap.demo.model import build_mlp_stages, mse_loss, unsplit_loss_and_grads
 from ppswap.swap import swap_wrapper
 
 DIM = 8
@@ -100,7 +99,7 @@ async def test_swap_is_bit_identical_and_matches_unsplit(
         assert all(r.offloaded_bytes == r.loaded_bytes for r in swapped.ranks)
 
     x, y = _data()
-    ref_loss, ref_grads = unsplit_loss_and_grads([s.module for s in stages], x, y, mse_loss, micro)
+    ref_loss, ref_grads = unsplit_loss_and_grads([s.module for s in stages], x, y, mse_loss)
     np.testing.assert_allclose(base.loss, ref_loss, rtol=1e-5)
     for stage_ref, stage_run in zip(ref_grads, base_grads, strict=True):
         for g_ref, g_run in zip(stage_ref, stage_run, strict=True):
