@@ -147,18 +147,19 @@ def _numpy_dtype(value: Any) -> np.dtype[Any] | None:
     return None if dtype.kind == "V" else dtype
 
 
-def _check_input_dtype(inputs: Any, first: PipelineStage) -> None:
-    """Floating inputs must have the (single) floating dtype of the first stage's params."""
-    dtype = _numpy_dtype(inputs)
+def _check_float_dtype(name: str, value: Any, stage: PipelineStage, which: str) -> None:
+    """A floating batch (inputs for the first stage, targets for the last) must have the
+    (single) floating dtype of that stage's parameters."""
+    dtype = _numpy_dtype(value)
     if dtype is None or dtype.kind != "f":
         return
-    param_dtypes = {_numpy_dtype(p) for p in first.module.trainable_params()}
+    param_dtypes = {_numpy_dtype(p) for p in stage.module.trainable_params()}
     floating = {d for d in param_dtypes if d is not None and d.kind == "f"}
     if len(floating) == 1 and dtype not in floating:
         (expected,) = floating
         raise PipelineInputError(
-            f"inputs must have dtype {expected} (the first stage's parameters), got {dtype}: "
-            f"convert the batch (e.g. inputs.astype(np.{expected}))"
+            f"{name} must have dtype {expected} (the {which} stage's parameters), got {dtype}: "
+            f"convert the batch (e.g. {name}.astype(np.{expected}))"
         )
 
 
@@ -289,7 +290,8 @@ def prepare_run(
     has_first = 0 in given
     if has_first:
         _check_batch("inputs", inputs, micro_batch_num, dp)
-        _check_input_dtype(inputs, next(s for s in stage_list if s.stage_index == 0))
+        first = next(s for s in stage_list if s.stage_index == 0)
+        _check_float_dtype("inputs", inputs, first, "first")
     if has_last:
         if loss_fn is None or not callable(loss_fn):
             raise TypeError(
@@ -297,6 +299,8 @@ def prepare_run(
                 f"stage, got {loss_fn!r}"
             )
         _check_batch("targets", targets, micro_batch_num, dp)
+        last = next(s for s in stage_list if s.stage_index == stage_num - 1)
+        _check_float_dtype("targets", targets, last, "last")
     if has_first and has_last and inputs.shape[0] != targets.shape[0]:
         raise PipelineInputError(
             f"inputs and targets must have the same batch size, got {inputs.shape[0]} "
