@@ -4,10 +4,14 @@ One process per rank, launched with ``mpiexec -n N``; ``docs/mpi.md`` has the re
 design notes and the measured overhead. In short:
 
 - Non-blocking, no thread: calls post ``Isend`` / ``Irecv`` and poll ``Test()`` from the
-  event loop, yielding (``sleep(0)``) for ``spin_s`` plus the payload's time at 1 GB/s,
-  then sleeping doubling intervals up to ``poll_interval_s``. Spinning keeps a message in
-  flight off asyncio's 1 ms timer resolution; the cap keeps a rank that waits for its
-  peer's compute from burning its core.
+  event loop. For ``spin_s`` plus the payload's time at 1 GB/s a wait spins: it polls in
+  a tight loop for slices of at most ``busy_poll_s`` (default 50 us, the longest it
+  blocks the loop at a time) and yields (``sleep(0)``) between slices. Then it sleeps
+  doubling intervals up to ``poll_interval_s`` between single polls. The tight slices
+  see a message arrive within about a microsecond instead of one event-loop round trip
+  (5-10 us) later; spinning keeps a message in flight off asyncio's 1 ms timer
+  resolution; the sleeps keep a rank that waits for its peer's compute from burning its
+  core.
 - Wire format: a header (magic, epoch, identity, byte count, ``dtype.str``, shape) on tag
   ``2t``, followed in the same message by a payload of up to 16 KiB; a larger payload's
   raw C-contiguous bytes follow on tag ``2t + 1``.
@@ -101,11 +105,16 @@ class MPITransport:
         *,
         poll_interval_s: float = 1e-3,
         spin_s: float = 1e-3,
+        busy_poll_s: float = 50e-6,
         recv_pool_bytes: int = 256 << 20,
     ) -> None:
         if comm is not None and not isinstance(comm, MPI.Comm):
             raise TypeError(f"comm must be an mpi4py.MPI.Comm or None, got {comm!r}")
-        for name, value in (("poll_interval_s", poll_interval_s), ("spin_s", spin_s)):
+        for name, value in (
+            ("poll_interval_s", poll_interval_s),
+            ("spin_s", spin_s),
+            ("busy_poll_s", busy_poll_s),
+        ):
             if not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ValueError(f"{name}={value!r}; allowed: a finite number >= 0")
         _check_int("recv_pool_bytes", recv_pool_bytes, 0, 1 << 62)
@@ -116,12 +125,13 @@ class MPITransport:
         self._world_size = base.Get_size()
         self._poll_interval_s = float(poll_interval_s)
         self._spin_s = float(spin_s)
+        self._busy_poll_s = float(busy_poll_s)
         tag_ub = self._p2p_comm.Get_attr(MPI.TAG_UB)
         self._tag_ub = int(tag_ub) if tag_ub is not None else 32767
         self._num_stages = max(1, (self._tag_ub + 1) // (4 * _DEFAULT_MICRO_COUNT))
         self._micro_count = _DEFAULT_MICRO_COUNT
         self._epoch = 0
-        self._p2p_tags: dict[MessageKey, int] = {}
+        self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
         self._inflight: dict[int, _InFlight] = {}
         self._counters = _Counters()
         self._closed = False
@@ -158,7 +168,7 @@ class MPITransport:
             )
         self._num_stages = num_stages
         self._micro_count = micro_count
-        self._p2p_tags.clear()
+        self._p2p_addresses.clear()
         self._epoch += 1
         self._counters.collective_calls.clear()
 
@@ -170,8 +180,8 @@ class MPITransport:
         self._check_local("src", src)
         _check_int("dst", dst, 0, self._world_size)
         body = wire_array(payload, "payload")
-        tag = self._p2p_tag(key)
-        await self._send_message(self._p2p_comm, dst, tag, p2p_identity(key), body)
+        tag, identity = self._p2p_address(key)
+        await self._send_message(self._p2p_comm, dst, tag, identity, body)
         self._counters.sent += 1
         self._counters.bytes_sent += body.nbytes
 
@@ -180,9 +190,9 @@ class MPITransport:
         self._check_open()
         self._check_local("dst", dst)
         _check_int("src", src, 0, self._world_size)
-        tag = self._p2p_tag(key)
+        tag, identity = self._p2p_address(key)
         what = ("recv", key, "from rank", src)  # formatted only in an error message
-        payload = await self._recv_message(self._p2p_comm, src, tag, p2p_identity(key), what)
+        payload = await self._recv_message(self._p2p_comm, src, tag, identity, what)
         self._counters.received += 1
         return payload
 
@@ -295,14 +305,14 @@ class MPITransport:
         if not isinstance(value, int) or isinstance(value, bool) or value != self._rank:
             raise ValueError(f"{name}={value!r}; allowed: this process's rank {self._rank}")
 
-    def _p2p_tag(self, key: MessageKey) -> int:
-        """The header tag of ``key`` in this run's layout (validated once per key)."""
+    def _p2p_address(self, key: MessageKey) -> tuple[int, int]:
+        """``(header tag, identity)`` of ``key`` in this run's layout (validated once)."""
         if not isinstance(key, MessageKey):
             raise TypeError(f"key must be a MessageKey, got {key!r}")
-        tag = self._p2p_tags.get(key)
-        if tag is None:
-            tag = self._p2p_tags[key] = self._new_p2p_tag(key)
-        return tag
+        address = self._p2p_addresses.get(key)
+        if address is None:
+            address = self._p2p_addresses[key] = (self._new_p2p_tag(key), p2p_identity(key))
+        return address
 
     def _new_p2p_tag(self, key: MessageKey) -> int:
         if key.direction not in ("F", "B"):
@@ -388,31 +398,46 @@ class MPITransport:
             await self._complete(_InFlight([request], (raw,), p2p_send=False), meta.nbytes)
         return raw.view(meta.dtype).reshape(meta.shape)
 
-    def _test(self, record: _InFlight) -> bool:
-        """Whether ``record`` completed; raises if ``close()`` ran while it was pending."""
+    def _poll(self, record: _InFlight, busy_s: float) -> bool:
+        """Test ``record`` in a tight loop for up to ``busy_s``: whether it completed.
+
+        Raises if ``close()`` ran while the record was pending.
+        """
         if self._closed:
             raise RuntimeError("MPITransport was closed while a message was in flight")
-        return bool(MPI.Request.Testall(record.requests))
+        requests = record.requests
+        busy_until = time.perf_counter() + busy_s
+        while not MPI.Request.Testall(requests):
+            if time.perf_counter() >= busy_until:
+                return False
+        return True
 
     async def _complete(self, record: _InFlight, nbytes: int) -> None:
-        """Poll ``record`` to completion without blocking the loop (see the module doc).
+        """Poll ``record`` to completion, blocking the loop ``busy_poll_s`` at most at a time.
 
-        If the wait is cancelled or fails, its requests are cancelled; those MPI cannot
-        finish at once stay tracked (with their buffers) until ``close()``.
+        Phases (see the module doc): tight polling in slices of ``busy_poll_s`` with a
+        ``sleep(0)`` between slices, while the spin budget lasts; then single polls
+        between sleeps that double up to ``poll_interval_s``. If the wait is cancelled or
+        fails, its requests are cancelled; those MPI cannot finish at once stay tracked
+        (with their buffers) until ``close()``.
         """
-        if MPI.Request.Testall(record.requests):
+        if self._poll(record, self._busy_poll_s):
             return
         self._inflight[id(record)] = record
         done = False
         try:
             spin_until = time.perf_counter() + self._spin_s + nbytes / _SPIN_BYTES_PER_S
             delay = _FIRST_SLEEP_S
-            while not self._test(record):
+            while True:
                 if time.perf_counter() < spin_until:
                     await anyio.sleep(0)
+                    if self._poll(record, self._busy_poll_s):
+                        break
                 else:
                     await anyio.sleep(min(delay, self._poll_interval_s))
                     delay *= 2
+                    if self._poll(record, 0.0):
+                        break
             done = True
         finally:
             if done:

@@ -85,7 +85,8 @@ def test_one_failing_rank_ends_every_process() -> None:
     failed = ranks - 1
     assert result.returncode != 0, result.output
     assert f"rank {failed} failed: InjectedFailure" in result.output
-    assert "MPI_Abort" in result.output
+    # MPICH's own abort message is not always forwarded before hydra tears the job down
+    assert f"rank {failed} calls MPI_Abort" in result.output
     # every other rank was still waiting for a message: only the abort ended them
     for rank in range(failed):
         assert f"rank {rank} failed" not in result.output

@@ -208,6 +208,11 @@ def test_recv_buffer_pool_recycles_only_unreferenced_blocks() -> None:
     del view
     third = pool.take(size)
     assert third.ctypes.data == address  # recycled
+    assert pool.held_bytes == 2 * size
+    overflow = pool.take(size)  # both blocks in use and the pool is full
+    assert overflow.base is None and pool.held_bytes == 2 * size
+    del second, third, overflow
+    assert pool.take(size).ctypes.data == address  # free again once nothing refers to it
     small = pool.take(1 << 20)
     assert small.base is None  # below the pooling threshold: a plain allocation
     disabled = RecvBufferPool(capacity_bytes=0)
@@ -269,6 +274,8 @@ def test_configure_rejects_layouts_beyond_the_tag_space(transport: MPITransport)
     [
         ({"poll_interval_s": -1.0}, "poll_interval_s"),
         ({"spin_s": math.inf}, "spin_s"),
+        ({"busy_poll_s": -1e-6}, "busy_poll_s"),
+        ({"busy_poll_s": "fast"}, "busy_poll_s"),
         ({"recv_pool_bytes": -1}, "recv_pool_bytes"),
         ({"comm": "world"}, "comm"),
     ],

@@ -47,4 +47,5 @@ if __name__ == "__main__":
             anyio.run(main, mpi_transport)
         except BaseException as error:
             print(f"rank {mpi_transport.rank} failed: {error!r}", file=sys.stderr, flush=True)
+            print(f"rank {mpi_transport.rank} calls MPI_Abort", file=sys.stderr, flush=True)
             mpi_transport.abort(1)
