@@ -86,9 +86,32 @@ class FsdpDriver(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ComputeStats:
+    """``job_s`` / ``jobs``: seconds and count of the compute-thread jobs by kind
+    (``JOB_KINDS``), timed on the thread itself, so waiting for the thread is not in them."""
+
     steps_executed: int
     exposed_copy_wait_s: float
     compute_busy_s: float
+    job_s: Mapping[str, float]
+    jobs: Mapping[str, int]
+
+
+JOB_KINDS = (
+    "forward",
+    "backward",
+    "backward_input",
+    "backward_weight",
+    "swap_prepare",
+    "swap_finish",
+)
+_JOB_OF_BACKWARD = {False: "backward", True: "backward_input"}
+
+
+def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``fn(*args)`` and the seconds it took (run on the compute thread)."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +170,20 @@ class ComputeActor:
         self.losses: dict[int, float] = {}
         self._steps_executed = 0
         self._exposed_wait_s = 0.0
+        self._job_s = dict.fromkeys(JOB_KINDS, 0.0)
+        self._jobs = dict.fromkeys(JOB_KINDS, 0)
         self._current: str | None = None
         self._waiting: dict[int, str] = {}  # id(future) -> what waits for what (dumps)
         recorder.register_pending(rank, self.actor_name, self._pending)
 
     def stats(self) -> ComputeStats:
-        return ComputeStats(self._steps_executed, self._exposed_wait_s, 0.0)
+        return ComputeStats(
+            self._steps_executed,
+            self._exposed_wait_s,
+            sum(self._job_s.values()),
+            dict(self._job_s),
+            dict(self._jobs),
+        )
 
     def _pending(self) -> list[str]:
         items = [f"at {self._current}"] if self._current else []
@@ -262,6 +293,14 @@ class ComputeActor:
         name = getattr(fn, "__qualname__", repr(fn))
         raise FutureTimeoutError(f"compute job {name} still running after {self._timeout_s}s")
 
+    async def _call_timed(self, job: str, fn: Callable[..., T], *args: Any) -> T:
+        """``_call``, timing the job on the compute thread into ``stats().job_s[job]``."""
+        timed: tuple[T, float] = await self._call(_timed, fn, *args)
+        result, seconds = timed
+        self._job_s[job] += seconds
+        self._jobs[job] += 1
+        return result
+
     # -- compute leaves ----------------------------------------------------------------
     async def _fwd(self, step: MetaStep) -> None:
         stage = self._stages[step.stage]
@@ -276,7 +315,9 @@ class ComputeActor:
             target = self._data.targets[step.micro]
         if self._fsdp is not None:
             await self._fsdp.before_compute(step)
-        result = await self._call(self._fwd_job, stage, step.micro, payload, target)
+        result = await self._call_timed(
+            "forward", self._fwd_job, stage, step.micro, payload, target
+        )
         if stage.is_last:
             self.losses[step.micro] = float(result)
         else:
@@ -308,7 +349,9 @@ class ComputeActor:
         split = step.kind is StepKind.BWD_INPUT
         if self._fsdp is not None:
             await self._fsdp.before_compute(step)
-        dx = await self._call(self._bwd_job, stage, step.micro, grad, split)
+        dx = await self._call_timed(
+            _JOB_OF_BACKWARD[split], self._bwd_job, stage, step.micro, grad, split
+        )
         if dx is not None:
             self._outbox[MessageKey("B", step.stage - 1, step.micro)] = dx
 
@@ -323,7 +366,8 @@ class ComputeActor:
     async def _bwd_weight(self, step: MetaStep) -> None:
         if self._fsdp is not None:
             await self._fsdp.before_compute(step)
-        await self._call(self._stages[step.stage].backward_weight, step.micro)
+        backward_weight = self._stages[step.stage].backward_weight
+        await self._call_timed("backward_weight", backward_weight, step.micro)
 
     async def _composite(self, step: MetaStep) -> None:
         try:
@@ -401,7 +445,7 @@ class ComputeActor:
             if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD
             else self._session.prepare_load
         )
-        job = await self._call(prepare, step.stage, step.micro)
+        job = await self._call_timed("swap_prepare", prepare, step.stage, step.micro)
         future: ReplyFuture[int] = ReplyFuture(f"{step.kind.value} s{step.stage} m{step.micro}")
         self._copies[(step.kind, step.stage, step.micro)] = future
         await self._copy.send(CopyRequest(step, job, future))
@@ -423,7 +467,7 @@ class ComputeActor:
         moved = await self._wait(future, step)
         waited = time.perf_counter() - started
         self._exposed_wait_s += waited
-        await self._call(finish, step.stage, step.micro)
+        await self._call_timed("swap_finish", finish, step.stage, step.micro)
         if self._log_steps:
             log_step(self._log, "swap_wait", step, self._generation, bytes=moved, waited_s=waited)
 

@@ -18,10 +18,12 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ppswap.actors.compute import JOB_KINDS
 from ppswap.actors.messages import HostArray
 
 __all__ = [
@@ -71,24 +73,19 @@ async def gather_results(
 ) -> tuple[list[float], list[Any]]:
     """All-gather every rank's stats and the last stage's losses.
 
-    ``stats`` is this rank's RankStats (a dataclass of numbers); returns the losses (from
-    whichever rank had them) and the stats of every rank, indexed by rank.
+    ``stats`` is this rank's RankStats: a dataclass of numbers and of mappings keyed by
+    ``JOB_KINDS`` (the compute-job times); returns the losses (from whichever rank had
+    them) and the stats of every rank, indexed by rank.
     """
-    fields = dataclasses.astuple(stats)
+    kinds = [f.type for f in dataclasses.fields(type(stats))]
+    fields = _flatten(dataclasses.astuple(stats))
     record = np.full(len(fields) + micro_count, math.nan, dtype=np.float64)
-    record[: len(fields)] = [float(v) for v in fields]
+    record[: len(fields)] = fields
     if losses:
         record[len(fields) :] = losses
     group = tuple(range(transport.world_size))
     records = await transport.all_gather(transport.rank, group, _RESULT_KEY, record)
-    stats_type = type(stats)
-    kinds = [f.type for f in dataclasses.fields(stats_type)]
-    everyone = [
-        stats_type(
-            *(_typed(kind, value) for kind, value in zip(kinds, r[: len(fields)], strict=True))
-        )
-        for r in records
-    ]
+    everyone = [type(stats)(*_unflatten(kinds, r[: len(fields)].tolist())) for r in records]
     gathered_losses: list[float] = []
     for r in records:
         tail = r[len(fields) :]
@@ -97,8 +94,31 @@ async def gather_results(
     return gathered_losses, everyone
 
 
-def _typed(kind: object, value: float) -> int | float:
-    return int(value) if kind in (int, "int") else float(value)
+def _flatten(values: tuple[Any, ...]) -> list[float]:
+    flat: list[float] = []
+    for value in values:
+        if isinstance(value, Mapping):
+            flat += [float(value.get(kind, 0)) for kind in JOB_KINDS]
+        else:
+            flat.append(float(value))
+    return flat
+
+
+def _unflatten(kinds: list[object], flat: list[float]) -> list[object]:
+    values: list[object] = []
+    position = 0
+    for kind in kinds:
+        text = str(kind)
+        if text.startswith("Mapping"):
+            numbers = flat[position : position + len(JOB_KINDS)]
+            as_int = text.endswith("int]")
+            pairs = zip(JOB_KINDS, numbers, strict=True)
+            values.append({k: int(v) if as_int else v for k, v in pairs})
+            position += len(JOB_KINDS)
+        else:
+            values.append(int(flat[position]) if kind is int or text == "int" else flat[position])
+            position += 1
+    return values
 
 
 def abort_job(transport: object, error: BaseException) -> None:

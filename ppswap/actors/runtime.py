@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -97,6 +97,11 @@ class RankStats:
     peak_param_bytes: int = 0
     resident_param_bytes: int = 0
     unsharded_param_bytes: int = 0
+    # Seconds and count of the rank's compute-thread jobs by kind ("forward", "backward",
+    # "backward_input", "backward_weight", "swap_prepare", "swap_finish"), timed on the
+    # thread: what a CostModel's leaf_s, backward_leaf_s and swap_step_s are measured from.
+    compute_job_s: Mapping[str, float] = field(default_factory=dict)
+    compute_jobs: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,4 +483,6 @@ def _rank_stats(
         copy_busy_s=copy_stats.busy_s,
         groups_left=swap_stats.live_groups,
         saved_bytes_left=swap_stats.resident_saved_bytes,
+        compute_job_s=compute_stats.job_s,
+        compute_jobs=compute_stats.jobs,
     )

@@ -137,6 +137,7 @@ class RankCostPlan:
 
     ``candidates`` are the fixed rule's chunks, ``chunks`` the chosen ones. Peaks are in
     resident chunks (``simulate.memory_profile``), times in seconds of the simulation.
+    ``budget_s`` is what the prediction may use: ``budget * headroom`` of the step.
     """
 
     rank: int
@@ -331,7 +332,7 @@ def plan_cost_aware(config: ScheduleConfig, cost: CostModel) -> CostPlan:
     planner = _Planner(config, plain, cost)
     none = planner.evaluate(tuple(frozenset() for _ in plain))
     step_s = none.estimate.step_s
-    budget_s = cost.budget * step_s
+    budget_s = cost.budget * cost.headroom * step_s
     candidates = [
         _Candidate(rank, plan.chunk, plan.gap, plan.fwd_slot)
         for rank, order in enumerate(plain)

@@ -9,21 +9,21 @@ The simulation
     requested when the rank has reached it and every leaf it depends on has finished (the
     dependencies of ``simulate.build_timeline``: FWD after the previous stage's FWD;
     BWD / BWD_INPUT after the next stage's backward consumer, or after its own FWD on the
-    last stage; BWD_WEIGHT after its BWD_INPUT). It runs for ``leaf_s`` per compute leaf
-    on the rank's own device, or, with ``shared_compute``, on the one compute thread every
-    rank shares, which serves requests first come, first served (ties: lower rank): the
-    in-process runtime. P2P and FSDP steps take no time. SWAP_LAUNCH_* queues a copy of
-    ``copy_s(kind, stage)`` on the rank's FIFO copy stream (it starts when the stream is
-    free and not before the launch); SWAP_WAIT_* blocks the rank until its copy is done:
-    that block is the *exposed* wait, as ``RankStats.exposed_copy_wait_s`` measures it.
+    last stage; BWD_WEIGHT after its BWD_INPUT). It runs for the ``CostModel.leaf_time``
+    of each of its leaves on the rank's own device, or, with ``shared_compute``, on the one
+    compute thread every rank shares, which serves requests first come, first served
+    (ties: lower rank): the in-process runtime. P2P and FSDP steps take no time.
+    SWAP_LAUNCH_* queues a copy of ``copy_s(kind, stage)`` on the rank's FIFO copy stream
+    (it starts when the stream is free and not before the launch); SWAP_WAIT_* blocks the
+    rank until its copy is done: that block is the *exposed* wait, as
+    ``RankStats.exposed_copy_wait_s`` measures it.
     With ``shared_compute`` each swap step also runs a job on the shared thread, as the
     runtime does (``prepare_*`` before the copy starts, ``finish_*`` after the wait): it
     queues behind the compute already requested and takes ``swap_step_s``. A
     stall delays the rank's next requests and, through the dependencies and the shared
     thread, the other ranks: exactly what happens at run time, to the precision of the
-    inputs. What it leaves out: the compute-thread time of the swap steps themselves and
-    copies competing with compute for CPU (fold both into ``leaf_s`` by measuring it in a
-    swap run), and P2P latency.
+    inputs. What it leaves out: copies competing with compute for CPU (measure the leaf
+    times in a swap run to fold that in), event-loop latency and P2P latency.
 
 Nothing here imports MindSpore or anyio; every function is pure.
 """
@@ -89,7 +89,14 @@ class CostModel:
     ``chunk_bytes``: bytes one chunk moves each way, one int for every stage or a tuple
     indexed by global stage. ``d2h_gbps`` / ``h2d_gbps``: copy bandwidth in GB/s (1e9
     bytes/s, as ``EmulatedDevice``); ``math.inf`` is a free copy, ``0`` a copy that never
-    ends. ``leaf_s``: wall time of one compute leaf. ``budget``: the exposed wait allowed
+    ends. ``leaf_s``: wall time of one compute leaf (a FWD, and any leaf when
+    ``backward_leaf_s`` is None). ``backward_leaf_s``: wall time of one BWD leaf; a split
+    backward's BWD_INPUT and BWD_WEIGHT take half of it each (a backward costs about twice
+    a forward, and where the loads land in the backward phase that difference decides
+    whether a copy hides). ``headroom``: the share of the budget the policy lets the
+    *predicted* exposed wait use, in ``[0, 1]``; below 1 it keeps the rest for the
+    model's error (on a shared machine the measured wait of one plan varies by a few
+    points of the step from run to run). ``budget``: the exposed wait allowed
     per rank, a share of the step time in ``[0, 1]`` (0.02 = 2%). ``copy_overhead_s``: a
     fixed cost per copy on top of ``bytes / bandwidth``. ``shared_compute``: all ranks
     share one compute thread (the in-process runtime); False is one device per rank.
@@ -97,10 +104,12 @@ class CostModel:
     own job (preparing a copy, finishing one); 0 still queues the job behind the compute
     already requested, which is what delays a copy's start there.
 
-    Measure them on the target: ``leaf_s`` as a swap run's step time divided by its
-    compute leaves, ``chunk_bytes`` as ``RankStats.offloaded_bytes`` per offloaded chunk,
-    ``copy_overhead_s`` as the unthrottled ``copy_busy_s / copies`` minus a plain memcpy
-    of the chunk.
+    Measure them on the target: ``leaf_s`` and ``backward_leaf_s`` from a swap run's
+    ``RankStats.compute_job_s`` / ``compute_jobs`` (``"forward"``, ``"backward"``), or
+    ``leaf_s`` alone as its step time divided by its compute leaves; ``swap_step_s`` from
+    the same run's ``"swap_prepare"`` / ``"swap_finish"`` jobs; ``chunk_bytes`` as
+    ``RankStats.offloaded_bytes`` per offloaded chunk; ``copy_overhead_s`` as the
+    ``copy_busy_s / copies`` of a run at the target bandwidth minus ``bytes / bandwidth``.
     """
 
     chunk_bytes: int | tuple[int, ...]
@@ -111,6 +120,8 @@ class CostModel:
     copy_overhead_s: float = 0.0
     shared_compute: bool = False
     swap_step_s: float = 0.0
+    backward_leaf_s: float | None = None
+    headroom: float = 1.0
 
     def __post_init__(self) -> None:
         _check_chunk_bytes(self.chunk_bytes)
@@ -127,6 +138,21 @@ class CostModel:
         if not isinstance(self.shared_compute, bool):
             raise TypeError(f"shared_compute must be a bool, got {self.shared_compute!r}")
         _check_number("swap_step_s", self.swap_step_s, allow_inf=False, allow_zero=True)
+        headroom = _check_number("headroom", self.headroom, allow_inf=False, allow_zero=True)
+        if headroom > 1:
+            raise ValueError(f"headroom must be a share in [0, 1], got {self.headroom!r}")
+        if self.backward_leaf_s is not None:
+            _check_number(
+                "backward_leaf_s", self.backward_leaf_s, allow_inf=False, allow_zero=False
+            )
+
+    def leaf_time(self, kind: StepKind) -> float:
+        """Compute time of one leaf of ``kind`` (FWD, BWD, BWD_INPUT or BWD_WEIGHT)."""
+        if self.backward_leaf_s is None or kind is StepKind.FWD:
+            return self.leaf_s
+        if kind is StepKind.BWD:
+            return self.backward_leaf_s
+        return self.backward_leaf_s / 2
 
     def bytes_of(self, stage: int) -> int:
         """Bytes one chunk of global stage ``stage`` moves in each direction."""
@@ -190,15 +216,15 @@ class Simulator:
         self.cost = cost
         slots = [compute_slots(order) for order in orders]
         self.slot_ids: list[list[int]] = []
-        self.leaves: list[int] = []
+        self.slot_s: list[float] = []  # compute time of every slot, by slot id
         owner: dict[_Leaf, int] = {}
         for rank_slots in slots:
             ids = []
             for slot in rank_slots:
-                ids.append(len(self.leaves))
+                ids.append(len(self.slot_s))
                 for leaf in slot.leaves:
-                    owner[(leaf.kind, leaf.stage, leaf.micro)] = len(self.leaves)
-                self.leaves.append(len(slot.leaves))
+                    owner[(leaf.kind, leaf.stage, leaf.micro)] = len(self.slot_s)
+                self.slot_s.append(sum(cost.leaf_time(leaf.kind) for leaf in slot.leaves))
             self.slot_ids.append(ids)
         consumer = {
             leaf.chunk: leaf.kind
@@ -287,7 +313,7 @@ class _RunState:
         self.sim = simulator
         self.programs = programs
         self.shared = simulator.cost.shared_compute
-        self.finished = [-1.0] * len(simulator.leaves)
+        self.finished = [-1.0] * len(simulator.slot_s)
         self.times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
         self.now = [0.0] * pp
         self.stream = [0.0] * pp
@@ -326,7 +352,7 @@ class _RunState:
             self.job_done[rank] = True
         else:
             slot_id = self.programs[rank][self.index[rank]][1]
-            end = start + self.sim.leaves[slot_id] * self.sim.cost.leaf_s  # type: ignore[index]
+            end = start + self.sim.slot_s[slot_id]  # type: ignore[index]
             self.finished[slot_id] = end  # type: ignore[index]
             self.times[rank].append((start, end))
             self.index[rank] += 1

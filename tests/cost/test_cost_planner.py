@@ -296,6 +296,10 @@ GOOD = {"chunk_bytes": 1000, "d2h_gbps": 1.0, "h2d_gbps": 1.0, "leaf_s": 0.01}
         ("budget", None, TypeError, "budget"),
         ("copy_overhead_s", -1e-3, ValueError, "copy_overhead_s"),
         ("shared_compute", 1, TypeError, "shared_compute must be a bool"),
+        ("backward_leaf_s", 0.0, ValueError, "backward_leaf_s must be a number > 0"),
+        ("backward_leaf_s", "slow", TypeError, "backward_leaf_s"),
+        ("headroom", 1.5, ValueError, r"headroom must be a share in \[0, 1\]"),
+        ("headroom", -0.5, ValueError, "headroom"),
     ],
 )
 def test_cost_model_refuses_bad_fields(
@@ -336,3 +340,27 @@ def test_swap_policy_pairs_are_checked(
 def test_good_policy_pairs_pass() -> None:
     check_swap_policy("gap", None)
     check_swap_policy("cost", CostModel(**GOOD))
+
+
+def test_backward_leaves_take_their_own_time() -> None:
+    cost = CostModel(**{**GOOD, "backward_leaf_s": 0.03})
+    assert cost.leaf_time(StepKind.FWD) == 0.01
+    assert cost.leaf_time(StepKind.BWD) == 0.03
+    assert cost.leaf_time(StepKind.BWD_INPUT) == cost.leaf_time(StepKind.BWD_WEIGHT) == 0.015
+    assert CostModel(**GOOD).leaf_time(StepKind.BWD) == 0.01  # default: every leaf alike
+    config = ScheduleConfig(schedule="gpipe", pp=2, micro=4)
+    orders = build_all_orders(config)
+    plain = simulate_run(config, orders, CostModel(**GOOD)).step_s
+    slower = simulate_run(config, orders, CostModel(**{**GOOD, "backward_leaf_s": 0.03})).step_s
+    # 2 ranks x 4 micro-batches, one device each: the backwards stretch the step
+    assert slower > plain
+
+
+def test_headroom_shrinks_the_budget_the_prediction_may_use() -> None:
+    config = CONFIGS[0]
+    full = plan_cost_aware(config, model(1.5))
+    half = plan_cost_aware(config, replace(model(1.5), headroom=0.5))
+    for whole, halved in zip(full.ranks, half.ranks, strict=True):
+        assert halved.budget_s == pytest.approx(whole.budget_s / 2)
+        assert halved.within_budget
+        assert halved.peak_chunks >= whole.peak_chunks  # less room never lowers a peak

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import anyio
@@ -13,9 +14,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from ppswap import PipelineStage, Schedule1F1B, ScheduleGPipe, run_schedule
+from ppswap.actors.compute import JOB_KINDS
 from ppswap.actors.messages import MessageKey
 from ppswap.actors.p2p import InProcessTransport
 from ppswap.demo.model import build_mlp_stages, mse_loss
+from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.steps import StepKind
+from ppswap.scheduler.swap_plan import compute_slots
 from ppswap.swap import swap_wrapper
 
 DIM = 8
@@ -186,3 +192,41 @@ async def test_event_loop_stays_responsive_while_training() -> None:
         tg.cancel_scope.cancel()
     assert len(lags) > 10
     assert max(lags) < 1.0
+
+
+@pytest.mark.asyncio
+async def test_compute_jobs_are_counted_and_timed_per_kind() -> None:
+    """RankStats.compute_jobs matches the leaves and swap steps of each rank's order; the
+    times are spent on the compute thread, so together they fit inside the step."""
+    x, y = _data()
+    config = ScheduleConfig(schedule="gpipe", pp=2, micro=4, split_dw=True, swap=True)
+    result = await run_schedule(
+        _stages(2),
+        "gpipe",
+        micro_batch_num=4,
+        inputs=x,
+        targets=y,
+        loss_fn=mse_loss,
+        split_dw=True,
+        swap=True,
+    )
+    kinds_seen: set[str] = set()
+    for rank, order in enumerate(build_all_orders(config)):
+        stats = result.ranks[rank]
+        leaves = Counter(leaf.kind for slot in compute_slots(order) for leaf in slot.leaves)
+        launches = sum(1 for step in order if step.kind.name.startswith("SWAP_LAUNCH"))
+        expected = {
+            "forward": leaves[StepKind.FWD],
+            "backward": leaves[StepKind.BWD],
+            "backward_input": leaves[StepKind.BWD_INPUT],
+            "backward_weight": leaves[StepKind.BWD_WEIGHT],
+            "swap_prepare": launches,
+            "swap_finish": launches,
+        }
+        assert dict(stats.compute_jobs) == expected
+        kinds_seen.update(kind for kind, count in expected.items() if count)
+        for kind, count in expected.items():
+            assert (stats.compute_job_s[kind] > 0) == (count > 0), kind
+    assert kinds_seen == set(JOB_KINDS)  # the case exercises every kind
+    total = sum(sum(rank.compute_job_s.values()) for rank in result.ranks)
+    assert total < result.step_time_s  # one compute thread serves every rank
