@@ -106,12 +106,6 @@ def calibrate(runner: Runner, repeats: int) -> dict[str, Any]:
     step_no_swap = statistics.median(run["step_s"] for run in plain)
     step_swap = statistics.median(run.step_time_s for run in swapped)
     last = swapped[-1]
-    jobs_s = {kind: sum(r.compute_job_s[kind] for r in last.ranks) for kind in JOB_KINDS}
-    jobs = {kind: sum(r.compute_jobs[kind] for r in last.ranks) for kind in JOB_KINDS}
-    # The shared compute thread's time outside jobs (event loop, P2P, dispatch), spread
-    # over the jobs: the thread cannot start the next job during it.
-    idle_s = max(0.0, last.step_time_s - sum(jobs_s.values())) / max(1, sum(jobs.values()))
-    swap_jobs = jobs["swap_prepare"] + jobs["swap_finish"]
     rank_bytes = [
         rank.offloaded_bytes // (rank.copies // 2) if rank.copies else 0 for rank in last.ranks
     ]
@@ -124,14 +118,29 @@ def calibrate(runner: Runner, repeats: int) -> dict[str, Any]:
         "swap_unthrottled": median_run([summarize(run) for run in swapped]),
         "slot_s": step_no_swap / leaves,
         "slot_swap_s": step_swap / leaves,
-        "forward_s": jobs_s["forward"] / max(1, jobs["forward"]) + idle_s,
-        "backward_s": jobs_s["backward"] / max(1, jobs["backward"]) + idle_s,
-        "swap_step_s": (jobs_s["swap_prepare"] + jobs_s["swap_finish"]) / max(1, swap_jobs)
-        + idle_s,
         "stage_bytes": tuple(rank_bytes[config.rank_of(s)] for s in range(config.num_stages)),
         "chunk_bytes": chunk_bytes,
         "copy_overhead_s": max(0.0, per_copy - memcpy_s),
         "memcpy_s": memcpy_s,
+    }
+
+
+def job_times(results: list[RunResult]) -> dict[str, float]:
+    """Mean forward, backward and swap-step job of ``results`` on the compute thread, each
+    plus the thread's time outside jobs (event loop, P2P, dispatch) spread over the jobs:
+    the thread cannot start the next job during it."""
+    ranks = [rank for result in results for rank in result.ranks]
+    seconds = {kind: sum(rank.compute_job_s[kind] for rank in ranks) for kind in JOB_KINDS}
+    counts = {kind: sum(rank.compute_jobs[kind] for rank in ranks) for kind in JOB_KINDS}
+    steps = sum(result.step_time_s for result in results)
+    idle_s = max(0.0, steps - sum(seconds.values())) / max(1, sum(counts.values()))
+    swap_kinds = ("swap_prepare", "swap_finish")
+    swap_jobs = sum(counts[kind] for kind in swap_kinds)
+    return {
+        "forward_s": seconds["forward"] / max(1, counts["forward"]) + idle_s,
+        "backward_s": seconds["backward"] / max(1, counts["backward"]) + idle_s,
+        "swap_step_s": sum(seconds[kind] for kind in swap_kinds) / max(1, swap_jobs) + idle_s,
+        "idle_s": idle_s,
     }
 
 
@@ -175,7 +184,6 @@ def measure_case(case: BenchCase, repeats: int) -> tuple[dict[str, Any], list[di
         # A fresh no-swap step right before the setting: the machine's speed drifts (other
         # work on it), and the throttle is an absolute time.
         slot_s = runner.run(swap=False).step_time_s / leaves
-        drift = slot_s / calibration["slot_s"]
         gbps = calibration["chunk_bytes"] / (slots * slot_s * 1e9)
         gap_results = [
             runner.run(swap=True, device=EmulatedDevice(d2h_gbps=gbps, h2d_gbps=gbps))
@@ -191,13 +199,17 @@ def measure_case(case: BenchCase, repeats: int) -> tuple[dict[str, Any], list[di
             for rank in result.ranks
         )
         busy = sum(rank.copy_busy_s for result in gap_results for rank in result.ranks)
+        jobs = job_times(gap_results)  # compute shares the CPU with copies at this bandwidth
         cost = CostModel(
             chunk_bytes=calibration["stage_bytes"],
             d2h_gbps=gbps,
             h2d_gbps=gbps,
-            leaf_s=calibration["forward_s"] * drift,
-            backward_leaf_s=calibration["backward_s"] * drift,
-            swap_step_s=calibration["swap_step_s"] * drift,
+            leaf_s=jobs["forward_s"],
+            backward_leaf_s=jobs["backward_s"],
+            swap_step_s=jobs["swap_step_s"],
+            # an activation reaches the next rank through the event loop, whose latency is
+            # what the thread's time between jobs measures
+            p2p_latency_s=jobs["idle_s"],
             budget=DEFAULT_COST_BUDGET,
             headroom=HEADROOM,
             copy_overhead_s=max(0.0, (busy - moved / (gbps * 1e9)) / max(1, copies)),

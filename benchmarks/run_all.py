@@ -70,7 +70,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "Cost: step time and exposed copy wait",
         "Step time, exposed copy wait and hidden copy share with copies throttled to half a "
         "compute slot per chunk, 2x and 4x that; the fixed gap rule against the cost-aware "
-        "policy (`swap_policy=\"cost\"`, budget 2% of the step, headroom 0.5: the "
+        'policy (`swap_policy="cost"`, budget 2% of the step, headroom 0.5: the '
         "prediction may use 1%). 'predicted' is the cost model's exposed wait for the same "
         "plan; each row is the median of 3 runs.",
         args=("--repeats", "3"),

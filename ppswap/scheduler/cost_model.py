@@ -12,7 +12,8 @@ The simulation
     last stage; BWD_WEIGHT after its BWD_INPUT). It runs for the ``CostModel.leaf_time``
     of each of its leaves on the rank's own device, or, with ``shared_compute``, on the one
     compute thread every rank shares, which serves requests first come, first served
-    (ties: lower rank): the in-process runtime. P2P and FSDP steps take no time.
+    (ties: lower rank): the in-process runtime. A leaf that needs another rank's result
+    starts ``p2p_latency_s`` after it at the earliest; P2P and FSDP steps take no time.
     SWAP_LAUNCH_* queues a copy of ``copy_s(kind, stage)`` on the rank's FIFO copy stream
     (it starts when the stream is free and not before the launch); SWAP_WAIT_* blocks the
     rank until its copy is done: that block is the *exposed* wait, as
@@ -91,18 +92,21 @@ class CostModel:
     bytes/s, as ``EmulatedDevice``); ``math.inf`` is a free copy, ``0`` a copy that never
     ends. ``leaf_s``: wall time of one compute leaf (a FWD, and any leaf when
     ``backward_leaf_s`` is None). ``backward_leaf_s``: wall time of one BWD leaf; a split
-    backward's BWD_INPUT and BWD_WEIGHT take half of it each (a backward costs about twice
-    a forward, and where the loads land in the backward phase that difference decides
-    whether a copy hides). ``headroom``: the share of the budget the policy lets the
-    *predicted* exposed wait use, in ``[0, 1]``; below 1 it keeps the rest for the
-    model's error (on a shared machine the measured wait of one plan varies by a few
-    points of the step from run to run). ``budget``: the exposed wait allowed
-    per rank, a share of the step time in ``[0, 1]`` (0.02 = 2%). ``copy_overhead_s``: a
-    fixed cost per copy on top of ``bytes / bandwidth``. ``shared_compute``: all ranks
-    share one compute thread (the in-process runtime); False is one device per rank.
-    ``swap_step_s``: with ``shared_compute``, the compute-thread time of each swap step's
-    own job (preparing a copy, finishing one); 0 still queues the job behind the compute
-    already requested, which is what delays a copy's start there.
+    backward's BWD_INPUT and BWD_WEIGHT take half of it each (a backward costs about twice a
+    forward, and where the loads land in the backward phase that difference decides whether
+    a copy hides). ``headroom``: the share of the budget the policy lets the *predicted*
+    exposed wait use, in ``[0, 1]``; below 1 it keeps the rest for the model's error (on a
+    shared machine the measured wait of one plan varies by a few points of the step from run
+    to run). ``p2p_latency_s``: from a leaf's end to the start of the leaf on another rank
+    that needs its result (the activation or gradient must travel); it decides who comes
+    first at the shared compute thread, where a rank that needs nothing from another rank
+    otherwise ties with one that does. ``budget``: the exposed wait allowed per rank, a
+    share of the step time in ``[0, 1]`` (0.02 = 2%). ``copy_overhead_s``: a fixed cost per
+    copy on top of ``bytes / bandwidth``. ``shared_compute``: all ranks share one compute
+    thread (the in-process runtime); False is one device per rank. ``swap_step_s``: with
+    ``shared_compute``, the compute-thread time of each swap step's own job (preparing a
+    copy, finishing one); 0 still queues the job behind the compute already requested, which
+    is what delays a copy's start there.
 
     Measure them on the target: ``leaf_s`` and ``backward_leaf_s`` from a swap run's
     ``RankStats.compute_job_s`` / ``compute_jobs`` (``"forward"``, ``"backward"``), or
@@ -122,6 +126,7 @@ class CostModel:
     swap_step_s: float = 0.0
     backward_leaf_s: float | None = None
     headroom: float = 1.0
+    p2p_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_chunk_bytes(self.chunk_bytes)
@@ -141,6 +146,7 @@ class CostModel:
         headroom = _check_number("headroom", self.headroom, allow_inf=False, allow_zero=True)
         if headroom > 1:
             raise ValueError(f"headroom must be a share in [0, 1], got {self.headroom!r}")
+        _check_number("p2p_latency_s", self.p2p_latency_s, allow_inf=False, allow_zero=True)
         if self.backward_leaf_s is not None:
             _check_number(
                 "backward_leaf_s", self.backward_leaf_s, allow_inf=False, allow_zero=False
@@ -218,13 +224,15 @@ class Simulator:
         self.slot_ids: list[list[int]] = []
         self.slot_s: list[float] = []  # compute time of every slot, by slot id
         owner: dict[_Leaf, int] = {}
-        for rank_slots in slots:
+        rank_of_slot: list[int] = []
+        for rank, rank_slots in enumerate(slots):
             ids = []
             for slot in rank_slots:
                 ids.append(len(self.slot_s))
                 for leaf in slot.leaves:
                     owner[(leaf.kind, leaf.stage, leaf.micro)] = len(self.slot_s)
                 self.slot_s.append(sum(cost.leaf_time(leaf.kind) for leaf in slot.leaves))
+                rank_of_slot.append(rank)
             self.slot_ids.append(ids)
         consumer = {
             leaf.chunk: leaf.kind
@@ -234,7 +242,10 @@ class Simulator:
             if leaf.kind in CONSUMER_KINDS
         }
         last = config.num_stages - 1
-        self.deps: list[tuple[int, ...]] = []
+        latency = cost.p2p_latency_s
+        # per slot: (slot it waits for, delay after that slot ends: p2p_latency_s when the
+        # result comes from another rank)
+        self.deps: list[tuple[tuple[int, float], ...]] = []
         for rank, rank_slots in enumerate(slots):
             for slot in rank_slots:
                 needed: list[_Leaf] = []
@@ -255,7 +266,12 @@ class Simulator:
                             f"{slot.step.short()} of rank {rank} waits for {dep[0].value}"
                             f"(stage={dep[1]}, micro={dep[2]}), which no rank runs"
                         )
-                self.deps.append(tuple(owner[dep] for dep in needed))
+                self.deps.append(
+                    tuple(
+                        (owner[dep], 0.0 if rank_of_slot[owner[dep]] == rank else latency)
+                        for dep in needed
+                    )
+                )
 
     def program(self, rank: int, order: Order) -> tuple[_Op, ...]:
         """Rank ``rank``'s ``order`` (with its swap steps) as the simulator runs it."""
@@ -337,11 +353,11 @@ class _RunState:
         if kind == _JOB:
             return ready
         slot_id = self.programs[rank][self.index[rank]][1]
-        for dep in self.sim.deps[slot_id]:  # type: ignore[index]
+        for dep, delay in self.sim.deps[slot_id]:  # type: ignore[index]
             done = self.finished[dep]
             if done < 0:
                 return None
-            ready = max(ready, done)
+            ready = max(ready, done + delay)
         return ready
 
     def serve(self, rank: int, ready: float) -> None:

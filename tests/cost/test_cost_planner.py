@@ -300,6 +300,8 @@ GOOD = {"chunk_bytes": 1000, "d2h_gbps": 1.0, "h2d_gbps": 1.0, "leaf_s": 0.01}
         ("backward_leaf_s", "slow", TypeError, "backward_leaf_s"),
         ("headroom", 1.5, ValueError, r"headroom must be a share in \[0, 1\]"),
         ("headroom", -0.5, ValueError, "headroom"),
+        ("p2p_latency_s", -1e-3, ValueError, "p2p_latency_s"),
+        ("p2p_latency_s", math.inf, ValueError, "p2p_latency_s"),
     ],
 )
 def test_cost_model_refuses_bad_fields(
@@ -364,3 +366,15 @@ def test_headroom_shrinks_the_budget_the_prediction_may_use() -> None:
         assert halved.budget_s == pytest.approx(whole.budget_s / 2)
         assert halved.within_budget
         assert halved.peak_chunks >= whole.peak_chunks  # less room never lowers a peak
+
+
+def test_p2p_latency_delays_only_leaves_that_need_another_rank() -> None:
+    config = ScheduleConfig(schedule="gpipe", pp=2, micro=2)
+    orders = build_all_orders(config)
+    cost = CostModel(**GOOD)
+    plain = simulate_run(config, orders, cost)
+    late = simulate_run(config, orders, replace(cost, p2p_latency_s=0.005))
+    # rank 0's first forwards need nothing from rank 1: unchanged
+    assert late.slot_times[0][:2] == plain.slot_times[0][:2]
+    # rank 1's first forward needs rank 0's: it starts 5 ms later
+    assert late.slot_times[1][0][0] == pytest.approx(plain.slot_times[1][0][0] + 0.005)
