@@ -5,7 +5,7 @@ design notes and the measured overhead. In short:
 
 - Non-blocking, no thread: calls post ``Isend`` / ``Irecv`` and poll ``Test()`` from the
   event loop. For ``spin_s`` plus the payload's time at 1 GB/s a wait spins: it polls in
-  a tight loop for slices of at most ``busy_poll_s`` (default 50 us, the longest it
+  a tight loop for slices of at most ``busy_poll_s`` (default 200 us, the longest it
   blocks the loop at a time) and yields (``sleep(0)``) between slices. Then it sleeps
   doubling intervals up to ``poll_interval_s`` between single polls. The tight slices
   see a message arrive within about a microsecond instead of one event-loop round trip
@@ -105,7 +105,7 @@ class MPITransport:
         *,
         poll_interval_s: float = 1e-3,
         spin_s: float = 1e-3,
-        busy_poll_s: float = 50e-6,
+        busy_poll_s: float = 200e-6,
         recv_pool_bytes: int = 256 << 20,
     ) -> None:
         if comm is not None and not isinstance(comm, MPI.Comm):
