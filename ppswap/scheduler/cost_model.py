@@ -13,9 +13,7 @@ The simulation
     of each of its leaves on the rank's own device, or, with ``shared_compute``, on the one
     compute thread every rank shares, which serves requests first come, first served
     (ties: lower rank): the in-process runtime. A leaf that needs another rank's result
-    starts ``p2p_latency_s`` at the earliest after the producing rank passed the SEND step
-    that carries it (not after the producing leaf: a swap launch between the two queues a
-    job on the shared thread first). P2P and FSDP steps take no time of their own.
+    starts ``p2p_latency_s`` after it at the earliest; P2P and FSDP steps take no time.
     SWAP_LAUNCH_* queues a copy of ``copy_s(kind, stage)`` on the rank's FIFO copy stream
     (it starts when the stream is free and not before the launch); SWAP_WAIT_* blocks the
     rank until its copy is done: that block is the *exposed* wait, as
@@ -99,16 +97,16 @@ class CostModel:
     a copy hides). ``headroom``: the share of the budget the policy lets the *predicted*
     exposed wait use, in ``[0, 1]``; below 1 it keeps the rest for the model's error (on a
     shared machine the measured wait of one plan varies by a few points of the step from run
-    to run). ``p2p_latency_s``: from the SEND step that carries a leaf's result to the start
-    of the leaf on another rank that needs it (the event-loop hops of the transfer); it
-    decides who comes first at the shared compute thread, where a rank that needs nothing
-    from another rank otherwise ties with one that does. ``budget``: the exposed wait
-    allowed per rank, a share of the step time in ``[0, 1]`` (0.02 = 2%).
-    ``copy_overhead_s``: a fixed cost per copy on top of ``bytes / bandwidth``.
-    ``shared_compute``: all ranks share one compute thread (the in-process runtime); False
-    is one device per rank. ``swap_step_s``: with ``shared_compute``, the compute-thread
-    time of each swap step's own job (preparing a copy, finishing one); 0 still queues the
-    job behind the compute already requested, which is what delays a copy's start there.
+    to run). ``p2p_latency_s``: from a leaf's end to the start of the leaf on another rank
+    that needs its result (the activation or gradient must travel); it decides who comes
+    first at the shared compute thread, where a rank that needs nothing from another rank
+    otherwise ties with one that does. ``budget``: the exposed wait allowed per rank, a
+    share of the step time in ``[0, 1]`` (0.02 = 2%). ``copy_overhead_s``: a fixed cost per
+    copy on top of ``bytes / bandwidth``. ``shared_compute``: all ranks share one compute
+    thread (the in-process runtime); False is one device per rank. ``swap_step_s``: with
+    ``shared_compute``, the compute-thread time of each swap step's own job (preparing a
+    copy, finishing one); 0 still queues the job behind the compute already requested, which
+    is what delays a copy's start there.
 
     Measure them on the target: ``leaf_s`` and ``backward_leaf_s`` from a swap run's
     ``RankStats.compute_job_s`` / ``compute_jobs`` (``"forward"``, ``"backward"``), or
@@ -198,13 +196,10 @@ class RunEstimate:
     step_s: float
 
 
-_COMPUTE, _LAUNCH, _WAIT, _SEND = 0, 1, 2, 3
-_SEND_DIRECTION = {StepKind.SEND_F: "F", StepKind.SEND_B: "B"}
-_Message = tuple[str, int, int]  # (direction, sending stage, micro) of a SEND step
-_Op = tuple[int, int | tuple[bool, int, int] | _Message, float]
-"""A step of a rank's program: (COMPUTE, slot id, 0), (LAUNCH, copy key, seconds),
-(WAIT, copy key, 0) or (SEND, message, 0); receives and FSDP steps are left out (they
-take no time of their own)."""
+_COMPUTE, _LAUNCH, _WAIT = 0, 1, 2
+_Op = tuple[int, int | tuple[bool, int, int], float]
+"""A step of a rank's program: (COMPUTE, slot id, 0), (LAUNCH, copy key, seconds) or
+(WAIT, copy key, 0); P2P and FSDP steps are left out (they take no time)."""
 
 
 class Simulator:
@@ -247,25 +242,25 @@ class Simulator:
             if leaf.kind in CONSUMER_KINDS
         }
         last = config.num_stages - 1
-        # per slot: (slot it waits for, the message that carries its result when that slot
-        # is on another rank, else None). The result leaves with the producer's SEND step,
-        # which can come well after the leaf (a swap launch in between queues a job).
-        self.deps: list[tuple[tuple[int, _Message | None], ...]] = []
+        latency = cost.p2p_latency_s
+        # per slot: (slot it waits for, delay after that slot ends: p2p_latency_s when the
+        # result comes from another rank)
+        self.deps: list[tuple[tuple[int, float], ...]] = []
         for rank, rank_slots in enumerate(slots):
             for slot in rank_slots:
-                needed: list[tuple[_Leaf, _Message | None]] = []
+                needed: list[_Leaf] = []
                 for leaf in slot.leaves:
                     stage, micro = leaf.stage, leaf.micro
                     if leaf.kind is StepKind.FWD and stage > 0:
-                        needed.append(((StepKind.FWD, stage - 1, micro), ("F", stage - 1, micro)))
+                        needed.append((StepKind.FWD, stage - 1, micro))
                     elif leaf.kind in CONSUMER_KINDS and stage == last:
-                        needed.append(((StepKind.FWD, stage, micro), None))
+                        needed.append((StepKind.FWD, stage, micro))
                     elif leaf.kind in CONSUMER_KINDS:
                         upstream = consumer.get((stage + 1, micro), StepKind.BWD)
-                        needed.append(((upstream, stage + 1, micro), ("B", stage + 1, micro)))
+                        needed.append((upstream, stage + 1, micro))
                     elif leaf.kind is StepKind.BWD_WEIGHT:
-                        needed.append(((StepKind.BWD_INPUT, stage, micro), None))
-                for dep, _ in needed:
+                        needed.append((StepKind.BWD_INPUT, stage, micro))
+                for dep in needed:
                     if dep not in owner:
                         raise ValueError(
                             f"{slot.step.short()} of rank {rank} waits for {dep[0].value}"
@@ -273,8 +268,8 @@ class Simulator:
                         )
                 self.deps.append(
                     tuple(
-                        (owner[dep], None if rank_of_slot[owner[dep]] == rank else message)
-                        for dep, message in needed
+                        (owner[dep], 0.0 if rank_of_slot[owner[dep]] == rank else latency)
+                        for dep in needed
                     )
                 )
 
@@ -294,11 +289,6 @@ class Simulator:
             elif step.kind in _LAUNCH_OF_WAIT:
                 key = (step.kind is StepKind.SWAP_WAIT_LOAD, step.stage, step.micro)
                 ops.append((_WAIT, key, 0.0))
-            else:
-                for sub in step.sub_steps or (step,):
-                    if sub.kind in _SEND_DIRECTION:
-                        message = (_SEND_DIRECTION[sub.kind], sub.stage, sub.micro)
-                        ops.append((_SEND, message, 0.0))
         if next(ids, None) is not None:
             raise ValueError(f"the order of rank {rank} has fewer compute slots than built")
         return tuple(ops)
@@ -351,8 +341,6 @@ class _RunState:
         self.job_done = [False] * pp  # the current swap step's compute-thread job has run
         self.waited = [False] * pp  # the current SWAP_WAIT's copy has been waited for
         self.shared_free = 0.0
-        self.sends = {key for program in programs for op, key, _ in program if op == _SEND}
-        self.sent: dict[object, float] = {}  # message -> when its SEND step was passed
         for rank in range(pp):
             self.advance(rank)
 
@@ -365,18 +353,11 @@ class _RunState:
         if kind == _JOB:
             return ready
         slot_id = self.programs[rank][self.index[rank]][1]
-        for dep, message in self.sim.deps[slot_id]:  # type: ignore[index]
-            if message is not None and message in self.sends:
-                sent = self.sent.get(message)
-                if sent is None:
-                    return None
-                ready = max(ready, sent + self.sim.cost.p2p_latency_s)
-                continue
+        for dep, delay in self.sim.deps[slot_id]:  # type: ignore[index]
             done = self.finished[dep]
             if done < 0:
                 return None
-            # orders without P2P steps: the result is there when the producer ends
-            ready = max(ready, done + (0.0 if message is None else self.sim.cost.p2p_latency_s))
+            ready = max(ready, done + delay)
         return ready
 
     def serve(self, rank: int, ready: float) -> None:
@@ -406,10 +387,6 @@ class _RunState:
             if op == _COMPUTE:
                 self.index[rank], self.request[rank] = position, _SLOT
                 return
-            if op == _SEND:
-                self.sent[key] = self.now[rank]
-                position += 1
-                continue
             if op == _WAIT and not self.waited[rank]:
                 done = self.copies[rank].pop(key, None)
                 if done is None:

@@ -378,20 +378,3 @@ def test_p2p_latency_delays_only_leaves_that_need_another_rank() -> None:
     assert late.slot_times[0][:2] == plain.slot_times[0][:2]
     # rank 1's first forward needs rank 0's: it starts 5 ms later
     assert late.slot_times[1][0][0] == pytest.approx(plain.slot_times[1][0][0] + 0.005)
-
-
-def test_a_result_leaves_with_the_send_step_not_with_the_leaf() -> None:
-    """Rank 0 runs F1.0, LO1.0 (a job on the shared thread), SF1.0: rank 1's F1.1 can start
-    only after the send, so rank 0's next forward, ready right after the job, goes first."""
-    config = ScheduleConfig(schedule="gpipe", pp=2, micro=4, swap=True)
-    plain = build_all_orders(replace(config, swap=False))
-    orders = [
-        inject_swap_steps(order, config, rank, chunks={(0, 1)}) for rank, order in enumerate(plain)
-    ]
-    shorts = [step.short() for step in orders[0]]
-    assert shorts.index("F1.0") < shorts.index("LO1.0") < shorts.index("SF1.0")
-    cost = CostModel(**{**GOOD, "shared_compute": True, "swap_step_s": 0.05, "p2p_latency_s": 1e-3})
-    times = simulate_run(config, orders, cost).slot_times
-    f2_rank0, f1_rank1 = times[0][2], times[1][1]
-    assert f2_rank0[0] < f1_rank1[0]
-    assert f1_rank1[0] >= times[0][1][1] + 0.05 + 1e-3  # after F1.0, the job and the hop
