@@ -34,6 +34,7 @@ from ppswap.swap.tensor import StorageInfo
 __all__ = [
     "Collection",
     "PolicyFn",
+    "ResidentTensor",
     "SavedTensorSink",
     "SwapManager",
     "activate",
@@ -42,6 +43,21 @@ __all__ = [
 ]
 
 PolicyFn = Callable[[Tensor], bool]
+
+
+class ResidentTensor:
+    """A saved tensor that stays on device, packed as a handle instead of as itself.
+
+    MindSpore keeps what the pack hook returned for a forward that raised part-way, and no
+    backward will ever unpack it. As a handle, the collection can empty it when that
+    forward fails (:meth:`Collection.abandon`), so only this small object stays behind.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor: Tensor | None = tensor
+
 
 _CURRENT: ContextVar[Collection | None] = ContextVar("ppswap_swap_collection", default=None)
 
@@ -113,6 +129,7 @@ class Collection:
         self._parameters: dict[int, list[Tensor]] = {}
         self._protected: dict[int, Tensor] = {}
         self._registered: dict[int, _Registration] = {}
+        self._resident: list[ResidentTensor] = []  # handles packed during this forward
         self._closed = False
         for tensor in tensors_in(list(parameters)):
             self._parameters.setdefault(StorageInfo.of(tensor).ptr, []).append(tensor)
@@ -168,11 +185,13 @@ class Collection:
         group_swap: bool | None = None,
         label: str | None = None,
     ) -> Any:
-        """The pack hook body: return a SwapTensor handle or ``tensor`` itself.
+        """The pack hook body: return a SwapTensor handle, a ResidentTensor handle, or
+        ``tensor`` itself.
 
         Parameters (and empty tensors) are returned untouched and not counted. Without a
         group, or for a protected storage, or one held on device elsewhere, the tensor
-        is reported to the sink and returned unchanged. Otherwise it becomes an entry of
+        is reported to the sink and returned as a ResidentTensor (emptied by
+        :meth:`abandon` if the forward fails). Otherwise it becomes an entry of
         the group, *selected* for swap when ``capture`` is set and ``policy_fn`` agrees,
         or when its storage was registered (before or, via
         :meth:`SwapGroup.select_storage`, after this save).
@@ -190,7 +209,9 @@ class Collection:
         ):
             if self.sink is not None:
                 self.sink.record_resident(tensor, info)
-            return tensor
+            handle = ResidentTensor(tensor)
+            self._resident.append(handle)
+            return handle
         registration = self._registered.get(info.ptr)
         if registration is not None:
             return group.register(
@@ -216,12 +237,21 @@ class Collection:
             )
         return verdict
 
+    def abandon(self) -> None:
+        """The forward raised: empty the handles it packed (no backward will unpack them)."""
+        for handle in self._resident:
+            handle.tensor = None
+
     def close(self) -> None:
-        """End of the forward: forget registrations and protections (drop references)."""
+        """End of the forward: forget registrations, protections, handles, the group and the
+        sink (drop references: MindSpore may keep the pack hook, and with it this object)."""
         self._closed = True
         self._registered.clear()
         self._protected.clear()
         self._parameters.clear()
+        self._resident.clear()
+        self.group = None
+        self.sink = None
 
 
 class SwapManager:

@@ -210,6 +210,9 @@ class PipelineSwapSession:
         try:
             with capture_scope(collection):
                 yield
+        except BaseException:
+            collection.abandon()
+            raise
         finally:
             collection.close()
         if group is not None:

@@ -11,9 +11,9 @@ Both only *select*; when bytes move is decided by the pipeline schedule (the ses
     ``mindspore.saved_tensors_hooks`` whose pack captures every tensor the forward saves
     for backward into the group, unless ``policy_fn(tensor)`` returns False or the
     storage is protected (parameters, module tensors such as a rotary table attribute,
-    stage inputs, pinned storages); those are returned as-is and still counted in the
-    chunk's ledger. Without a group it runs the wrapped object plainly (the session's
-    outer hook still counts what it saves).
+    stage inputs, pinned storages); those stay on device (packed as ``ResidentTensor``
+    handles) and are still counted in the chunk's ledger. Without a group it runs the
+    wrapped object plainly (the session's outer hook still counts what it saves).
 
 ``swap_tensor_wrapper(target, tag=None, group_swap=False)``
     Registers a tensor (or the tensors of a nested tuple/list/dict) by storage with the
@@ -41,8 +41,15 @@ from typing import Any, TypeVar
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
-from ppswap.swap.errors import SwapWarning
-from ppswap.swap.manager import Collection, PolicyFn, activate, current_collection, tensors_in
+from ppswap.swap.errors import SwapError, SwapWarning
+from ppswap.swap.manager import (
+    Collection,
+    PolicyFn,
+    ResidentTensor,
+    activate,
+    current_collection,
+    tensors_in,
+)
 from ppswap.swap.tensor import SwapTensor
 from ppswap.swap.validation import check_bool
 
@@ -59,9 +66,14 @@ T = TypeVar("T")
 
 
 def unpack_saved(packed: Any) -> Any:
-    """The unpack hook: a SwapTensor handle becomes its (loaded) tensor."""
+    """The unpack hook: a SwapTensor handle becomes its (loaded) tensor, a ResidentTensor
+    handle its tensor."""
     if isinstance(packed, SwapTensor):
         return packed.materialize()
+    if isinstance(packed, ResidentTensor):
+        if packed.tensor is None:
+            raise SwapError("a backward unpacked a saved tensor of a forward that had failed")
+        return packed.tensor
     return packed
 
 

@@ -9,6 +9,7 @@ run again afterwards.
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import replace
 from typing import Any
@@ -37,6 +38,7 @@ import ppswap.stage as stage_module
 from ppswap import PipelineInputError, PipelineStage, run_schedule
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.swap import EmulatedDevice
+from ppswap.swap.manager import ResidentTensor
 
 
 class _NoThreads:
@@ -299,24 +301,28 @@ async def test_a_forward_failing_mid_graph_does_not_poison_the_next_run() -> Non
     assert_same_grads(expected, grads_of(stages))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Known limit (docs/reliability.md): MindSpore keeps what the saved-tensor hooks "
-    "packed during a forward that raised, and no backward can release it. Without a swap "
-    "group the collector packs the tensors themselves, so that chunk's activations (and, "
-    "through the hook, its finished session) stay alive: one per such failure.",
-)
 @pytest.mark.timeout(120)
 @pytest.mark.asyncio
 async def test_forwards_failing_mid_graph_without_swap_retain_nothing() -> None:
+    """MindSpore keeps what the saved-tensor hooks packed during a forward that raised.
+    Without a swap group those are ResidentTensor handles, emptied when the forward fails:
+    neither the chunk's activations nor (through the hook) its session stay alive."""
     modules = build_mlp_stages(2, dim=8, wrap=None)
     stages = [PipelineStage(_Flaky(m), i, 2) for i, m in enumerate(modules)]
     _, sessions_before = swap_object_counts()
+    earlier = _holding_resident_handles()  # other tests' (kept alive, so ids stay unique)
     stages[1].module.fail = True  # type: ignore[attr-defined]
     for _ in range(3):
         await failure_of(run_case(stages, replace(GPIPE, swap=False)))
+    gc.collect()
     _, sessions_after = swap_object_counts()
     assert sessions_after <= sessions_before + 1  # bounded, not one per failure
+    known = {id(handle) for handle in earlier}
+    assert [h for h in _holding_resident_handles() if id(h) not in known] == []
+
+
+def _holding_resident_handles() -> list[ResidentTensor]:
+    return [o for o in gc.get_objects() if type(o) is ResidentTensor and o.tensor is not None]
 
 
 @pytest.mark.timeout(120)
