@@ -92,21 +92,21 @@ class CostModel:
     bytes/s, as ``EmulatedDevice``); ``math.inf`` is a free copy, ``0`` a copy that never
     ends. ``leaf_s``: wall time of one compute leaf (a FWD, and any leaf when
     ``backward_leaf_s`` is None). ``backward_leaf_s``: wall time of one BWD leaf; a split
-    backward's BWD_INPUT and BWD_WEIGHT take half of it each (a backward costs about twice a
-    forward, and where the loads land in the backward phase that difference decides whether
-    a copy hides). ``headroom``: the share of the budget the policy lets the *predicted*
-    exposed wait use, in ``[0, 1]``; below 1 it keeps the rest for the model's error (on a
-    shared machine the measured wait of one plan varies by a few points of the step from run
-    to run). ``p2p_latency_s``: from a leaf's end to the start of the leaf on another rank
-    that needs its result (the activation or gradient must travel); it decides who comes
-    first at the shared compute thread, where a rank that needs nothing from another rank
-    otherwise ties with one that does. ``budget``: the exposed wait allowed per rank, a
-    share of the step time in ``[0, 1]`` (0.02 = 2%). ``copy_overhead_s``: a fixed cost per
-    copy on top of ``bytes / bandwidth``. ``shared_compute``: all ranks share one compute
-    thread (the in-process runtime); False is one device per rank. ``swap_step_s``: with
-    ``shared_compute``, the compute-thread time of each swap step's own job (preparing a
-    copy, finishing one); 0 still queues the job behind the compute already requested, which
-    is what delays a copy's start there.
+    backward's BWD_INPUT and BWD_WEIGHT take half of it each (a backward usually costs more
+    than a forward, up to twice as much, and the loads land in the backward phase, where
+    that difference decides whether a copy hides). ``headroom``: the share of the budget the
+    policy lets the *predicted* exposed wait use, in ``[0, 1]``; below 1 it keeps the rest
+    for the model's error (on a shared machine the measured wait of one plan varies by a few
+    points of the step from run to run). ``p2p_latency_s``: from a leaf's end to the start
+    of the leaf on another rank that needs its result (the activation or gradient must
+    travel); it decides who comes first at the shared compute thread, where a rank that
+    needs nothing from another rank otherwise ties with one that does. ``budget``: the
+    exposed wait allowed per rank, a share of the step time in ``[0, 1]`` (0.02 = 2%).
+    ``copy_overhead_s``: a fixed cost per copy on top of ``bytes / bandwidth``.
+    ``shared_compute``: all ranks share one compute thread (the in-process runtime); False
+    is one device per rank. ``swap_step_s``: with ``shared_compute``, the compute-thread
+    time of each swap step's own job (preparing a copy, finishing one); 0 still queues the
+    job behind the compute already requested, which is what delays a copy's start there.
 
     Measure them on the target: ``leaf_s`` and ``backward_leaf_s`` from a swap run's
     ``RankStats.compute_job_s`` / ``compute_jobs`` (``"forward"``, ``"backward"``), or
