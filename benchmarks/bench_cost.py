@@ -10,21 +10,21 @@ schedule is calibrated on itself first:
   (the in-process runtime runs every leaf of every rank on one compute thread, so a step
   is the sum of its leaves); the same with swap on and copies unthrottled gives the
   slowdown swap itself causes;
-- from that unthrottled swap run's ``RankStats.compute_job_s`` / ``compute_jobs``: the
-  mean forward, backward and swap-step job on the compute thread, each plus the thread's
-  time outside jobs spread over the jobs (the cost model's ``leaf_s``,
-  ``backward_leaf_s``, ``swap_step_s``);
 - a *chunk* is what one chunk's offload moves (``RankStats.offloaded_bytes`` per offloaded
   chunk, per rank).
 
 Then for copies of half a slot, and 2x and 4x that (one and two slots): a fresh no-swap
 step right before the setting gives the slot (the machine's speed drifts while other work
-runs on it; the throttle is an absolute time, and the job times are scaled by the same
-drift), ``EmulatedDevice(d2h_gbps=..., h2d_gbps=...)`` is set so one chunk's copy takes
-that many slots, and the fixed rule (``swap_policy="gap"``) runs ``--repeats`` times. Its
-runs give the copy's fixed cost at this bandwidth (``copy_busy_s`` beyond ``bytes /
-bandwidth``, per copy), the last input of the ``CostModel`` (budget 2% of the step,
-``headroom`` 0.5, ``shared_compute=True``); then the cost-aware policy
+runs on it; the throttle is an absolute time), ``EmulatedDevice(d2h_gbps=...,
+h2d_gbps=...)`` is set so one chunk's copy takes that many slots, and the fixed rule
+(``swap_policy="gap"``) runs ``--repeats`` times: the user's first run, before asking for
+a cost plan. Its runs give the ``CostModel``'s inputs at this bandwidth: from
+``RankStats.compute_job_s`` / ``compute_jobs`` the mean forward, backward and swap-step
+job on the compute thread, each plus the thread's time outside jobs spread over the jobs
+(``leaf_s``, ``backward_leaf_s``, ``swap_step_s``; that time per job is also
+``p2p_latency_s``), and the copy's fixed cost (``copy_busy_s`` beyond ``bytes /
+bandwidth``, per copy); budget 2% of the step, ``headroom`` 0.5,
+``shared_compute=True``. Then the cost-aware policy
 (``swap_policy="cost"``) runs ``--repeats`` times. Each row is the median run by exposed
 share. Where the cost policy chooses the fixed rule's chunks the run is the same and is
 not repeated.
