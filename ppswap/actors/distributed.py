@@ -23,7 +23,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ppswap.actors.compute import JOB_KINDS
 from ppswap.actors.messages import HostArray
 
 __all__ = [
@@ -73,19 +72,20 @@ async def gather_results(
 ) -> tuple[list[float], list[Any]]:
     """All-gather every rank's stats and the last stage's losses.
 
-    ``stats`` is this rank's RankStats: a dataclass of numbers and of mappings keyed by
-    ``JOB_KINDS`` (the compute-job times); returns the losses (from whichever rank had
-    them) and the stats of every rank, indexed by rank.
+    ``stats`` is this rank's RankStats: a dataclass of numbers and of mappings of numbers
+    (the compute-job times), laid out alike on every rank (same fields, same mapping keys
+    in the same order). Returns the losses (from whichever rank had them) and the stats
+    of every rank, indexed by rank.
     """
-    kinds = [f.type for f in dataclasses.fields(type(stats))]
-    fields = _flatten(dataclasses.astuple(stats))
+    template = [getattr(stats, field.name) for field in dataclasses.fields(stats)]
+    fields = _flatten(template)
     record = np.full(len(fields) + micro_count, math.nan, dtype=np.float64)
     record[: len(fields)] = fields
     if losses:
         record[len(fields) :] = losses
     group = tuple(range(transport.world_size))
     records = await transport.all_gather(transport.rank, group, _RESULT_KEY, record)
-    everyone = [type(stats)(*_unflatten(kinds, r[: len(fields)].tolist())) for r in records]
+    everyone = [type(stats)(*_unflatten(template, r[: len(fields)].tolist())) for r in records]
     gathered_losses: list[float] = []
     for r in records:
         tail = r[len(fields) :]
@@ -94,30 +94,27 @@ async def gather_results(
     return gathered_losses, everyone
 
 
-def _flatten(values: tuple[Any, ...]) -> list[float]:
+def _flatten(template: list[Any]) -> list[float]:
+    """Every number of ``template``, a mapping's values in its key order."""
     flat: list[float] = []
-    for value in values:
+    for value in template:
         if isinstance(value, Mapping):
-            flat += [float(value.get(kind, 0)) for kind in JOB_KINDS]
+            flat += [float(number) for number in value.values()]
         else:
             flat.append(float(value))
     return flat
 
 
-def _unflatten(kinds: list[object], flat: list[float]) -> list[object]:
-    values: list[object] = []
-    position = 0
-    for kind in kinds:
-        text = str(kind)
-        if text.startswith("Mapping"):
-            numbers = flat[position : position + len(JOB_KINDS)]
-            as_int = text.endswith("int]")
-            pairs = zip(JOB_KINDS, numbers, strict=True)
-            values.append({k: int(v) if as_int else v for k, v in pairs})
-            position += len(JOB_KINDS)
+def _unflatten(template: list[Any], flat: list[float]) -> list[Any]:
+    """Another rank's ``_flatten`` output back into ``template``'s shape: the same
+    mapping keys, each number of the type of ``template``'s."""
+    numbers = iter(flat)
+    values: list[Any] = []
+    for value in template:
+        if isinstance(value, Mapping):
+            values.append({key: type(number)(next(numbers)) for key, number in value.items()})
         else:
-            values.append(int(flat[position]) if kind is int or text == "int" else flat[position])
-            position += 1
+            values.append(type(value)(next(numbers)))
     return values
 
 

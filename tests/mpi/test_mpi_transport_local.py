@@ -19,9 +19,11 @@ import pytest
 
 pytest.importorskip("mpi4py")
 
+from ppswap.actors.distributed import gather_results
 from ppswap.actors.messages import MessageKey
 from ppswap.actors.mpi import MPITransport
 from ppswap.actors.mpi_wire import RecvBufferPool
+from ppswap.actors.runtime import RankStats
 
 Array = npt.NDArray[Any]
 
@@ -288,3 +290,23 @@ def test_constructor_rejects_bad_settings(kwargs: dict[str, Any], match: str) ->
 def test_rank_and_world_size_of_a_singleton() -> None:
     with MPITransport() as mpi_transport:
         assert (mpi_transport.rank, mpi_transport.world_size) == (0, 1)
+
+
+def test_gather_results_round_trips_rank_stats_with_job_maps(transport: MPITransport) -> None:
+    stats = RankStats(
+        rank=0,
+        peak_saved_bytes=123,
+        offloaded_bytes=45,
+        loaded_bytes=45,
+        exposed_copy_wait_s=0.25,
+        steps_executed=7,
+        copies=2,
+        copy_busy_s=0.5,
+        compute_job_s={"forward": 0.125, "backward": 0.75},
+        compute_jobs={"forward": 3, "backward": 4},
+    )
+    losses, everyone = run(gather_results, transport, stats, [1.5, 2.5], 2)
+    assert losses == [1.5, 2.5]
+    assert everyone == [stats]
+    assert type(everyone[0].compute_jobs["forward"]) is int
+    assert type(everyone[0].steps_executed) is int
