@@ -91,7 +91,6 @@ class ComputeStats:
 
     steps_executed: int
     exposed_copy_wait_s: float
-    compute_busy_s: float
     job_s: Mapping[str, float]
     jobs: Mapping[str, int]
 
@@ -180,7 +179,6 @@ class ComputeActor:
         return ComputeStats(
             self._steps_executed,
             self._exposed_wait_s,
-            sum(self._job_s.values()),
             dict(self._job_s),
             dict(self._jobs),
         )
