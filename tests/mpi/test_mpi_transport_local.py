@@ -22,7 +22,7 @@ pytest.importorskip("mpi4py")
 from ppswap.actors.distributed import gather_results
 from ppswap.actors.messages import MessageKey
 from ppswap.actors.mpi import MPITransport
-from ppswap.actors.mpi_wire import RecvBufferPool
+from ppswap.actors.mpi_wire import POOL_MIN_BYTES, RecvBufferPool
 from ppswap.actors.runtime import RankStats
 
 Array = npt.NDArray[Any]
@@ -215,7 +215,9 @@ def test_recv_buffer_pool_recycles_only_unreferenced_blocks() -> None:
     assert overflow.base is None and pool.held_bytes == 2 * size
     del second, third, overflow
     assert pool.take(size).ctypes.data == address  # free again once nothing refers to it
-    small = pool.take(1 << 20)
+    roomy = RecvBufferPool(capacity_bytes=4 * size)
+    assert roomy.take(POOL_MIN_BYTES).base is not None  # pooled from the threshold up
+    small = roomy.take(POOL_MIN_BYTES - 1)
     assert small.base is None  # below the pooling threshold: a plain allocation
     disabled = RecvBufferPool(capacity_bytes=0)
     assert disabled.take(size).base is None
