@@ -1,6 +1,6 @@
 """The RFC 6.6 orders with FSDP and swap: on the finalized orders, and in a real run's trace.
 
-``FWD -> SWAP_LAUNCH_OFFLOAD -> FSDP_RESHARD`` and
+``FWD -> (its sends) -> SWAP_LAUNCH_OFFLOAD -> FSDP_RESHARD`` and
 ``SWAP_LAUNCH_LOAD -> FSDP_UNSHARD -> SWAP_WAIT_LOAD -> BWD``; when the consumer's stage
 is already unsharded (no UNSHARD opens its use run) the load is delayed into the
 consumer's own gap.
@@ -30,6 +30,13 @@ def _leaf_index(order: Order) -> dict[tuple[StepKind, int, int], int]:
     return index
 
 
+def _is_send(step: MetaStep) -> bool:
+    sends = (StepKind.SEND_F, StepKind.SEND_B)
+    return step.kind in sends or (
+        step.kind is StepKind.BATCH_SEND_RECV and any(s.kind in sends for s in step.sub_steps)
+    )
+
+
 def check_rfc_orders(order: Order) -> tuple[int, int, int]:
     """Assert the RFC 6.6 orders on one finalized order. Returns how many chunks had
     ``FWD -> LO -> RESHARD``, ``LL -> UNSHARD -> WL -> consumer`` and a delayed load."""
@@ -38,7 +45,9 @@ def check_rfc_orders(order: Order) -> tuple[int, int, int]:
     for position, step in enumerate(order):
         stage, micro = step.stage, step.micro
         if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD:
-            assert position == at[(StepKind.FWD, stage, micro)] + 1
+            # right after its FWD's slot and that slot's sends
+            between = order[at[(StepKind.FWD, stage, micro)] + 1 : position]
+            assert all(_is_send(s) for s in between), [s.short() for s in between]
             gap = itertools.takewhile(lambda s: not s.is_compute, order[position + 1 :])
             if MetaStep(StepKind.FSDP_RESHARD, stage, -1) in list(gap):
                 offload_reshard += 1

@@ -75,17 +75,26 @@ PP2_BATCH = ScheduleConfig(schedule="gpipe", pp=2, micro=4, swap=True, p2p="batc
 
 def test_plain_p2p_golden() -> None:
     assert text(inject_swap_steps(GPIPE_PLAIN, PP2, 0)) == (
-        "F0.0 LO0.0 SF0.0 F1.0 LO1.0 SF1.0 WO0.0 F2.0 LO2.0 SF2.0 WO1.0 LL0.0 "
-        "F3.0 LO3.0 SF3.0 WO2.0 LL1.0 RB0.0 WL0.0 B0.0 WO3.0 LL2.0 RB1.0 WL1.0 B1.0 "
+        "F0.0 SF0.0 LO0.0 F1.0 SF1.0 LO1.0 WO0.0 F2.0 SF2.0 LO2.0 WO1.0 LL0.0 "
+        "F3.0 SF3.0 LO3.0 WO2.0 LL1.0 RB0.0 WL0.0 B0.0 WO3.0 LL2.0 RB1.0 WL1.0 B1.0 "
         "LL3.0 RB2.0 WL2.0 B2.0 RB3.0 WL3.0 B3.0"
     )
 
 
-def test_launch_offload_right_after_fwd_before_its_sends() -> None:
+def test_launch_offload_right_after_fwd_and_its_sends() -> None:
+    # The send goes first: launching the offload runs a prepare job on the compute thread,
+    # which must not hold the activation back from the next stage.
     out = names(inject_swap_steps(GPIPE_PLAIN, PP2, 0))
     for i in range(4):
         at = out.index(f"F{i}.0")
-        assert out[at + 1 : at + 3] == [f"LO{i}.0", f"SF{i}.0"]
+        assert out[at + 1 : at + 3] == [f"SF{i}.0", f"LO{i}.0"]
+    batch_out = names(inject_swap_steps(GPIPE_BATCH, PP2_BATCH, 0))
+    for i in range(3):
+        at = batch_out.index(f"F{i}.0")
+        assert batch_out[at + 1 : at + 3] == [f"BATCH[SF{i}.0]", f"LO{i}.0"]
+    # a container holding the slot's send and the next slot's receive only posts both
+    at = batch_out.index("BATCH[SF3.0+RB0.0]")
+    assert batch_out[at + 1 : at + 4] == ["LO3.0", "WL0.0", "B0.0"]
 
 
 def test_launch_offload_after_composite_container() -> None:
@@ -104,16 +113,17 @@ def test_launch_offload_after_composite_container() -> None:
     cfg = ScheduleConfig(schedule="gpipe", pp=2, micro=4, swap=True, min_swap_gap=4)
     out = inject_swap_steps(order, cfg, 0)
     at = names(out).index("OBF[B9.0+F3.0]")
-    assert names(out)[at + 1 : at + 3] == ["LO3.0", "SF3.0"]
+    assert names(out)[at + 1 : at + 3] == ["SF3.0", "LO3.0"]
     # the composite itself is untouched
     assert out[at] == order[4]
 
 
 def test_wait_offload_after_first_intervening_compute_and_comm_block() -> None:
     out = names(inject_swap_steps(GPIPE_PLAIN, PP2, 0))
-    # chunk 0: first intervening compute F1 and its send SF1, then WO0 right before F2
+    # chunk 0: first intervening compute F1, its send SF1 (and chunk 1's LO1), then WO0
+    # right before F2
     assert out[out.index("F2.0") - 1] == "WO0.0"
-    assert out[out.index("WO0.0") - 1] == "SF1.0"
+    assert out[out.index("WO0.0") - 2 : out.index("WO0.0")] == ["SF1.0", "LO1.0"]
     # chunk 3: first intervening compute B0, then B0's block (WO3 ahead of LL2 and RB1)
     at = out.index("B0.0")
     assert out[at : at + 6] == ["B0.0", "WO3.0", "LL2.0", "RB1.0", "WL1.0", "B1.0"]
@@ -124,7 +134,7 @@ def test_wait_offload_goes_ahead_of_a_launch_load_in_its_block() -> None:
     # device storage of chunk 2 is released before chunk 1's is allocated again.
     out = names(inject_swap_steps(GPIPE_PLAIN, PP2, 0))
     at = out.index("SF3.0")
-    assert out[at : at + 5] == ["SF3.0", "WO2.0", "LL1.0", "RB0.0", "WL0.0"]
+    assert out[at : at + 6] == ["SF3.0", "LO3.0", "WO2.0", "LL1.0", "RB0.0", "WL0.0"]
     batch_out = names(inject_swap_steps(GPIPE_BATCH, PP2_BATCH, 0))
     at = batch_out.index("BATCH[SF3.0+RB0.0]")
     assert batch_out[at - 2 : at] == ["WO2.0", "LL1.0"]
@@ -149,8 +159,8 @@ def test_wait_load_right_before_consumer_after_its_recv() -> None:
 def test_batch_container_is_never_split() -> None:
     out = inject_swap_steps(GPIPE_BATCH, PP2_BATCH, 0)
     assert text(out) == (
-        "F0.0 LO0.0 BATCH[SF0.0] F1.0 LO1.0 BATCH[SF1.0] WO0.0 F2.0 LO2.0 BATCH[SF2.0] "
-        "WO1.0 LL0.0 F3.0 LO3.0 WO2.0 LL1.0 BATCH[SF3.0+RB0.0] WL0.0 B0.0 "
+        "F0.0 BATCH[SF0.0] LO0.0 F1.0 BATCH[SF1.0] LO1.0 WO0.0 F2.0 BATCH[SF2.0] LO2.0 "
+        "WO1.0 LL0.0 F3.0 WO2.0 LL1.0 BATCH[SF3.0+RB0.0] LO3.0 WL0.0 B0.0 "
         "WO3.0 LL2.0 BATCH[RB1.0] WL1.0 B1.0 LL3.0 BATCH[RB2.0] WL2.0 B2.0 "
         "BATCH[RB3.0] WL3.0 B3.0"
     )
@@ -283,8 +293,8 @@ def test_overlap_dxdw_sequence_of_rfc_6_8_4() -> None:
     # LAUNCH_LOAD(i) -> WAIT_LOAD(i) -> OVERLAP_B_F(BWD_INPUT_i, FWD_j) -> SEND_B_i -> W_i
     assert out[obf - 2 : obf] == ["LL0.1", "WL0.1"]
     assert obf < out.index("SB0.1") < out.index("W0.1")
-    # the composite's FWD_j starts its own offload right after the composite
-    assert out[obf + 1] == "LO2.1"
+    # the composite's FWD_j starts its own offload right after the composite's sends
+    assert out[obf + 1 : obf + 3] == ["SB0.1", "LO2.1"]
     # no swap step is ever attached to BWD_WEIGHT
     for i in range(3):
         assert not out[out.index(f"W{i}.1") - 1].startswith("WL")
@@ -294,8 +304,8 @@ def test_overlap_dxdw_golden() -> None:
     # chunk 0: gap 2 (clamped: WO, LL, WL before the composite); chunk 1: gap 3;
     # chunk 2: FWD inside the composite (slot 2), consumer I2 (slot 6): gap 4.
     assert text(inject_swap_steps(OVERLAP_DXDW, PP3_OVERLAP, 1)) == (
-        "RF0.1 F0.1 LO0.1 SF0.1 RF1.1 F1.1 LO1.1 SF1.1 RB0.1 RF2.1 WO0.1 LL0.1 WL0.1 "
-        "OBF[I0.1+F2.1] LO2.1 SB0.1 WO1.1 LL1.1 W0.1 SF2.1 RB1.1 WO2.1 WL1.1 I1.1 SB1.1 "
+        "RF0.1 F0.1 SF0.1 LO0.1 RF1.1 F1.1 SF1.1 LO1.1 RB0.1 RF2.1 WO0.1 LL0.1 WL0.1 "
+        "OBF[I0.1+F2.1] SB0.1 LO2.1 WO1.1 LL1.1 W0.1 SF2.1 RB1.1 WO2.1 WL1.1 I1.1 SB1.1 "
         "LL2.1 W1.1 RB2.1 WL2.1 I2.1 SB2.1 W2.1"
     )
 
