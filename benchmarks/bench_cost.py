@@ -13,21 +13,25 @@ schedule is calibrated on itself first:
 - a *chunk* is what one chunk's offload moves (``RankStats.offloaded_bytes`` per offloaded
   chunk, per rank).
 
-Then for copies of half a slot, and 2x and 4x that (one and two slots): a fresh no-swap
-step right before the setting gives the slot (the machine's speed drifts while other work
-runs on it; the throttle is an absolute time), ``EmulatedDevice(d2h_gbps=...,
-h2d_gbps=...)`` is set so one chunk's copy takes that many slots, and the fixed rule
-(``swap_policy="gap"``) runs ``--repeats`` times: the user's first run, before asking for
-a cost plan. Its runs give the ``CostModel``'s inputs at this bandwidth: from
-``RankStats.compute_job_s`` / ``compute_jobs`` the mean forward, backward and swap-step
-job on the compute thread, each plus the thread's time outside jobs spread over the jobs
-(``leaf_s``, ``backward_leaf_s``, ``swap_step_s``; that time per job is also
-``p2p_latency_s``), and the copy's fixed cost (``copy_busy_s`` beyond ``bytes /
-bandwidth``, per copy); budget 2% of the step, ``headroom`` 0.5,
-``shared_compute=True``. Then the cost-aware policy
-(``swap_policy="cost"``) runs ``--repeats`` times. Each row is the median run by exposed
-share. Where the cost policy chooses the fixed rule's chunks the run is the same and is
-not repeated.
+Then for copies of half a slot, and 2x and 4x that (one and two slots): every swap run
+is preceded by a fresh no-swap step that gives the slot *of that moment*, and
+``EmulatedDevice(d2h_gbps=..., h2d_gbps=...)`` is set so one chunk's copy takes that many
+slots (the machine's speed drifts by up to 2x within minutes while a throttled copy is an
+absolute time; a bandwidth fixed once per setting let the rows measure the drift: a plan
+made in a slow phase and run in a fast one saw copies of 3 slots instead of 2). The fixed
+rule (``swap_policy="gap"``) runs ``--repeats`` times: the user's first run, before asking
+for a cost plan. Its runs and the no-swap steps before them give the ``CostModel``'s
+inputs, each run's times scaled to the median slot (a plan depends only on ratios of
+times): from ``RankStats.compute_job_s`` / ``compute_jobs`` the mean forward and backward
+job on the compute thread in the no-swap steps and the mean swap-step job in the swap
+runs, each plus the no-swap thread's time outside jobs spread over the jobs (``leaf_s``,
+``backward_leaf_s``, ``swap_step_s``; that time per job is also ``p2p_latency_s``; the
+swap runs' time outside jobs also holds their exposed waits), and the copy's fixed cost
+(``copy_busy_s`` beyond ``bytes / bandwidth``, per copy); budget 2% of the step,
+``headroom`` 0.5, ``shared_compute=True``. Then the cost-aware policy
+(``swap_policy="cost"``) runs ``--repeats`` times, each again at the slot of its moment.
+Each row is the median run by exposed share. Where the cost policy chooses the fixed
+rule's chunks the run is the same and is not repeated.
 
 Per row: the step time, the exposed copy wait (``RankStats.exposed_copy_wait_s``: time the
 compute actor was blocked in SWAP_WAIT_*) of the worst rank as a share of the step time,
@@ -125,23 +129,72 @@ def calibrate(runner: Runner, repeats: int) -> dict[str, Any]:
     }
 
 
-def job_times(results: list[RunResult]) -> dict[str, float]:
-    """Mean forward, backward and swap-step job of ``results`` on the compute thread, each
-    plus the thread's time outside jobs (event loop, P2P, dispatch) spread over the jobs:
-    the thread cannot start the next job during it."""
-    ranks = [rank for result in results for rank in result.ranks]
-    seconds = {kind: sum(rank.compute_job_s[kind] for rank in ranks) for kind in JOB_KINDS}
-    counts = {kind: sum(rank.compute_jobs[kind] for rank in ranks) for kind in JOB_KINDS}
-    steps = sum(result.step_time_s for result in results)
+def job_times(
+    plain: list[RunResult], swapped: list[RunResult], scales: list[float]
+) -> dict[str, float]:
+    """Mean forward and backward job on the compute thread in the no-swap runs ``plain``,
+    and mean swap-step job in the swap runs ``swapped``, each plus the thread's time
+    outside jobs in the no-swap runs (event loop, P2P, dispatch) spread over the jobs: the
+    thread cannot start the next job during it. Each run's times are multiplied by its
+    entry of ``scales`` (to a reference machine speed, see ``throttled_runs``).
+
+    The leaf times come from runs without swap: in a swap run the thread's time outside
+    jobs also holds the exposed copy waits (the thread idles while every rank waits),
+    and spreading those over the leaves would make compute look longer, so copies would
+    look better hidden than they are.
+    """
+    seconds = dict.fromkeys(JOB_KINDS, 0.0)
+    counts = dict.fromkeys(JOB_KINDS, 0)
+    steps = 0.0
+    for result, scale in zip(plain, scales, strict=True):
+        steps += scale * result.step_time_s
+        for rank in result.ranks:
+            for kind in JOB_KINDS:
+                seconds[kind] += scale * rank.compute_job_s[kind]
+                counts[kind] += rank.compute_jobs[kind]
     idle_s = max(0.0, steps - sum(seconds.values())) / max(1, sum(counts.values()))
     swap_kinds = ("swap_prepare", "swap_finish")
-    swap_jobs = sum(counts[kind] for kind in swap_kinds)
+    swap_s = sum(
+        scale * rank.compute_job_s[kind]
+        for result, scale in zip(swapped, scales, strict=True)
+        for rank in result.ranks
+        for kind in swap_kinds
+    )
+    swap_jobs = sum(
+        rank.compute_jobs[kind]
+        for result in swapped
+        for rank in result.ranks
+        for kind in swap_kinds
+    )
     return {
         "forward_s": seconds["forward"] / max(1, counts["forward"]) + idle_s,
         "backward_s": seconds["backward"] / max(1, counts["backward"]) + idle_s,
-        "swap_step_s": sum(seconds[kind] for kind in swap_kinds) / max(1, swap_jobs) + idle_s,
+        "swap_step_s": swap_s / max(1, swap_jobs) + idle_s,
         "idle_s": idle_s,
     }
+
+
+def throttled_runs(
+    runner: Runner, copy_slots: float, chunk_bytes: int, repeats: int, **run_kwargs: Any
+) -> list[tuple[RunResult, RunResult, float, float]]:
+    """``repeats`` swap runs with one chunk's copy throttled to ``copy_slots`` compute slots
+    *of that moment*: ``(result, no-swap result, slot_s, gbps)`` each.
+
+    Before each run a no-swap step measures the slot. The machine's speed drifts by up to
+    2x within minutes (other work on the host), while a throttled copy is an absolute
+    time: a bandwidth fixed once would make the copies of a run in a fast phase cost
+    more slots than they were set to, and the rows would measure the drift instead of the
+    plans.
+    """
+    leaves = compute_leaves(runner.case.config)
+    runs = []
+    for _ in range(repeats):
+        plain = runner.run(swap=False)
+        slot_s = plain.step_time_s / leaves
+        gbps = chunk_bytes / (copy_slots * slot_s * 1e9)
+        device = EmulatedDevice(d2h_gbps=gbps, h2d_gbps=gbps)
+        runs.append((runner.run(swap=True, device=device, **run_kwargs), plain, slot_s, gbps))
+    return runs
 
 
 def summarize(result: RunResult) -> dict[str, Any]:
@@ -179,27 +232,28 @@ def measure_case(case: BenchCase, repeats: int) -> tuple[dict[str, Any], list[di
     fixed_chunks = sum(
         len(eligible_chunks(order)) for order in build_all_orders(replace(case.config, swap=True))
     )
-    leaves = compute_leaves(case.config)
+    chunk_bytes = calibration["chunk_bytes"]
     for slots in COPY_SLOTS:
-        # A fresh no-swap step right before the setting: the machine's speed drifts (other
-        # work on it), and the throttle is an absolute time.
-        slot_s = runner.run(swap=False).step_time_s / leaves
-        gbps = calibration["chunk_bytes"] / (slots * slot_s * 1e9)
-        gap_results = [
-            runner.run(swap=True, device=EmulatedDevice(d2h_gbps=gbps, h2d_gbps=gbps))
-            for _ in range(repeats)
-        ]
-        gap_runs = [summarize(result) for result in gap_results]
+        gap_runs = throttled_runs(runner, slots, chunk_bytes, repeats)
+        gap_results = [result for result, _, _, _ in gap_runs]
+        # The cost model in the units of a reference slot (the median of the runs'), each
+        # run's times scaled to it: a plan depends only on ratios of times, so it holds at
+        # whatever speed the machine runs, as long as the copies keep their share of a slot.
+        slot_s = statistics.median(slot for _, _, slot, _ in gap_runs)
+        scales = [slot_s / slot for _, _, slot, _ in gap_runs]
+        gbps = chunk_bytes / (slots * slot_s * 1e9)
         # What a copy at this bandwidth takes beyond bytes / bandwidth, measured on the
         # fixed rule's runs (the user's first run, before asking for a cost plan).
         copies = sum(rank.copies for result in gap_results for rank in result.ranks)
-        moved = sum(
-            rank.offloaded_bytes + rank.loaded_bytes
-            for result in gap_results
-            for rank in result.ranks
+        beyond_s = sum(
+            scale
+            * sum(
+                rank.copy_busy_s - (rank.offloaded_bytes + rank.loaded_bytes) / (run_gbps * 1e9)
+                for rank in result.ranks
+            )
+            for (result, _, _, run_gbps), scale in zip(gap_runs, scales, strict=True)
         )
-        busy = sum(rank.copy_busy_s for result in gap_results for rank in result.ranks)
-        jobs = job_times(gap_results)  # compute shares the CPU with copies at this bandwidth
+        jobs = job_times([plain for _, plain, _, _ in gap_runs], gap_results, scales)
         cost = CostModel(
             chunk_bytes=calibration["stage_bytes"],
             d2h_gbps=gbps,
@@ -212,23 +266,23 @@ def measure_case(case: BenchCase, repeats: int) -> tuple[dict[str, Any], list[di
             p2p_latency_s=jobs["idle_s"],
             budget=DEFAULT_COST_BUDGET,
             headroom=HEADROOM,
-            copy_overhead_s=max(0.0, (busy - moved / (gbps * 1e9)) / max(1, copies)),
+            copy_overhead_s=max(0.0, beyond_s / max(1, copies)),
             shared_compute=True,
         )
         plan = plan_cost_aware(case.config, cost)
         same = len(plan.chunks) == fixed_chunks
         cost_runs = [
-            summarize(
-                runner.run(
-                    swap=True,
-                    device=EmulatedDevice(d2h_gbps=gbps, h2d_gbps=gbps),
-                    swap_policy="cost",
-                    cost_model=cost,
-                )
+            summarize(result)
+            for result, _, _, _ in throttled_runs(
+                runner,
+                slots,
+                chunk_bytes,
+                0 if same else repeats,
+                swap_policy="cost",
+                cost_model=cost,
             )
-            for _ in range(0 if same else repeats)
         ]
-        gap = median_run(gap_runs)
+        gap = median_run([summarize(result) for result in gap_results])
         common = {"schedule": case.name, "copy_slots": slots, "gbps": gbps, "slot_s": slot_s}
         rows.append(
             {
