@@ -11,7 +11,8 @@
   BATCH_SEND_RECV does the same for each of its sub-steps, in order.
 - SWAP_LAUNCH_* prepares the copy on the compute thread and queues it on the rank's copy
   stream, keeping the reply future; SWAP_WAIT_* awaits it (the time spent blocked there is
-  the *exposed* copy wait), then finishes the state change on the compute thread.
+  the *exposed* copy wait), then finishes the state change on the compute thread. Both
+  jobs go on the thread's urgent lane (``DedicatedThread.run_urgent``), ahead of leaves.
 - FSDP_* steps are handed to the optional FSDP driver, which also gets a call before
   every compute leaf (``before_compute``: an all-gather issued by FSDP_UNSHARD is awaited
   and installed there, so it overlaps the compute in between) and one after the last step
@@ -282,18 +283,22 @@ class ComputeActor:
         del self._waiting[id(future)]
         return result
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _call(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
         """Run on the compute thread with the step deadline (the job itself cannot be
-        interrupted: on a missed deadline the run fails and teardown waits for it)."""
+        interrupted: on a missed deadline the run fails and teardown waits for it).
+        ``urgent``: on the thread's urgent lane, ahead of the leaves queued there."""
+        submit = self._compute.run_urgent if urgent else self._compute.run
         with anyio.move_on_after(self._timeout_s) as scope:
-            return await self._compute.run(fn, *args)
+            return await submit(fn, *args)
         assert scope.cancelled_caught
         name = getattr(fn, "__qualname__", repr(fn))
         raise FutureTimeoutError(f"compute job {name} still running after {self._timeout_s}s")
 
-    async def _call_timed(self, job: str, fn: Callable[..., T], *args: Any) -> T:
+    async def _call_timed(
+        self, job: str, fn: Callable[..., T], *args: Any, urgent: bool = False
+    ) -> T:
         """``_call``, timing the job on the compute thread into ``stats().job_s[job]``."""
-        timed: tuple[T, float] = await self._call(_timed, fn, *args)
+        timed: tuple[T, float] = await self._call(_timed, fn, *args, urgent=urgent)
         result, seconds = timed
         self._job_s[job] += seconds
         self._jobs[job] += 1
@@ -443,7 +448,10 @@ class ComputeActor:
             if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD
             else self._session.prepare_load
         )
-        job = await self._call_timed("swap_prepare", prepare, step.stage, step.micro)
+        # Urgent: a swap step only starts a copy; with ranks sharing the compute thread it
+        # must not wait behind other ranks' leaves (it would not on a device of its own),
+        # or its copy starts late and the rank falls behind.
+        job = await self._call_timed("swap_prepare", prepare, step.stage, step.micro, urgent=True)
         future: ReplyFuture[int] = ReplyFuture(f"{step.kind.value} s{step.stage} m{step.micro}")
         self._copies[(step.kind, step.stage, step.micro)] = future
         await self._copy.send(CopyRequest(step, job, future))
@@ -465,7 +473,7 @@ class ComputeActor:
         moved = await self._wait(future, step)
         waited = time.perf_counter() - started
         self._exposed_wait_s += waited
-        await self._call_timed("swap_finish", finish, step.stage, step.micro)
+        await self._call_timed("swap_finish", finish, step.stage, step.micro, urgent=True)
         if self._log_steps:
             log_step(self._log, "swap_wait", step, self._generation, bytes=moved, waited_s=waited)
 

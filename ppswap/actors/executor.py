@@ -10,6 +10,12 @@ Contract:
 
 - ``await thread.run(fn, *args)`` queues ``fn`` (FIFO) and waits for its result; an exception
   raised by ``fn`` is re-raised in the awaiting task.
+- ``await thread.run_urgent(fn, *args)`` does the same on a second lane that the thread
+  serves first: the job runs as soon as the job in progress ends, ahead of every ``run``
+  job still queued (FIFO among urgent jobs). For short bookkeeping jobs that gate other
+  work: in-process ranks share the one compute thread, and a rank's swap step (which only
+  starts or finishes a copy) must not wait behind the compute other ranks have queued, as
+  it would not on a device of its own.
 - Cancelling the awaiting task does not interrupt ``fn`` (nothing can interrupt a running
   Python call on another thread). The job still runs to completion; its result is dropped.
   Deadlines are therefore set on *waits*, and teardown waits for the job in flight.
@@ -25,9 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -68,12 +74,14 @@ _STOP = object()
 
 
 class DedicatedThread:
-    """A single worker thread with a FIFO job queue (see the module docstring)."""
+    """A single worker thread with two FIFO job lanes, urgent first (module docstring)."""
 
     def __init__(self, name: str, *, join_s: float = 30.0) -> None:
         self.name = name
         self._join_s = join_s
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._ready = threading.Condition()
+        self._urgent: deque[_Job[Any]] = deque()
+        self._normal: deque[Any] = deque()  # jobs and the stop sentinel
         self._thread: threading.Thread | None = None
         self._jobs_run = 0
         self._busy_s = 0.0
@@ -94,7 +102,7 @@ class DedicatedThread:
     def stop(self) -> None:
         """Ask the thread to exit after the jobs already queued (non-blocking)."""
         if self._thread is not None:
-            self._queue.put(_STOP)
+            self._put(_STOP, urgent=False)
 
     async def join(self) -> None:
         """Wait (off the event loop, bounded by ``join_s``) for the thread to exit."""
@@ -143,10 +151,17 @@ class DedicatedThread:
     # -- work -------------------------------------------------------------------------
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the thread and return its result (see module docstring)."""
+        return await self._submit(fn, args, urgent=False)
+
+    async def run_urgent(self, fn: Callable[..., T], *args: Any) -> T:
+        """``run``, served ahead of every ``run`` job still queued (see module docstring)."""
+        return await self._submit(fn, args, urgent=True)
+
+    async def _submit(self, fn: Callable[..., T], args: tuple[Any, ...], urgent: bool) -> T:
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError(f"thread {self.name!r} is not running")
         job: _Job[T] = _Job(fn, args, asyncio.get_running_loop())
-        self._queue.put(job)
+        self._put(job, urgent=urgent)
         await job.event.wait()
         if job.error is not None:
             raise job.error
@@ -161,9 +176,20 @@ class DedicatedThread:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody joins
                     loop.call_soon_threadsafe(exited.set)
 
+    def _put(self, item: Any, *, urgent: bool) -> None:
+        with self._ready:
+            (self._urgent if urgent else self._normal).append(item)
+            self._ready.notify()
+
+    def _next(self) -> Any:
+        with self._ready:
+            while not self._urgent and not self._normal:
+                self._ready.wait()
+            return self._urgent.popleft() if self._urgent else self._normal.popleft()
+
     def _serve_jobs(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self._next()
             if item is _STOP:
                 return
             job: _Job[Any] = item

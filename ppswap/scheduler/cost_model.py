@@ -20,7 +20,8 @@ The simulation
     ``RankStats.exposed_copy_wait_s`` measures it.
     With ``shared_compute`` each swap step also runs a job on the shared thread, as the
     runtime does (``prepare_*`` before the copy starts, ``finish_*`` after the wait): it
-    queues behind the compute already requested and takes ``swap_step_s``. A
+    takes ``swap_step_s`` and, like the runtime's urgent lane, runs as soon as the thread
+    is free, ahead of the compute slots requested before it. A
     stall delays the rank's next requests and, through the dependencies and the shared
     thread, the other ranks: exactly what happens at run time, to the precision of the
     inputs. What it leaves out: copies competing with compute for CPU (measure the leaf
@@ -296,13 +297,26 @@ class Simulator:
     def run(self, programs: Sequence[Sequence[_Op]]) -> RunEstimate:
         """Simulate one step of every rank's program (see the module docstring)."""
         state = _RunState(self, programs)
+        pp = self.config.pp
         while True:
             chosen = -1
             chosen_ready = 0.0
-            for rank in range(self.config.pp):
-                ready = state.ready(rank)
+            readies = [state.ready(rank) for rank in range(pp)]
+            for rank, ready in enumerate(readies):
                 if ready is not None and (chosen < 0 or ready < chosen_ready):
                     chosen, chosen_ready = rank, ready
+            if chosen >= 0 and state.shared and state.request[chosen] != _JOB:
+                # the urgent lane: a swap job requested by the time the thread takes its
+                # next request goes first
+                free_at = max(chosen_ready, state.shared_free)
+                for rank, ready in enumerate(readies):
+                    if (
+                        ready is not None
+                        and state.request[rank] == _JOB
+                        and ready <= free_at
+                        and (state.request[chosen] != _JOB or ready < chosen_ready)
+                    ):
+                        chosen, chosen_ready = rank, ready
             if chosen < 0:
                 stuck = [rank for rank in range(self.config.pp) if state.request[rank] != _DONE]
                 if not stuck:

@@ -1,0 +1,66 @@
+"""DedicatedThread: one pinned thread, FIFO per lane, the urgent lane served first."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+
+from ppswap.actors.executor import DedicatedThread
+
+
+async def _order_of_service() -> tuple[list[str], set[int]]:
+    """Block the thread, queue normal and urgent jobs behind the blocker, release it."""
+    served: list[str] = []
+    idents: set[int] = set()
+    release = threading.Event()
+    started = threading.Event()
+
+    def blocker() -> None:
+        started.set()
+        assert release.wait(10), "never released"
+
+    def record(name: str) -> str:
+        served.append(name)
+        idents.add(threading.get_ident())
+        return name
+
+    async with DedicatedThread("test-compute") as thread, anyio.create_task_group() as tg:
+        tg.start_soon(thread.run, blocker)
+        await anyio.to_thread.run_sync(started.wait, 10)
+        for name in ("leaf-a", "leaf-b"):
+            tg.start_soon(thread.run, record, name)
+            await anyio.sleep(0.01)  # queued in this order
+        for name in ("swap-1", "swap-2"):
+            tg.start_soon(thread.run_urgent, record, name)
+            await anyio.sleep(0.01)
+        release.set()
+    return served, idents
+
+
+def test_urgent_jobs_run_before_queued_normal_jobs_on_the_same_thread() -> None:
+    served, idents = anyio.run(_order_of_service, backend="asyncio")
+    # urgent first, each lane FIFO; every job on the one thread
+    assert served == ["swap-1", "swap-2", "leaf-a", "leaf-b"]
+    assert len(idents) == 1 and threading.get_ident() not in idents
+
+
+def test_run_urgent_reraises_and_refuses_a_stopped_thread() -> None:
+    def fail() -> None:
+        raise ValueError("boom")
+
+    async def main() -> DedicatedThread:
+        async with DedicatedThread("test-compute") as thread:
+            with pytest.raises(ValueError, match="boom"):
+                await thread.run_urgent(fail)
+            assert await thread.run_urgent(len, "abc") == 3
+        return thread
+
+    thread = anyio.run(main, backend="asyncio")
+
+    async def after_stop() -> None:
+        await thread.run_urgent(len, "abc")
+
+    with pytest.raises(RuntimeError, match="not running"):
+        anyio.run(after_stop, backend="asyncio")
