@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -20,9 +22,9 @@ from ppswap.actors.p2p import InProcessTransport
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
-from ppswap.scheduler.steps import StepKind
+from ppswap.scheduler.steps import Order, StepKind, iter_leaves
 from ppswap.scheduler.swap_plan import compute_slots
-from ppswap.swap import swap_wrapper
+from ppswap.swap import EmulatedDevice, swap_wrapper
 
 DIM = 8
 
@@ -44,34 +46,125 @@ def _ppswap_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("ppswap-")]
 
 
+class _RankPoolDevice(EmulatedDevice):
+    """An EmulatedDevice that also counts the host buffers each rank holds at once.
+
+    Buffers are taken on a rank's copy thread (``ppswap-copy-<rank>``); that rank is
+    charged for a buffer until it comes back, whichever thread gives it back.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._track = threading.Lock()
+        self._owner: dict[int, int] = {}
+        self.held: Counter[int] = Counter()
+        self.peak: Counter[int] = Counter()
+        self.taken: Counter[int] = Counter()
+
+    def acquire_host(self, nbytes: int) -> np.ndarray:
+        name = threading.current_thread().name
+        assert name.startswith("ppswap-copy-"), f"host buffer taken on {name}"
+        rank = int(name.removeprefix("ppswap-copy-"))
+        buf = super().acquire_host(nbytes)
+        with self._track:
+            self._owner[id(_root(buf))] = rank
+            self.held[rank] += 1
+            self.taken[rank] += 1
+            self.peak[rank] = max(self.peak[rank], self.held[rank])
+        return buf
+
+    def release_host(self, buf: np.ndarray) -> None:
+        with self._track:
+            rank = self._owner.pop(id(_root(buf)))
+            self.held[rank] -= 1
+        super().release_host(buf)
+
+
+def _root(buf: np.ndarray) -> np.ndarray:
+    while isinstance(buf.base, np.ndarray):
+        buf = buf.base
+    return buf
+
+
+def _chunks_on_host_peak(order: Order) -> int:
+    """The most chunks of one rank whose host buffers can be taken at once, from its order.
+
+    A chunk's buffers are taken by its offload copy and given back when its load copy
+    ends. A rank's copies run one at a time in launch order (one FIFO copy stream), so
+    when a chunk's offload runs, every load launched before it has ended: the chunks then
+    on host are the ones offloaded and not yet loaded in launch order, whatever the timing.
+    """
+    on_host = peak = 0
+    for step in iter_leaves(order):
+        if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD:
+            on_host += 1
+            peak = max(peak, on_host)
+        elif step.kind is StepKind.SWAP_LAUNCH_LOAD:
+            on_host -= 1
+    return peak
+
+
 @pytest.mark.asyncio
 async def test_ten_runs_in_a_row_leave_nothing_behind() -> None:
+    """Ten runs of one schedule: same gradients, and no buffer, group, chunk, thread or
+    task left behind. The host pool, shared by the ranks and kept across runs, holds at
+    most what the plan's worst case needs at once and is reused, never regrown: how many
+    buffers the ranks need *at the same time* depends on how their copies overlap (timing),
+    so the bound is computed from the plan, per rank, not taken from the first run."""
     stages = _stages(2)
-    schedule = ScheduleGPipe(stages, micro_batch_num=4, loss_fn=mse_loss, swap=True)
+    device = _RankPoolDevice()
+    schedule = ScheduleGPipe(stages, micro_batch_num=4, loss_fn=mse_loss, swap=True, device=device)
+    orders = build_all_orders(ScheduleConfig(schedule="gpipe", pp=2, micro=4, swap=True))
+    offloads = [sum(s.kind is StepKind.SWAP_LAUNCH_OFFLOAD for s in o) for o in orders]
     x, y = _data()
+    tasks_before = _other_tasks()
     first_grads = None
-    pool_after_first = None
+    per_run: list[int] = []  # buffers each rank takes in one run: the same every run
     for run in range(1, 11):
+        taken_before = dict(device.taken)
         result = await schedule.run_async(x, targets=y)
         assert result.generation == run
         assert all(s.generation == run for s in stages)
+        assert all(s.live_chunks == 0 for s in stages)
         for rank in result.ranks:
             assert rank.offloaded_bytes > 0
             assert rank.groups_left == 0
             assert rank.saved_bytes_left == 0
+            assert rank.copies == 2 * offloads[rank.rank]  # the plan the bound is taken from
         grads = [g.asnumpy() for s in stages for g in s.grads]
         if first_grads is None:
             first_grads = grads
-            pool_after_first = schedule.device.pool_stats()  # type: ignore[attr-defined]
         else:
             # Same weights, same data: every run gives the same gradients.
             for g0, g1 in zip(first_grads, grads, strict=True):
                 np.testing.assert_array_equal(g0, g1)
         assert _ppswap_threads() == []
-    pool = schedule.device.pool_stats()  # type: ignore[attr-defined]
-    # Host buffers are reused, not regrown: the pool holds what the first run needed.
-    assert pool.bytes_held == pool_after_first.bytes_held  # type: ignore[union-attr]
-    assert pool.hits > 0
+        assert _other_tasks() == tasks_before
+
+        taken = [device.taken[r] - taken_before.get(r, 0) for r in range(len(orders))]
+        if not per_run:
+            per_run = taken
+            # Every chunk of a rank is one stage on equal micro-batches: same buffers each.
+            assert all(t > 0 and t % n == 0 for t, n in zip(taken, offloads, strict=True))
+            per_chunk = [t // n for t, n in zip(taken, offloads, strict=True)]
+            bound = [_chunks_on_host_peak(o) * k for o, k in zip(orders, per_chunk, strict=True)]
+            assert sum(bound) < sum(taken)  # the bound is tighter than "one buffer per copy"
+        assert taken == per_run
+        # Nothing in use after the run; no rank ever held more than its plan allows.
+        pool = device.pool_stats()
+        assert pool.lent == 0 and pool.bytes_lent == 0
+        assert all(device.held[r] == 0 for r in range(len(orders)))
+        assert all(device.peak[r] <= bound[r] for r in range(len(orders))), (device.peak, bound)
+        # Every buffer ever allocated is back in the pool (none lost, none freed), and
+        # no more were ever allocated than the ranks can hold at once: the pool is reused.
+        assert pool.buffers == pool.misses <= sum(bound), (pool, bound)
+        assert pool.hits + pool.misses == run * sum(per_run)
+    assert device.pool_stats().hits > 0
+
+
+def _other_tasks() -> set[asyncio.Task[Any]]:
+    current = asyncio.current_task()
+    return {t for t in asyncio.all_tasks() if t is not current and not t.done()}
 
 
 class _DelayedTransport(InProcessTransport):
