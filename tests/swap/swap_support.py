@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -12,6 +13,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from ppswap.autograd import discard_all
 from ppswap.swap import CopyJob, EmulatedDevice, PipelineSwapSession
 
 Grads = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
@@ -150,6 +152,19 @@ def backward(vjp_fn: Callable[[Tensor], Grads]) -> list[np.ndarray]:
     return [g.asnumpy().copy() for g in (*dx, *dw)]
 
 
+def release_forward(vjp_fn: Callable[[Tensor], Grads]) -> None:
+    """Give back a recorded forward whose gradients the test does not need.
+
+    ``ms.vjp`` keeps its forward recorded in MindSpore's executor until ``vjp_fn`` runs;
+    this runs it with a zero sensitivity (every forward here returns a scalar loss), as
+    ``ppswap.autograd.release_record`` does for the runtime's records. The backward may
+    raise (say, its swap group was already released or aborted): the record is consumed
+    all the same, so the error is of no interest here.
+    """
+    with contextlib.suppress(Exception):
+        vjp_fn(Tensor(0.0, ms.float32))
+
+
 def reference_grads(
     fn: Callable[..., Tensor], x: Tensor, params: Sequence[Parameter]
 ) -> list[np.ndarray]:
@@ -179,6 +194,78 @@ def address_reused(ptr: int, shape: tuple[int, ...], tries: int = 16) -> bool:
         if t.untyped_storage().data_ptr() == ptr:
             return True
     return False
+
+
+def settle_allocator(shape: tuple[int, ...], count: int = 4) -> None:
+    """Allocate and free a few tensors of ``shape`` before a test captures one.
+
+    Measured on mindspore 2.10 CPU: in a fresh process the first block of a size is not
+    handed out again by the next allocations of that size even once it is freed, so an
+    ``address_reused`` probe on it reports "not freed" (the storage was freed). Once
+    blocks of the size have been allocated and freed, a freed one is reused at once. This
+    cannot make a live storage look freed: the controls still see no reuse.
+    """
+    tensors = [ops.zeros(shape, ms.float32) for _ in range(count)]
+    for t in tensors:
+        t.asnumpy()
+    del tensors
+
+
+class ForwardLedger:
+    """The forwards a test recorded through ``mindspore.vjp``, and which are still pending.
+
+    ``ms.vjp`` records its forward in MindSpore's PyNative executor, and the record stays
+    there until the returned ``vjp_fn`` runs (a backward that raises consumes it too). A
+    forward whose ``vjp_fn`` never runs, or one that raised inside ``ms.vjp`` (its graph is
+    never closed), is left behind; two such leftovers make a later backward, in any test,
+    fail with "Can not find top cell for backward". ``vjp`` is a drop-in replacement for
+    ``mindspore.vjp`` that keeps this ledger (tests/swap/conftest.py installs it).
+    """
+
+    def __init__(self, vjp: Callable[..., Any]) -> None:
+        self._vjp = vjp
+        self._pending: dict[int, tuple[str, Callable[..., Any]]] = {}
+        self._serial = 0
+        self.raised: list[str] = []
+
+    def vjp(self, fn: Callable[..., Any], *inputs: Any, **kwargs: Any) -> Any:
+        label = getattr(fn, "__qualname__", None) or repr(fn)
+        try:
+            result = self._vjp(fn, *inputs, **kwargs)
+        except BaseException:
+            self.raised.append(label)
+            raise
+        self._serial += 1
+        serial, vjp_fn = self._serial, result[1]
+
+        def tracked(*sens: Any) -> Any:
+            self._pending.pop(serial, None)
+            return vjp_fn(*sens)
+
+        self._pending[serial] = (label, tracked)
+        return (result[0], tracked, *result[2:])
+
+    @property
+    def pending(self) -> list[str]:
+        """The forwards recorded and never backwarded (``vjp_fn`` never called)."""
+        return [label for label, _ in self._pending.values()]
+
+    def discard(self) -> None:
+        """Drop every record of the executor without running a backward (for a forward
+        whose backward cannot run, say its saved storage was freed under it: MindSpore
+        would read freed memory). Values the hooks packed may stay alive (see
+        ``ppswap.autograd``); in a test that is a few bytes."""
+        self._pending.clear()
+        self.raised.clear()
+        discard_all()
+
+    def clean_up(self) -> None:
+        """Leave the executor with nothing recorded: release every pending forward (a
+        zero-sensitivity backward, newest first, as ``ms.vjp`` needs), then discard what
+        is left, the open graphs of forwards that raised included."""
+        for _, vjp_fn in reversed(list(self._pending.values())):
+            release_forward(vjp_fn)
+        self.discard()
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:

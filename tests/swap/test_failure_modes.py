@@ -24,6 +24,7 @@ from swap_support import (
     loss_of,
     open_later,
     reference_grads,
+    release_forward,
     seeded,
     wait_until,
 )
@@ -143,7 +144,7 @@ def test_no_reference_lingers_after_finish_offload(make_session, copy_thread):
     group = session.manager.get_group(session.group_name(0, 0))
     assert not group._offload_slots  # the staging numpy views (they pin device memory)
     assert job._work is None  # the finished job dropped its closure (and the views in it)
-    del vjp_fn
+    release_forward(vjp_fn)
 
 
 class _SharedTableLayer(nn.Cell):

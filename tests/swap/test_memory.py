@@ -20,7 +20,7 @@ import tracemalloc
 import mindspore as ms
 import pytest
 from mindspore import Parameter, Tensor, ops
-from swap_support import CopyThread, address_reused, seeded
+from swap_support import CopyThread, address_reused, release_forward, seeded, settle_allocator
 
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, swap_tensor_wrapper, swap_wrapper
 
@@ -29,6 +29,7 @@ SHAPE = (ROWS, COLS)
 
 
 def _capture(session: PipelineSwapSession, keep: list[Tensor], *, registered: bool):
+    settle_allocator(SHAPE)  # so that a freed block of this size is reused (see there)
     w = Parameter(seeded((COLS, COLS), 1, 0.03), name="w")
     x = seeded(SHAPE, 2)
 
@@ -71,7 +72,7 @@ def test_finish_offload_frees_the_device_storage(make_session, copy_thread, ling
     session.finish_offload(0, 0)
     gc.collect()
     assert address_reused(ptr, SHAPE) is (not lingering)
-    del vjp_fn
+    release_forward(vjp_fn)
 
 
 def test_registered_tensor_is_freed_too(make_session, copy_thread):
@@ -82,7 +83,7 @@ def test_registered_tensor_is_freed_too(make_session, copy_thread):
     session.finish_offload(0, 0)
     gc.collect()
     assert address_reused(ptr, SHAPE)
-    del vjp_fn
+    release_forward(vjp_fn)
 
 
 def test_host_memory_back_to_baseline_after_round_trip(manager):

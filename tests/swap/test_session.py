@@ -18,6 +18,7 @@ from swap_support import (
     loss_of,
     open_later,
     reference_grads,
+    release_forward,
     seeded,
     wait_until,
 )
@@ -120,10 +121,11 @@ def test_ledger_counts_each_storage_once_and_skips_parameters(make_session):
 
     session = make_session(eligible=())
     with session.collection_context(0, 0, protected=[x], parameters=[w]):
-        ms.vjp(fn, x, weights=[w])
+        _, vjp_fn = ms.vjp(fn, x, weights=[w])
     row = 32 * 64 * 4
     # x, y, sin(y), cos(y) (and maybe a cos/sin intermediate), never w, never y twice
     assert 4 * row <= session.stats().resident_saved_bytes < 4 * row + 64 * 64 * 4
+    release_forward(vjp_fn)
     session.release_chunk(0, 0)
 
 
@@ -131,13 +133,14 @@ def test_protected_inputs_are_counted_but_never_moved(make_session, copy_thread)
     session = make_session()
     model = _model()
     x = seeded((16, 32), 1)
-    _collect(session, model, x)
+    vjp_fn = _collect(session, model, x)
     group = session.manager.get_group(session.group_name(0, 0))
     x_ptr = x.untyped_storage().data_ptr()
     assert all(e.key.storage_ptr != x_ptr for e in group.entries())
     assert session.accounting.chunks_holding(("storage", x_ptr)) == {(0, 0)}
     full_round_trip(session, 0, 0, copy_thread)
     assert session.accounting.chunks_holding(("storage", x_ptr)) == {(0, 0)}
+    backward(vjp_fn)
     session.release_chunk(0, 0)
 
 
@@ -207,38 +210,43 @@ def _with_handle_on_saved(session):
 
     block = swap_wrapper(lambda t: ops.tanh(ops.matmul(t, w)), policy_fn=keep)
     with session.collection_context(0, 0, protected=[x], parameters=[w]):
-        ms.vjp(lambda t: block(t).sum(), x, weights=[w])
+        _, vjp_fn = ms.vjp(lambda t: block(t).sum(), x, weights=[w])
     group = session.manager.get_group(session.group_name(0, 0))
     saved = next(t for t in kept if tuple(t.shape) == (64, 32))
-    return group, saved
+    return group, saved, vjp_fn
 
 
 def test_in_place_modification_after_capture_is_refused(make_session):
     session = make_session()
-    group, saved = _with_handle_on_saved(session)
+    group, saved, vjp_fn = _with_handle_on_saved(session)
     saved.asnumpy()[3, 4] += 1.0  # on CPU asnumpy() is a view: an in-place write
     with pytest.raises(SwapError, match="modified in place after capture"):
         session.prepare_offload(0, 0)
     assert {e.state for e in group.entries()} == {SwapState.DEVICE}  # nothing moved
+    release_forward(vjp_fn)
 
 
-def test_resized_storage_is_refused(make_session):
+def test_resized_storage_is_refused(make_session, forwards):
     session = make_session()
-    _, saved = _with_handle_on_saved(session)
+    _, saved, _ = _with_handle_on_saved(session)
     saved.untyped_storage().resize_(0)  # someone else freed it (another offloader)
-    with pytest.raises(SwapError, match=r"storage changed after capture \(.*nbytes 8192 -> 0"):
-        session.prepare_offload(0, 0)
+    try:
+        with pytest.raises(SwapError, match=r"storage changed after capture \(.*nbytes 8192 -> 0"):
+            session.prepare_offload(0, 0)
+    finally:
+        forwards.discard()  # a backward would read the freed storage: it crashes the process
 
 
 def test_modification_during_the_copy_is_detected(make_session, copy_thread):
     session = make_session()
-    _, saved = _with_handle_on_saved(session)
+    _, saved, vjp_fn = _with_handle_on_saved(session)
     job = session.prepare_offload(0, 0)
     saved.asnumpy()[:] = 0.0  # between launch and copy: the copy would be stale
     copy_thread.run_now(job)
     assert isinstance(job.error, SwapError) and copy_thread.errors == [job.error]
     with pytest.raises(SwapError, match="data changed during D2H"):
         session.finish_offload(0, 0)
+    release_forward(vjp_fn)
 
 
 # -- safety-net timeouts, close and abort -------------------------------------------------
@@ -270,6 +278,7 @@ def test_close_returns_everything_to_baseline(make_session, copy_thread, manager
     copy_thread.run_now(session.prepare_offload(0, 0))
     session.finish_offload(0, 0)  # chunk 0 never consumed: dropped by close
     session.close()
+    release_forward(vjps[0])  # its backward finds the chunk closed (and raises)
     stats = session.stats()
     assert stats.live_groups == stats.live_chunks == stats.resident_saved_bytes == 0
     assert manager.group_names() == ("someone_else",)
@@ -281,21 +290,21 @@ def test_close_returns_everything_to_baseline(make_session, copy_thread, manager
 
 def test_close_with_a_copy_in_flight_is_a_bug_and_still_cleans(make_session, manager, engine):
     session = make_session()
-    _collect(session, _model(), seeded((16, 32), 1))
+    vjp_fn = _collect(session, _model(), seeded((16, 32), 1))
     job = session.prepare_offload(0, 0)  # never run
     with pytest.raises(SwapError, match=r"closed with entries in flight: pp_swap_run1_s0_m0/"):
         session.close()
     assert len(manager) == 0 and session.stats().resident_saved_bytes == 0
     assert job.run() == 0  # the queued job was cancelled: a late run does nothing
     assert engine.pool_stats().lent == 0
+    release_forward(vjp_fn)
 
 
 def test_abort_waits_for_running_copies_then_drops(manager, copy_thread):
     slow = GatedDevice()
     session = PipelineSwapSession(manager, slow, rank=0, generation=1, eligible={(0, 0), (0, 1)})
     model = _model()
-    for m in range(2):
-        _collect(session, model, seeded((16, 32), m), micro=m)
+    vjps = [_collect(session, model, seeded((16, 32), m), micro=m) for m in range(2)]
     slow.d2h_gate.clear()
     running = copy_thread.submit(session.prepare_offload(0, 0))
     queued = session.prepare_offload(0, 1)  # prepared, never submitted
@@ -306,6 +315,8 @@ def test_abort_waits_for_running_copies_then_drops(manager, copy_thread):
     assert len(manager) == 0 and session.stats().resident_saved_bytes == 0
     assert slow.pool_stats().lent == 0
     session.abort()  # idempotent
+    for vjp_fn in reversed(vjps):
+        release_forward(vjp_fn)
 
 
 def test_abort_times_out_loudly_and_the_late_copy_cleans_up(manager, copy_thread):
@@ -313,7 +324,7 @@ def test_abort_times_out_loudly_and_the_late_copy_cleans_up(manager, copy_thread
     session = PipelineSwapSession(
         manager, slow, rank=0, generation=1, eligible={(0, 0)}, wait_timeout_s=0.05
     )
-    _collect(session, _model(), seeded((16, 32), 1))
+    vjp_fn = _collect(session, _model(), seeded((16, 32), 1))
     slow.d2h_gate.clear()  # the copy hangs until the test lets it go
     job = copy_thread.submit(session.prepare_offload(0, 0))
     wait_until(lambda: job.started)
@@ -323,13 +334,14 @@ def test_abort_times_out_loudly_and_the_late_copy_cleans_up(manager, copy_thread
     slow.d2h_gate.set()
     assert job.done.wait(10)
     assert slow.pool_stats().lent == 0  # the job gave its buffers back itself
+    release_forward(vjp_fn)
 
 
 def test_chunk_lifecycle_errors(make_session):
     session = make_session()
     model = _model()
     x = seeded((16, 32), 1)
-    _collect(session, model, x)
+    vjp_fn = _collect(session, model, x)
     with pytest.raises(SwapError, match="already collected"), session.collection_context(0, 0):
         pass
     for call in (session.prepare_offload, session.finish_load, session.release_chunk):
@@ -337,6 +349,7 @@ def test_chunk_lifecycle_errors(make_session):
             call(0, 9)
     with pytest.raises(SwapStateError, match="sealed -> offloaded"):
         session.finish_offload(0, 0)
+    backward(vjp_fn)
     session.release_chunk(0, 0)
     with pytest.raises(SwapError, match="not live"):
         session.release_chunk(0, 0)
@@ -345,7 +358,7 @@ def test_chunk_lifecycle_errors(make_session):
 def test_release_with_a_running_copy_is_refused(manager, copy_thread):
     slow = GatedDevice()
     session = PipelineSwapSession(manager, slow, rank=0, generation=1, eligible={(0, 0)})
-    _collect(session, _model(), seeded((16, 32), 1))
+    vjp_fn = _collect(session, _model(), seeded((16, 32), 1))
     slow.d2h_gate.clear()
     job = copy_thread.submit(session.prepare_offload(0, 0))
     wait_until(lambda: job.started)
@@ -354,6 +367,7 @@ def test_release_with_a_running_copy_is_refused(manager, copy_thread):
     slow.d2h_gate.set()
     assert job.done.wait(10)
     session.finish_offload(0, 0)
+    backward(vjp_fn)  # offloaded, never loaded: the unpack loads it synchronously
     session.release_chunk(0, 0)
     session.close()
     assert slow.pool_stats().lent == 0

@@ -7,7 +7,7 @@ import warnings
 import mindspore as ms
 import pytest
 from mindspore import Parameter, Tensor, nn, ops
-from swap_support import MLP, backward, forward, reference_grads, seeded
+from swap_support import MLP, backward, forward, reference_grads, release_forward, seeded
 
 from ppswap.swap import (
     SwapTensor,
@@ -140,10 +140,11 @@ def test_callable_wrapper_keeps_name_and_captures(make_session):
     session = make_session()
     x = seeded((8,), 3)
     with session.collection_context(0, 0, protected=[x]):
-        ms.vjp(lambda t: wrapped(t).sum(), x)
+        _, vjp_fn = ms.vjp(lambda t: wrapped(t).sum(), x)
     group = session.manager.get_group(session.group_name(0, 0))
     selected = [e for e in group.entries() if e.selected]
     assert selected and all(e.tag.startswith("test_callable_wrapper") for e in selected)
+    release_forward(vjp_fn)
 
 
 def test_policy_false_keeps_a_tensor_on_device(make_session, copy_thread):
@@ -197,10 +198,11 @@ def test_parameters_and_module_tensors_are_never_captured(make_session):
     session = make_session()
     x = seeded((3, 6), 5)
     with session.collection_context(0, 0, protected=[x]):  # no parameters= on purpose
-        ms.vjp(lambda t: wrapped(t).sum(), x, weights=cell.trainable_params())
+        _, vjp_fn = ms.vjp(lambda t: wrapped(t).sum(), x, weights=cell.trainable_params())
     group = session.manager.get_group(session.group_name(0, 0))
     owned = {t.untyped_storage().data_ptr() for t in state}
     assert group.entries() and not {e.key.storage_ptr for e in group.entries()} & owned
+    release_forward(vjp_fn)
 
 
 def test_registration_before_and_after_the_save(make_session, copy_thread):
@@ -235,7 +237,8 @@ def test_registered_parameters_are_ignored(make_session):
     session = make_session()
     with session.collection_context(0, 0):
         swap_tensor_wrapper(w)
-        ms.vjp(lambda t: ops.sin(t * w).sum(), seeded((4,), 2), weights=[w])
+        _, vjp_fn = ms.vjp(lambda t: ops.sin(t * w).sum(), seeded((4,), 2), weights=[w])
     group = session.manager.get_group(session.group_name(0, 0))
     on_w = [e for e in group.entries() if e.key.storage_ptr == w.untyped_storage().data_ptr()]
     assert on_w and all(not e.selected and e.pinned for e in on_w)
+    release_forward(vjp_fn)
