@@ -198,8 +198,13 @@ async def test_delays_within_the_deadline_change_timing_not_results() -> None:
     result = await run_case(stages, GPIPE, faults=plan, step_timeout=10.0)
     assert result.losses == expected_losses
     assert_same_grads(expected_grads, grads_of(stages))
-    # Rank 0 waited for the delayed load of micro 0 at its SWAP_WAIT_LOAD.
-    assert result.ranks[0].exposed_copy_wait_s >= 0.2
+    # The delayed load ran inside rank 0's copy stream (the delay is part of the copy's
+    # time), and rank 0 waited for it at a SWAP_WAIT: its cover is one forward of a tiny
+    # model. How long it waited depends on how fast that forward ran (it measured 0.157 s
+    # of 0.3 s once, in a full-suite run next to a benchmark), so only the copy time is
+    # asserted exactly.
+    assert result.ranks[0].copy_busy_s >= 0.3
+    assert result.ranks[0].exposed_copy_wait_s > 0
 
 
 @pytest.mark.timeout(60)
