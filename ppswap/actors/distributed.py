@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import time
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,7 +33,6 @@ __all__ = [
 ]
 
 _RESULT_KEY = "ppswap.run_result"
-_ABORT_GRACE_S = 0.5
 
 
 @runtime_checkable
@@ -124,7 +122,4 @@ def abort_job(transport: object, error: BaseException) -> None:
         return
     rank = getattr(transport, "rank", "?")
     print(f"ppswap: rank {rank} failed, aborting the job: {error}", file=sys.stderr, flush=True)
-    # mpiexec forwards each rank's output through a proxy that the abort kills: give the
-    # message a moment to get through (seen lost otherwise), then end the job.
-    time.sleep(_ABORT_GRACE_S)
-    transport.abort(1)  # type: ignore[attr-defined]
+    transport.abort(1)  # type: ignore[attr-defined]  # waits for the message to get through

@@ -31,7 +31,9 @@ design notes and the measured overhead. In short:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,6 +65,7 @@ _DEFAULT_MICRO_COUNT = 1 << 16
 _SPIN_BYTES_PER_S = 1e9
 _FIRST_SLEEP_S = 20e-6
 _CLOSE_DEADLINE_S = 1.0
+_ABORT_GRACE_S = 0.5  # for mpiexec to forward what a failing rank printed (see abort)
 
 
 @dataclass(slots=True)
@@ -285,8 +288,18 @@ class MPITransport:
         self._recv_pool.clear()
 
     def abort(self, errorcode: int = 1) -> NoReturn:
-        """End every process of the MPI job now with ``errorcode`` (``COMM_WORLD.Abort``)."""
+        """End every process of the MPI job with ``errorcode`` (``COMM_WORLD.Abort``).
+
+        First flushes this process's stdout and stderr and waits ``_ABORT_GRACE_S``:
+        mpiexec forwards each rank's output through a proxy that the abort kills, and the
+        report a failing rank printed just before (which rank failed, and why) was seen
+        lost without that pause.
+        """
         _check_int("errorcode", errorcode, 0, 256)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed or replaced stream
+                stream.flush()
+        time.sleep(_ABORT_GRACE_S)
         MPI.COMM_WORLD.Abort(errorcode)
 
     def __enter__(self) -> MPITransport:
