@@ -24,8 +24,10 @@ The simulation
     is free, ahead of the compute slots requested before it. A
     stall delays the rank's next requests and, through the dependencies and the shared
     thread, the other ranks: exactly what happens at run time, to the precision of the
-    inputs. What it leaves out: copies competing with compute for CPU (measure the leaf
-    times in a swap run to fold that in), event-loop latency and P2P latency.
+    inputs. What it leaves out: copies competing with compute for CPU, and the event
+    loop's latency other than a transfer's (``p2p_latency_s``); which of two nearly
+    simultaneous requests of different ranks reaches the shared thread first turns on
+    that latency, and the model picks one order.
 
 Nothing here imports MindSpore or anyio; every function is pure.
 """
