@@ -22,11 +22,11 @@ made in a slow phase and run in a fast one saw copies of 3 slots instead of 2). 
 rule (``swap_policy="gap"``) runs ``--repeats`` times: the user's first run, before asking
 for a cost plan. Its runs and the no-swap steps before them give the ``CostModel``'s
 inputs, each run's times scaled to the median slot (a plan depends only on ratios of
-times): from ``RankStats.compute_job_s`` / ``compute_jobs`` the mean forward and backward
-job on the compute thread in the no-swap steps and the mean swap-step job in the swap
-runs, each plus the no-swap thread's time outside jobs spread over the jobs (``leaf_s``,
-``backward_leaf_s``, ``swap_step_s``; that time per job is also ``p2p_latency_s``; the
-swap runs' time outside jobs also holds their exposed waits), and the copy's fixed cost
+times): from ``RankStats.compute_job_s`` / ``compute_jobs`` the mean forward, backward
+and swap-step job on the compute thread in the swap runs, each plus the no-swap steps'
+thread time outside jobs spread over their jobs (``leaf_s``, ``backward_leaf_s``,
+``swap_step_s``; that time per job is also ``p2p_latency_s``; a swap run's time outside
+jobs also holds its exposed waits), and the copy's fixed cost
 (``copy_busy_s`` beyond ``bytes / bandwidth``, per copy); budget 2% of the step,
 ``headroom`` 0.5, ``shared_compute=True``. Then the cost-aware policy
 (``swap_policy="cost"``) runs ``--repeats`` times, each again at the slot of its moment.
@@ -132,44 +132,40 @@ def calibrate(runner: Runner, repeats: int) -> dict[str, Any]:
 def job_times(
     plain: list[RunResult], swapped: list[RunResult], scales: list[float]
 ) -> dict[str, float]:
-    """Mean forward and backward job on the compute thread in the no-swap runs ``plain``,
-    and mean swap-step job in the swap runs ``swapped``, each plus the thread's time
-    outside jobs in the no-swap runs (event loop, P2P, dispatch) spread over the jobs: the
-    thread cannot start the next job during it. Each run's times are multiplied by its
-    entry of ``scales`` (to a reference machine speed, see ``throttled_runs``).
+    """Mean forward, backward and swap-step job on the compute thread in the swap runs
+    ``swapped``, each plus the thread's time outside jobs in the no-swap runs ``plain``
+    (event loop, P2P, dispatch) spread over their jobs: the thread cannot start the next
+    job during it. Each run's times are multiplied by its entry of ``scales`` (to a
+    reference machine speed, see ``throttled_runs``).
 
-    The leaf times come from runs without swap: in a swap run the thread's time outside
-    jobs also holds the exposed copy waits (the thread idles while every rank waits),
-    and spreading those over the leaves would make compute look longer, so copies would
-    look better hidden than they are.
+    The jobs come from the swap runs: there a leaf also runs the capture hooks and shares
+    the CPU with the copy threads (10-20% longer here). The time outside jobs comes from
+    the runs without swap: in a swap run it also holds the exposed copy waits (the thread
+    idles while every rank waits), and spreading those over the jobs would make compute
+    look longer and copies better hidden than they are.
     """
-    seconds = dict.fromkeys(JOB_KINDS, 0.0)
-    counts = dict.fromkeys(JOB_KINDS, 0)
-    steps = 0.0
-    for result, scale in zip(plain, scales, strict=True):
-        steps += scale * result.step_time_s
-        for rank in result.ranks:
-            for kind in JOB_KINDS:
-                seconds[kind] += scale * rank.compute_job_s[kind]
-                counts[kind] += rank.compute_jobs[kind]
-    idle_s = max(0.0, steps - sum(seconds.values())) / max(1, sum(counts.values()))
     swap_kinds = ("swap_prepare", "swap_finish")
-    swap_s = sum(
-        scale * rank.compute_job_s[kind]
-        for result, scale in zip(swapped, scales, strict=True)
-        for rank in result.ranks
-        for kind in swap_kinds
-    )
-    swap_jobs = sum(
-        rank.compute_jobs[kind]
-        for result in swapped
-        for rank in result.ranks
-        for kind in swap_kinds
-    )
+
+    def totals(results: list[RunResult]) -> tuple[dict[str, float], dict[str, int], float]:
+        seconds = dict.fromkeys(JOB_KINDS, 0.0)
+        counts = dict.fromkeys(JOB_KINDS, 0)
+        steps = 0.0
+        for result, scale in zip(results, scales, strict=True):
+            steps += scale * result.step_time_s
+            for rank in result.ranks:
+                for kind in JOB_KINDS:
+                    seconds[kind] += scale * rank.compute_job_s[kind]
+                    counts[kind] += rank.compute_jobs[kind]
+        return seconds, counts, steps
+
+    plain_s, plain_counts, plain_steps = totals(plain)
+    idle_s = max(0.0, plain_steps - sum(plain_s.values())) / max(1, sum(plain_counts.values()))
+    seconds, counts, _ = totals(swapped)
+    swap_jobs = sum(counts[kind] for kind in swap_kinds)
     return {
         "forward_s": seconds["forward"] / max(1, counts["forward"]) + idle_s,
         "backward_s": seconds["backward"] / max(1, counts["backward"]) + idle_s,
-        "swap_step_s": swap_s / max(1, swap_jobs) + idle_s,
+        "swap_step_s": sum(seconds[kind] for kind in swap_kinds) / max(1, swap_jobs) + idle_s,
         "idle_s": idle_s,
     }
 
