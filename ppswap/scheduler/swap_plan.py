@@ -94,6 +94,7 @@ __all__ = [
     "SWAP_KIND_ORDER",
     "ComputeSlot",
     "SwapChunkPlan",
+    "chunks_on_host_peak",
     "compute_slots",
     "eligible_chunks",
     "inject_swap_steps",
@@ -425,6 +426,26 @@ def eligible_chunks(order: Order) -> frozenset[tuple[int, int]]:
     """
     _check_order(order)
     return frozenset(step.chunk for step in order if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD)
+
+
+def chunks_on_host_peak(order: Order) -> int:
+    """The most chunks of one rank whose host copies exist at once, from its final order.
+
+    A chunk's host buffers are taken by its offload copy and given back when its load copy
+    ends. The runtime runs a rank's copies one at a time in launch order (one FIFO copy
+    stream), so when a chunk's offload runs, every load launched before it has ended: the
+    chunks on host then are those offloaded and not yet loaded in launch order, whatever
+    the timing. Times the bytes of a chunk, this sizes the rank's host memory.
+    """
+    _check_order(order)
+    on_host = peak = 0
+    for step in iter_leaves(order):
+        if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD:
+            on_host += 1
+            peak = max(peak, on_host)
+        elif step.kind is StepKind.SWAP_LAUNCH_LOAD:
+            on_host -= 1
+    return peak
 
 
 def strip_swap_steps(order: Order) -> Order:

@@ -46,7 +46,7 @@ from ppswap.autograd import discard_all, record_forward
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
-from ppswap.scheduler.steps import Order, iter_leaves
+from ppswap.scheduler.swap_plan import chunks_on_host_peak
 from ppswap.swap import EmulatedDevice
 
 SOAK_RUNS = int(os.environ.get("PPSWAP_SOAK_RUNS", "20"))
@@ -113,24 +113,6 @@ async def _one_run(stages: list, device: EmulatedDevice, kind: RunKind) -> str:
     return "cancelled" if scope.cancelled_caught else "ok"
 
 
-def _chunks_on_host_peak(order: Order) -> int:
-    """The most chunks of one rank whose host buffers can be taken at once, from its order.
-
-    A chunk's buffers are taken by its offload copy and given back when its load copy ends
-    (or when a teardown releases its group). A rank's copies run one at a time in launch
-    order (one FIFO copy stream), so when a chunk's offload runs every load launched before
-    it has ended: at most the chunks offloaded and not yet loaded in launch order.
-    """
-    on_host = peak = 0
-    for step in iter_leaves(order):
-        if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD:
-            on_host += 1
-            peak = max(peak, on_host)
-        elif step.kind is StepKind.SWAP_LAUNCH_LOAD:
-            on_host -= 1
-    return peak
-
-
 def _slope(values: list[float]) -> float:
     index = np.arange(len(values), dtype=np.float64)
     return float(np.polyfit(index, np.asarray(values, dtype=np.float64), 1)[0])
@@ -158,7 +140,7 @@ async def test_consecutive_runs_leak_nothing() -> None:
             taken = device.pool_stats().hits + device.pool_stats().misses
             # Every chunk is one equal MLP stage on equal micro-batches: same buffers each.
             assert taken > 0 and taken % offloads == 0, (taken, offloads)
-            pool_bound = sum(_chunks_on_host_peak(o) for o in orders) * (taken // offloads)
+            pool_bound = sum(chunks_on_host_peak(o) for o in orders) * (taken // offloads)
             assert pool_bound < taken  # tighter than "a new buffer for every copy"
     assert outcomes == ["ok", "failed", "cancelled", "ok", "failed", "ok"]
     gc.collect()

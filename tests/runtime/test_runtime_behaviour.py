@@ -22,8 +22,8 @@ from ppswap.actors.p2p import InProcessTransport
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
-from ppswap.scheduler.steps import Order, StepKind, iter_leaves
-from ppswap.scheduler.swap_plan import compute_slots
+from ppswap.scheduler.steps import StepKind
+from ppswap.scheduler.swap_plan import chunks_on_host_peak, compute_slots
 from ppswap.swap import EmulatedDevice, swap_wrapper
 
 DIM = 8
@@ -86,24 +86,6 @@ def _root(buf: np.ndarray) -> np.ndarray:
     return buf
 
 
-def _chunks_on_host_peak(order: Order) -> int:
-    """The most chunks of one rank whose host buffers can be taken at once, from its order.
-
-    A chunk's buffers are taken by its offload copy and given back when its load copy
-    ends. A rank's copies run one at a time in launch order (one FIFO copy stream), so
-    when a chunk's offload runs, every load launched before it has ended: the chunks then
-    on host are the ones offloaded and not yet loaded in launch order, whatever the timing.
-    """
-    on_host = peak = 0
-    for step in iter_leaves(order):
-        if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD:
-            on_host += 1
-            peak = max(peak, on_host)
-        elif step.kind is StepKind.SWAP_LAUNCH_LOAD:
-            on_host -= 1
-    return peak
-
-
 @pytest.mark.asyncio
 async def test_ten_runs_in_a_row_leave_nothing_behind() -> None:
     """Ten runs of one schedule: same gradients, and no buffer, group, chunk, thread or
@@ -147,7 +129,7 @@ async def test_ten_runs_in_a_row_leave_nothing_behind() -> None:
             # Every chunk of a rank is one stage on equal micro-batches: same buffers each.
             assert all(t > 0 and t % n == 0 for t, n in zip(taken, offloads, strict=True))
             per_chunk = [t // n for t, n in zip(taken, offloads, strict=True)]
-            bound = [_chunks_on_host_peak(o) * k for o, k in zip(orders, per_chunk, strict=True)]
+            bound = [chunks_on_host_peak(o) * k for o, k in zip(orders, per_chunk, strict=True)]
             assert sum(bound) < sum(taken)  # the bound is tighter than "one buffer per copy"
         assert taken == per_run
         # Nothing in use after the run; no rank ever held more than its plan allows.

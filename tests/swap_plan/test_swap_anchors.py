@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
-from ppswap.scheduler.swap_plan import inject_swap_steps, strip_swap_steps
+from ppswap.scheduler.swap_plan import chunks_on_host_peak, inject_swap_steps, strip_swap_steps
 
 K = StepKind
 
@@ -315,3 +315,13 @@ def test_stage_zero_keeps_unified_bwd_as_consumer() -> None:
     cfg = ScheduleConfig(schedule="gpipe", pp=2, micro=4, swap=True, split_dw=True)
     out = names(inject_swap_steps(order, cfg, 0))
     assert all(out[out.index(f"B{i}.0") - 1] == f"WL{i}.0" for i in range(4))
+
+
+def test_chunks_on_host_peak_counts_offloads_not_yet_loaded_in_launch_order() -> None:
+    # LO0 LO1 LO2 (3 on host) LL0 LO3 (3 again) LL1 LL2 LL3
+    assert chunks_on_host_peak(inject_swap_steps(GPIPE_PLAIN, PP2, 0)) == 3
+    assert chunks_on_host_peak(GPIPE_PLAIN) == 0
+    # chunks 0 and 2 only: LO2 is launched before LL0, so both are on host at once
+    two = inject_swap_steps(GPIPE_PLAIN, PP2, 0, chunks={(0, 0), (0, 2)})
+    assert chunks_on_host_peak(two) == 2
+    assert chunks_on_host_peak(inject_swap_steps(GPIPE_PLAIN, PP2, 0, chunks={(0, 1)})) == 1
