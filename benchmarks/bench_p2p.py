@@ -7,8 +7,11 @@ For each payload size (1 KiB to 64 MiB, powers of 4) rank 0 and rank 1 play ping
 - mpi4py: ``comm.Send`` / ``comm.Recv`` on a preallocated numpy buffer, and again with
   receives alternating between two buffers (``mpi4py 2-buffer``);
 - transport: ``await transport.send`` / ``await transport.recv`` inside one anyio event
-  loop per rank; each receive returns a new array, as the transport's contract says.
-One-way time = round trip / 2. The three are measured back to back in each of
+  loop per rank; each receive returns a new array, as the transport's contract says. The
+  loop drops the array it holds before the next receive (one live message: the working
+  set of the one-buffer ping-pong, compared with it), and again keeping the previous one
+  (``transport, previous kept``: two live messages, compared with the 2-buffer run).
+One-way time = round trip / 2. The four are measured back to back in each of
 ``--rounds`` rounds, in an order that rotates from round to round. The time columns show
 the minimum over rounds (``--stat median`` for the median), the round that other
 processes on the machine disturbed least. The overhead columns are the median over

@@ -58,13 +58,12 @@ class RecvBufferPool:
     glibc serves allocations from 128 KiB up with fresh ``mmap``s, so a new ``np.empty``
     of that size is paid for in page faults on first touch (for 64 MiB about as long as
     the transfer itself; at 1 MiB it added 15-30 us to a 110 us message); PP runs receive
-    the same sizes again and again. The
-    pool owns blocks of up to ``capacity_bytes`` in all and hands out views of them; every
-    array derived from a view refers to its block (numpy keeps the owning array as
-    ``base``), so a block whose only reference is the pool's own is free. Checking that
-    with ``sys.getrefcount`` costs a fraction of a microsecond, where a finalizer per
-    buffer cost about 8 us a message. When every block of a size is in use and the pool
-    is full, ``take`` falls back to a plain allocation.
+    the same sizes again and again. The pool owns blocks of up to ``capacity_bytes`` in
+    all and hands out views of them; every array derived from a view refers to its block
+    (numpy keeps the owning array as ``base``), so a block whose only reference is the
+    pool's own is free. Checking that with ``sys.getrefcount`` costs a fraction of a
+    microsecond, where a finalizer per buffer cost about 8 us a message. When every block
+    of a size is in use and the pool is full, ``take`` falls back to a plain allocation.
 
     ``take`` is called from one thread (the event loop's); arrays may be dropped on any
     thread, which only ever turns a block from in use to free.
