@@ -116,6 +116,7 @@ SWAP_KIND_ORDER: tuple[StepKind, ...] = (
 
 _KIND_RANK = {kind: rank for rank, kind in enumerate(SWAP_KIND_ORDER)}
 _RECV_KINDS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
+_SEND_KINDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,11 +244,12 @@ def plan_swap(order: Order, config: ScheduleConfig) -> tuple[SwapChunkPlan, ...]
     return tuple(plans)
 
 
-def _is_receive_side(step: MetaStep) -> bool:
-    if step.kind in _RECV_KINDS:
+def _posts(step: MetaStep, kinds: frozenset[StepKind]) -> bool:
+    """Whether ``step`` is a P2P step of ``kinds`` or a BATCH_SEND_RECV holding one."""
+    if step.kind in kinds:
         return True
     return step.kind is StepKind.BATCH_SEND_RECV and any(
-        leaf.kind in _RECV_KINDS for leaf in iter_leaves(step.sub_steps)
+        leaf.kind in kinds for leaf in iter_leaves(step.sub_steps)
     )
 
 
@@ -257,9 +259,6 @@ def _uses_stage(step: MetaStep, stage: int) -> bool:
     )
 
 
-_SEND_KINDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
-
-
 def _after_sends(order: Order, slot_index: int) -> int:
     """The point right after the compute slot at ``slot_index`` and its sends.
 
@@ -267,15 +266,8 @@ def _after_sends(order: Order, slot_index: int) -> int:
     step, or container holding one, right after the slot is one of its own.
     """
     point = slot_index + 1
-    while point < len(order):
-        step = order[point]
-        if step.kind in _SEND_KINDS or (
-            step.kind is StepKind.BATCH_SEND_RECV
-            and any(leaf.kind in _SEND_KINDS for leaf in step.sub_steps)
-        ):
-            point += 1
-        else:
-            break
+    while point < len(order) and _posts(order[point], _SEND_KINDS):
+        point += 1
     return point
 
 
@@ -296,7 +288,7 @@ def _launch_load_anchor(
         return consumer_index
     block_start = slots[plan.consumer_slot - 2].index + 1
     point = slots[plan.consumer_slot - 1].index
-    while point > block_start and _is_receive_side(order[point - 1]):
+    while point > block_start and _posts(order[point - 1], _RECV_KINDS):
         point -= 1
     return point
 
