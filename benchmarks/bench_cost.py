@@ -52,7 +52,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from bench_memory import CASES, BenchCase, Runner, configure_mindspore, mib
@@ -170,11 +170,20 @@ def job_times(
     }
 
 
+class ThrottledRun(NamedTuple):
+    """A swap run, the no-swap step right before it, its slot and its copy bandwidth."""
+
+    result: RunResult
+    plain: RunResult
+    slot_s: float
+    gbps: float
+
+
 def throttled_runs(
     runner: Runner, copy_slots: float, chunk_bytes: int, repeats: int, **run_kwargs: Any
-) -> list[tuple[RunResult, RunResult, float, float]]:
+) -> list[ThrottledRun]:
     """``repeats`` swap runs with one chunk's copy throttled to ``copy_slots`` compute slots
-    *of that moment*: ``(result, no-swap result, slot_s, gbps)`` each.
+    *of that moment*.
 
     Before each run a no-swap step measures the slot. The machine's speed drifts by up to
     2x within minutes (other work on the host), while a throttled copy is an absolute
@@ -189,7 +198,8 @@ def throttled_runs(
         slot_s = plain.step_time_s / leaves
         gbps = chunk_bytes / (copy_slots * slot_s * 1e9)
         device = EmulatedDevice(d2h_gbps=gbps, h2d_gbps=gbps)
-        runs.append((runner.run(swap=True, device=device, **run_kwargs), plain, slot_s, gbps))
+        result = runner.run(swap=True, device=device, **run_kwargs)
+        runs.append(ThrottledRun(result, plain, slot_s, gbps))
     return runs
 
 
@@ -231,12 +241,12 @@ def measure_case(case: BenchCase, repeats: int) -> tuple[dict[str, Any], list[di
     chunk_bytes = calibration["chunk_bytes"]
     for slots in COPY_SLOTS:
         gap_runs = throttled_runs(runner, slots, chunk_bytes, repeats)
-        gap_results = [result for result, _, _, _ in gap_runs]
+        gap_results = [run.result for run in gap_runs]
         # The cost model in the units of a reference slot (the median of the runs'), each
         # run's times scaled to it: a plan depends only on ratios of times, so it holds at
         # whatever speed the machine runs, as long as the copies keep their share of a slot.
-        slot_s = statistics.median(slot for _, _, slot, _ in gap_runs)
-        scales = [slot_s / slot for _, _, slot, _ in gap_runs]
+        slot_s = statistics.median(run.slot_s for run in gap_runs)
+        scales = [slot_s / run.slot_s for run in gap_runs]
         gbps = chunk_bytes / (slots * slot_s * 1e9)
         # What a copy at this bandwidth takes beyond bytes / bandwidth, measured on the
         # fixed rule's runs (the user's first run, before asking for a cost plan).
@@ -244,12 +254,12 @@ def measure_case(case: BenchCase, repeats: int) -> tuple[dict[str, Any], list[di
         beyond_s = sum(
             scale
             * sum(
-                rank.copy_busy_s - (rank.offloaded_bytes + rank.loaded_bytes) / (run_gbps * 1e9)
-                for rank in result.ranks
+                rank.copy_busy_s - (rank.offloaded_bytes + rank.loaded_bytes) / (run.gbps * 1e9)
+                for rank in run.result.ranks
             )
-            for (result, _, _, run_gbps), scale in zip(gap_runs, scales, strict=True)
+            for run, scale in zip(gap_runs, scales, strict=True)
         )
-        jobs = job_times([plain for _, plain, _, _ in gap_runs], gap_results, scales)
+        jobs = job_times([run.plain for run in gap_runs], gap_results, scales)
         cost = CostModel(
             chunk_bytes=calibration["stage_bytes"],
             d2h_gbps=gbps,
@@ -268,8 +278,8 @@ def measure_case(case: BenchCase, repeats: int) -> tuple[dict[str, Any], list[di
         plan = plan_cost_aware(case.config, cost)
         same = len(plan.chunks) == fixed_chunks
         cost_runs = [
-            summarize(result)
-            for result, _, _, _ in throttled_runs(
+            summarize(run.result)
+            for run in throttled_runs(
                 runner,
                 slots,
                 chunk_bytes,
