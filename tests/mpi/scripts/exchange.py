@@ -42,11 +42,18 @@ def payload(src: int, dst: int, index: int) -> Array:
         rng.integers(-(2**31), 2**31 - 1, size=(2, 2, 2, 2)).astype(">i4"),  # big-endian
         (np.arange(4) + src).astype("datetime64[ns]"),
         np.array([np.nan, -0.0, np.inf], dtype=np.float64) * (dst + 1),
+        # larger than the 16 KiB inline limit: a second message of raw bytes, for
+        # dtypes that numpy exports no buffer for (datetime) or that mpi4py has no MPI
+        # type for (big-endian, strings, bool)
+        (np.arange(5000) * (src + 1)).astype("datetime64[us]"),
+        rng.standard_normal((16, 32, 20)).astype(">f8"),
+        np.array([f"r{src}-{i}" for i in range(3000)], dtype="<U8"),
+        rng.integers(0, 2, size=(150, 150)).astype(np.bool_)[:, ::-1],  # not contiguous
     ]
     return cases[index % len(cases)]
 
 
-CASES = 11
+CASES = 15
 
 
 def same_bits(got: Array, want: Array) -> bool:
