@@ -3,15 +3,22 @@
 Run ``python benchmarks/bench_p2p.py`` (it re-launches itself under the venv's
 ``mpiexec -n 2``) or ``mpiexec -n 2 python benchmarks/bench_p2p.py`` directly.
 
-For each payload size (1 KiB to 64 MiB, powers of 4) rank 0 and rank 1 play ping-pong:
-- mpi4py: ``comm.Send`` / ``comm.Recv`` on a preallocated numpy buffer, and again with
-  receives alternating between two buffers (``mpi4py 2-buffer``);
-- transport: ``await transport.send`` / ``await transport.recv`` inside one anyio event
-  loop per rank; each receive returns a new array, as the transport's contract says. The
-  loop drops the array it holds before the next receive (one live message: the working
-  set of the one-buffer ping-pong, compared with it), and again keeping the previous one
-  (``transport, previous kept``: two live messages, compared with the 2-buffer run).
-One-way time = round trip / 2. The four are measured back to back in each of
+For each payload size (1 KiB to 64 MiB, powers of 4) rank 0 and rank 1 play ping-pong
+three ways:
+- ``transport``: ``await transport.send`` / ``await transport.recv`` inside one anyio
+  event loop per rank. Each receive returns a new array, as the transport's contract
+  says; the loop drops the array it holds before the next receive, so one received
+  message is alive at a time and the receive pool hands the same block back;
+- ``mpi4py, same memory``: blocking ``comm.Send`` / ``comm.Recv`` on the very array the
+  transport last returned on this rank (so on the transport's pool block). The
+  transport's overhead is measured against this one;
+- ``mpi4py, own buffer``: the classic ping-pong on a numpy buffer of its own.
+Both mpi4py runs are the same code on different memory, and they differ by up to 20% at
+4 MiB on this machine (a single-copy transfer's speed depends on where both processes'
+pages lie), which is why the overhead is taken on the same memory; the overhead against
+the own buffer is shown as well.
+
+One-way time = round trip / 2. The three are measured back to back in each of
 ``--rounds`` rounds, in an order that rotates from round to round. The time columns show
 the minimum over rounds (``--stat median`` for the median), the round that other
 processes on the machine disturbed least. The overhead columns are the median over
@@ -81,92 +88,101 @@ def relaunch_under_mpiexec(argv: list[str]) -> NoReturn:
 
 
 def iterations_for(nbytes: int, round_s: float) -> int:
-    """Ping-pongs per round: about ``round_s`` at an assumed 2 GB/s, between 2 and 2000."""
-    estimate_s = 2 * (20e-6 + nbytes / 2e9)
+    """Ping-pongs per round: about ``round_s`` at an assumed 8 GB/s, between 2 and 2000.
+
+    8 GB/s is about what this machine's single-copy transfers reach; the 2 GB/s assumed
+    until 2026-11-29 gave 7 round trips per round at 4 MiB, so the first, cold round
+    trip of each round weighed on the figure.
+    """
+    estimate_s = 2 * (10e-6 + nbytes / 8e9)
     return max(2, min(2000, int(round_s / estimate_s)))
 
 
-def mpi4py_pingpong(comm: MPI.Comm, buffers: list[Array], iterations: int) -> float:
-    """Mean one-way seconds of blocking Send/Recv ping-pong (rank 0 starts).
-
-    Each receive lands in the next of ``buffers`` (one: the classic ping-pong; two: the
-    working set of a transport that returns a new array per message, as the pool makes
-    it in steady state: the previous array is alive while the next one arrives).
-    """
+def mpi4py_pingpong(comm: MPI.Comm, buffer: Array, iterations: int) -> float:
+    """Mean one-way seconds of blocking Send/Recv ping-pong on ``buffer`` (rank 0 starts)."""
     comm.Barrier()
     start = time.perf_counter()
-    for i in range(iterations):
-        current, following = buffers[i % len(buffers)], buffers[(i + 1) % len(buffers)]
+    for _ in range(iterations):
         if comm.rank == 0:
-            comm.Send(current, 1, 7)
-            comm.Recv(following, 1, 7)
+            comm.Send(buffer, 1, 7)
+            comm.Recv(buffer, 1, 7)
         else:
-            comm.Recv(current, 0, 7)
-            comm.Send(current, 0, 7)
+            comm.Recv(buffer, 0, 7)
+            comm.Send(buffer, 0, 7)
     return (time.perf_counter() - start) / (2 * iterations)
 
 
-async def transport_pingpong(
-    transport: MPITransport, payload: Array, iterations: int, keep_previous: bool
-) -> tuple[float, Array]:
-    """Mean one-way seconds of ping-pong through the async transport, and the last array.
+def mpi4py_on_held(comm: MPI.Comm, held: list[Array], iterations: int) -> float:
+    """``mpi4py_pingpong`` on the array the transport returned last (``held[0]``)."""
+    return mpi4py_pingpong(comm, held[0], iterations)
 
-    Each ``recv`` returns a new array. With ``keep_previous`` false, the loop drops the
-    array it holds before the next receive, so one received message is alive at a time:
-    the working set of mpi4py's one-buffer ping-pong (the receive pool hands the same
-    block back). With ``keep_previous`` true, the previous message is alive while the
-    next one arrives, as in the 2-buffer ping-pong.
+
+async def transport_pingpong(transport: MPITransport, held: list[Array], iterations: int) -> float:
+    """Mean one-way seconds of ping-pong through the async transport.
+
+    ``held`` holds one array: rank 0 sends it first. It is taken out of the list, and the
+    loop drops each array once it is sent (rank 0) or before the next receive (rank 1),
+    so one received message is alive at a time and the pool hands back the same block;
+    the last array received goes back into ``held``.
     """
     rank = transport.rank
-    message: Array | None = payload
+    message: Array | None = held.pop()
+    # The clock starts once both ranks' event loops run, as mpi4py's starts after its
+    # Barrier: a barrier before ``anyio.run`` left the loops' start-up skew (hundreds of
+    # microseconds) in the first round trip, which at 4 MiB (7 round trips per round) was
+    # +10-35 points of "overhead". Blocking the loop here is fine: nothing else runs on it.
+    MPI.COMM_WORLD.Barrier()
     start = time.perf_counter()
     for _ in range(iterations):
         if rank == 0:
             assert message is not None
             await transport.send(0, 1, PING, message)
-            if not keep_previous:
-                message = None
+            message = None
             message = await transport.recv(0, 1, PONG)
         else:
-            if not keep_previous:
-                message = None
+            message = None
             message = await transport.recv(1, 0, PING)
             await transport.send(1, 0, PONG, message)
     assert message is not None
-    return (time.perf_counter() - start) / (2 * iterations), message
+    held.append(message)
+    return (time.perf_counter() - start) / (2 * iterations)
 
 
 def measure_transport(
-    transport: MPITransport, payload: Array, iterations: int, keep_previous: bool
+    transport: MPITransport, held: list[Array], payload: Array, iterations: int
 ) -> float:
     transport.configure(num_stages=2, micro_count=1)
-    MPI.COMM_WORLD.Barrier()
-    seconds, last = anyio.run(transport_pingpong, transport, payload, iterations, keep_previous)
-    if last.tobytes() != payload.tobytes():
+    seconds = anyio.run(transport_pingpong, transport, held, iterations)
+    if not np.array_equal(held[0], payload):
         raise RuntimeError(f"rank {transport.rank}: ping-pong corrupted {payload.nbytes} bytes")
     return seconds
+
+
+def overhead_pct(rounds_s: dict[str, list[float]], baseline: str) -> float:
+    """The median over rounds of transport / ``baseline``, as a percentage above 1."""
+    ratios = zip(rounds_s["transport"], rounds_s[baseline], strict=True)
+    return 100.0 * (statistics.median(t / b for t, b in ratios) - 1.0)
 
 
 def measure(
     transport: MPITransport, sizes: list[int], rounds: int, round_s: float, stat: str
 ) -> list[dict[str, Any]]:
-    """Per size: both ping-pongs, alternating, ``rounds`` times; ``stat`` over rounds."""
+    """Per size: the three ping-pongs, rotating, ``rounds`` times; ``stat`` over rounds."""
     comm = MPI.COMM_WORLD
     summarize = min if stat == "min" else statistics.median
     results: list[dict[str, Any]] = []
     for nbytes in sizes:
         payload = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
-        one_buffer = [payload.copy()]
-        two_buffers = [payload.copy(), payload.copy()]
+        own_buffer = payload.copy()
+        held = [payload.copy()]  # after the warm-up: the array the transport returned
         iterations = iterations_for(nbytes, round_s)
-        mpi4py_pingpong(comm, two_buffers, 2)  # warm-up (connection, page faults)
-        measure_transport(transport, payload, 2, keep_previous=True)
         methods: dict[str, Callable[[], float]] = {
-            "mpi4py": partial(mpi4py_pingpong, comm, one_buffer, iterations),
-            "mpi4py_2buf": partial(mpi4py_pingpong, comm, two_buffers, iterations),
-            "transport": partial(measure_transport, transport, payload, iterations, False),
-            "transport_kept": partial(measure_transport, transport, payload, iterations, True),
+            "transport": partial(measure_transport, transport, held, payload, iterations),
+            "mpi4py_same": partial(mpi4py_on_held, comm, held, iterations),
+            "mpi4py_own": partial(mpi4py_pingpong, comm, own_buffer, iterations),
         }
+        for method in methods.values():  # warm-up: connections, page faults, the pool
+            method()
         names = list(methods)
         rounds_s: dict[str, list[float]] = {name: [] for name in names}
         for round_index in range(rounds):
@@ -175,23 +191,17 @@ def measure(
                 # both ranks time the same round trips; keep the slower rank's figure
                 rounds_s[name].append(max(comm.allgather(methods[name]())))
         one_way = {name: summarize(s) for name, s in rounds_s.items()}
-        ratio = {
-            pair: statistics.median(
-                t / b for t, b in zip(rounds_s[pair[0]], rounds_s[pair[1]], strict=True)
-            )
-            for pair in (("transport", "mpi4py"), ("transport_kept", "mpi4py_2buf"))
-        }
+
         results.append(
             {
                 "bytes": nbytes,
                 "iterations": iterations,
                 "rounds": rounds,
-                "mpi4py_us": one_way["mpi4py"] * 1e6,
-                "mpi4py_2buf_us": one_way["mpi4py_2buf"] * 1e6,
                 "transport_us": one_way["transport"] * 1e6,
-                "transport_kept_us": one_way["transport_kept"] * 1e6,
-                "overhead_pct": 100.0 * (ratio[("transport", "mpi4py")] - 1.0),
-                "overhead_2buf_pct": 100.0 * (ratio[("transport_kept", "mpi4py_2buf")] - 1.0),
+                "mpi4py_same_us": one_way["mpi4py_same"] * 1e6,
+                "mpi4py_own_us": one_way["mpi4py_own"] * 1e6,
+                "overhead_pct": overhead_pct(rounds_s, "mpi4py_same"),
+                "overhead_own_pct": overhead_pct(rounds_s, "mpi4py_own"),
                 "transport_gbps": nbytes / one_way["transport"] / 1e9,
                 "rounds_us": {name: [x * 1e6 for x in s] for name, s in rounds_s.items()},
             }
@@ -208,15 +218,15 @@ def human(nbytes: float) -> str:
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| size | mpi4py us | transport us | overhead % | mpi4py 2-buffer us "
-        "| transport, previous kept us | overhead % | transport GB/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| size | transport us | mpi4py, same memory us | overhead % "
+        "| mpi4py, own buffer us | overhead vs own buffer % | transport GB/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results:
         lines.append(
-            f"| {human(row['bytes'])} | {row['mpi4py_us']:.1f} | {row['transport_us']:.1f} "
-            f"| {row['overhead_pct']:+.1f} | {row['mpi4py_2buf_us']:.1f} "
-            f"| {row['transport_kept_us']:.1f} | {row['overhead_2buf_pct']:+.1f} "
+            f"| {human(row['bytes'])} | {row['transport_us']:.1f} "
+            f"| {row['mpi4py_same_us']:.1f} | {row['overhead_pct']:+.1f} "
+            f"| {row['mpi4py_own_us']:.1f} | {row['overhead_own_pct']:+.1f} "
             f"| {row['transport_gbps']:.2f} |"
         )
     return "\n".join(lines)
