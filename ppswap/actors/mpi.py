@@ -18,8 +18,11 @@ design notes and the measured overhead. In short:
   Any shape and any dtype named by ``dtype.str`` arrives bit-exact; object and structured
   dtypes raise ``TypeError``.
 - Tags: P2P uses ``t = MessageKey.tag(num_stages, micro_count)`` on its own duplicate of
-  ``comm``; ``configure`` sets the layout and starts a new epoch, so a stale message from
-  an earlier run is an error, never a wrong tensor. Collectives exchange point-to-point
+  ``comm``; ``configure`` sets the layout and starts a new epoch. Consecutive epochs use
+  disjoint tag ranges while ``MPI.TAG_UB`` has room for several, so a message left over
+  from an earlier run never matches; where it has not (or after as many epochs as it has
+  room for), the epoch in the header makes such a message an error, never a wrong
+  tensor. Collectives exchange point-to-point
   messages on a second duplicate, tagged by a hash of ``(op, group, key, call number,
   epoch)`` and checked against a digest in the header.
 - ``send`` returns when MPI may reuse the buffer: for large payloads, once the receiver
@@ -136,6 +139,7 @@ class MPITransport:
         self._num_stages = max(1, (self._tag_ub + 1) // (4 * _DEFAULT_MICRO_COUNT))
         self._micro_count = _DEFAULT_MICRO_COUNT
         self._epoch = 0
+        self._epoch_slots = 1  # disjoint tag ranges that consecutive epochs rotate through
         self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
         self._inflight: dict[int, _InFlight] = {}
         self._counters = _Counters()
@@ -174,6 +178,7 @@ class MPITransport:
             )
         self._num_stages = num_stages
         self._micro_count = micro_count
+        self._epoch_slots = (self._tag_ub + 1) // (4 * num_stages * micro_count)
         self._p2p_addresses.clear()
         self._epoch += 1
         self._counters.collective_calls.clear()
@@ -354,7 +359,14 @@ class MPITransport:
             raise ValueError(f"key.direction={key.direction!r}; allowed: 'F' or 'B'")
         _check_int("key.stage", key.stage, 0, self._num_stages)
         _check_int("key.micro", key.micro, 0, self._micro_count)
-        return 2 * key.tag(self._num_stages, self._micro_count)
+        # each epoch uses its own range of tags (while the tag space has room for more
+        # than one), so that a message left over from an earlier run never matches a
+        # receive of this one: not the header, which the epoch in it would catch, and not
+        # the body, which carries no epoch (a body whose receive was cancelled after its
+        # header had arrived would otherwise be taken as the body of this run's message)
+        keys_per_epoch = 2 * self._num_stages * self._micro_count
+        slot = self._epoch % self._epoch_slots
+        return 2 * (slot * keys_per_epoch + key.tag(self._num_stages, self._micro_count))
 
     def _check_group(self, group: tuple[int, ...]) -> int:
         if not isinstance(group, tuple) or not group:

@@ -18,6 +18,7 @@ import numpy.typing as npt
 import pytest
 
 pytest.importorskip("mpi4py")
+from mpi4py import MPI
 
 from ppswap.actors.distributed import gather_results
 from ppswap.actors.messages import MessageKey
@@ -128,19 +129,46 @@ def test_waiting_receive_does_not_block_the_event_loop(transport: MPITransport) 
     assert got.tolist() == [1.0, 1.0, 1.0]
 
 
-def test_a_stale_message_from_an_earlier_epoch_is_an_error(transport: MPITransport) -> None:
+def test_a_message_from_an_earlier_run_never_reaches_a_later_one(
+    transport: MPITransport,
+) -> None:
+    """Each epoch has its own tags: neither the stale header nor its body can match."""
     key = MessageKey("F", 2, 3)
+    stale = np.full(8192, 1.0)  # 64 KiB: header and body travel as two messages
+    fresh = np.full(8192, 2.0)
 
-    async def main() -> None:
+    async def main() -> Array:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(transport.send, 0, 0, key, np.ones(2))
-            await anyio.sleep(0.05)  # the message is delivered into MPI's queue
+            tg.start_soon(transport.send, 0, 0, key, stale)
+            await anyio.sleep(0.05)  # the stale message waits in MPI's queue
             transport.configure(num_stages=4, micro_count=8)  # a new run starts
-            with pytest.raises(RuntimeError, match="stale"):
-                await transport.recv(0, 0, key)
-            tg.cancel_scope.cancel()  # the stale send's body is never received
+            tg.start_soon(transport.send, 0, 0, key, fresh)
+            with anyio.fail_after(5):
+                got = await transport.recv(0, 0, key)
+            tg.cancel_scope.cancel()  # the stale send is never received
+        return got
 
-    run(main)
+    got = run(main)
+    assert np.array_equal(got, fresh)
+
+
+def test_a_stale_message_is_an_error_when_the_tag_space_has_room_for_one_epoch() -> None:
+    with MPITransport(spin_s=1e-4) as mpi_transport:
+        tag_space = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1
+        micro_count = tag_space // (4 * 2048)  # the layout fills the tag space
+        mpi_transport.configure(num_stages=2048, micro_count=micro_count)
+        key = MessageKey("F", 2, 3)
+
+        async def main() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(mpi_transport.send, 0, 0, key, np.ones(2))
+                await anyio.sleep(0.05)  # the message is delivered into MPI's queue
+                mpi_transport.configure(num_stages=2048, micro_count=micro_count)
+                with pytest.raises(RuntimeError, match="stale"):
+                    await mpi_transport.recv(0, 0, key)
+                tg.cancel_scope.cancel()
+
+        run(main)
 
 
 def test_cancelled_receive_is_cancelled_in_mpi(transport: MPITransport) -> None:
