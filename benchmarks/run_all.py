@@ -122,6 +122,16 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         quick_args=("--rounds", "2", "--max-mib", "4"),
         limit_s=120.0,
     ),
+    Benchmark(
+        "cma_alignment",
+        "bench_cma_alignment.py",
+        "Single-copy transfers and page offsets (MPI, 2 processes)",
+        "Why `MPITransport` receives each body at the page offset of the sender's buffer: "
+        "blocking mpi4py with one direction's destination `d` bytes further into its page "
+        "than the source, as a ratio to `d = 0`.",
+        quick_args=("--rounds", "2", "--sizes-mib", "1"),
+        limit_s=120.0,
+    ),
 )
 
 

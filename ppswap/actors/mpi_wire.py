@@ -22,6 +22,7 @@ from ppswap.actors.messages import MessageKey
 __all__ = [
     "HEADER_MAX_BYTES",
     "INLINE_MAX_BYTES",
+    "PAGE_BYTES",
     "POOL_MIN_BYTES",
     "RecvBufferPool",
     "decode_header",
@@ -33,13 +34,14 @@ __all__ = [
 
 Array = npt.NDArray[Any]
 
-MAGIC = 0x7070_7377_6170_0001  # "ppswap", wire format 1
+MAGIC = 0x7070_7377_6170_0002  # "ppswap", wire format 2
 MAX_NDIM = 32
-# magic, epoch, identity, nbytes, ndim, dtype.str
-HEADER_STRUCT = struct.Struct("<Qqqqq32s")  # then ndim int64 dims
+# magic, epoch, identity, nbytes, ndim, page offset of the sender's body, dtype.str
+HEADER_STRUCT = struct.Struct("<Qqqqqq32s")  # then ndim int64 dims
 HEADER_MAX_BYTES = HEADER_STRUCT.size + 8 * MAX_NDIM
 INLINE_MAX_BYTES = 16 * 1024  # payloads up to this size travel inside the header message
 POOL_MIN_BYTES = 128 << 10  # glibc serves allocations from this size up with fresh mmaps
+PAGE_BYTES = 4096
 SHAPE_STRUCTS = tuple(struct.Struct(f"<{ndim}q") for ndim in range(MAX_NDIM + 1))
 # the whole header of an ndim-dimensional payload, so that encoding is one pack call
 HEADER_STRUCTS = tuple(
@@ -60,6 +62,11 @@ class RecvBufferPool:
     microsecond, where a finalizer per buffer cost about 8 us a message. When every block
     of a size is in use and the pool is full, ``take`` falls back to a plain allocation.
 
+    Each block has a page to spare, so that the view can start at the page offset the
+    sender's buffer has (``take``'s ``page_offset``): a single-copy transfer into a
+    destination 16 bytes further into its page than the source ran 3 to 7 times slower
+    here (``benchmarks/bench_cma_alignment.py``), and equal offsets are never slow.
+
     ``take`` is called from one thread (the event loop's); arrays may be dropped on any
     thread, which only ever turns a block from in use to free.
     """
@@ -71,22 +78,30 @@ class RecvBufferPool:
     def __init__(self, capacity_bytes: int) -> None:
         self._capacity_bytes = capacity_bytes
         self._blocks: dict[int, list[Array]] = {}
+        self._addresses: dict[int, int] = {}  # id(block) -> address of its first byte
         self._held_bytes = 0
 
-    def take(self, nbytes: int) -> Array:
-        """A writable uint8 array of ``nbytes`` (contents undefined)."""
+    def take(self, nbytes: int, page_offset: int = 0) -> Array:
+        """A writable uint8 array of ``nbytes`` (contents undefined).
+
+        From ``POOL_MIN_BYTES`` up, its first byte lies ``page_offset`` bytes into a page
+        (``0 <= page_offset < PAGE_BYTES``); smaller arrays are plain allocations.
+        """
         if nbytes < POOL_MIN_BYTES or self._capacity_bytes == 0:
             return np.empty(nbytes, dtype=np.uint8)
         blocks = self._blocks.setdefault(nbytes, [])
         for block in blocks:
             if sys.getrefcount(block) == self._FREE_REFCOUNT:
-                return block[:]
-        block = np.empty(nbytes, dtype=np.uint8)
-        if self._held_bytes + nbytes <= self._capacity_bytes:
+                start = (page_offset - self._addresses[id(block)]) % PAGE_BYTES
+                return block[start : start + nbytes]
+        block = np.empty(nbytes + PAGE_BYTES, dtype=np.uint8)
+        address = block.ctypes.data
+        if self._held_bytes + block.nbytes <= self._capacity_bytes:
             blocks.append(block)
-            self._held_bytes += nbytes
-            return block[:]
-        return block
+            self._addresses[id(block)] = address
+            self._held_bytes += block.nbytes
+        start = (page_offset - address) % PAGE_BYTES
+        return block[start : start + nbytes]
 
     @property
     def held_bytes(self) -> int:
@@ -96,6 +111,7 @@ class RecvBufferPool:
     def clear(self) -> None:
         """Forget every block (those still in use live on with their arrays)."""
         self._blocks.clear()
+        self._addresses.clear()
         self._held_bytes = 0
 
 
@@ -134,15 +150,17 @@ def wire_array(payload: object, name: str) -> Array:
     return payload if payload.flags.c_contiguous else payload.copy(order="C")
 
 
-def encode_message(epoch: int, identity: int, body: Array) -> bytes:
+def encode_message(epoch: int, identity: int, body: Array, page_offset: int = 0) -> bytes:
     """The header, followed by the payload itself when it is small enough to inline.
 
-    ``body`` comes from ``wire_array`` (so its dtype is known to be sendable).
+    ``body`` comes from ``wire_array`` (so its dtype is known to be sendable);
+    ``page_offset`` is how far into its page a body sent as a second message starts, for
+    the receiver to place its buffer alike (see ``RecvBufferPool``).
     """
     ndim = body.ndim
     nbytes = body.nbytes
     header = HEADER_STRUCTS[ndim].pack(
-        MAGIC, epoch, identity, nbytes, ndim, wire_dtype(body.dtype), *body.shape
+        MAGIC, epoch, identity, nbytes, ndim, page_offset, wire_dtype(body.dtype), *body.shape
     )
     if 0 < nbytes <= INLINE_MAX_BYTES:
         return header + body.tobytes()
@@ -160,8 +178,8 @@ def describe(what_parts: tuple[object, ...]) -> str:
 
 def decode_header(
     header: bytearray, epoch: int, identity: int, what_parts: tuple[object, ...]
-) -> tuple[int, np.dtype[Any], tuple[int, ...], int]:
-    """``(nbytes, dtype, shape, header size)`` of the header at the start of ``header``.
+) -> tuple[int, np.dtype[Any], tuple[int, ...], int, int]:
+    """``(nbytes, dtype, shape, header size, page offset)`` of the header in ``header``.
 
     ``what_parts`` name the message in errors. This runs on every message's critical
     path, right after a large copy has evicted the caches: each call, lookup and object
@@ -169,8 +187,10 @@ def decode_header(
     (a bytearray also exports its buffer faster than an ndarray). Measured with the
     caches flushed, it went from 10 us to 3-4 us.
     """
-    magic, got_epoch, got_identity, nbytes, ndim, dtype_str = HEADER_STRUCT.unpack_from(header)
-    if magic != MAGIC or not 0 <= ndim <= MAX_NDIM:
+    magic, got_epoch, got_identity, nbytes, ndim, page_offset, dtype_str = (
+        HEADER_STRUCT.unpack_from(header)
+    )
+    if magic != MAGIC or not 0 <= ndim <= MAX_NDIM or not 0 <= page_offset < PAGE_BYTES:
         what = describe(what_parts)
         raise RuntimeError(f"{what}: not a ppswap message header (magic {magic:#x})")
     if got_epoch != epoch or got_identity != identity:
@@ -189,4 +209,4 @@ def decode_header(
     if nbytes != count:
         what = describe(what_parts)
         raise RuntimeError(f"{what}: corrupt header ({nbytes} bytes for {shape} of {dtype})")
-    return nbytes, dtype, shape, HEADER_STRUCT.size + 8 * ndim
+    return nbytes, dtype, shape, HEADER_STRUCT.size + 8 * ndim, page_offset
