@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-import sys
+from sys import getrefcount
 from typing import Any
 
 import numpy as np
@@ -71,14 +71,14 @@ class RecvBufferPool:
     thread, which only ever turns a block from in use to free.
     """
 
-    # references to a free block while ``take`` looks at it: the pool's list, the loop
-    # variable and ``sys.getrefcount``'s own argument
+    # references to a free block while ``take`` looks at it: the tuple in the pool's
+    # list, the loop variable and ``getrefcount``'s own argument
     _FREE_REFCOUNT = 3
 
     def __init__(self, capacity_bytes: int) -> None:
         self._capacity_bytes = capacity_bytes
-        self._blocks: dict[int, list[Array]] = {}
-        self._addresses: dict[int, int] = {}  # id(block) -> address of its first byte
+        # per size: (block, address of its first byte), in the order they were made
+        self._blocks: dict[int, list[tuple[Array, int]]] = {}
         self._held_bytes = 0
 
     def take(self, nbytes: int, page_offset: int = 0) -> Array:
@@ -89,16 +89,17 @@ class RecvBufferPool:
         """
         if nbytes < POOL_MIN_BYTES or self._capacity_bytes == 0:
             return np.empty(nbytes, dtype=np.uint8)
-        blocks = self._blocks.setdefault(nbytes, [])
-        for block in blocks:
-            if sys.getrefcount(block) == self._FREE_REFCOUNT:
-                start = (page_offset - self._addresses[id(block)]) % PAGE_BYTES
+        blocks = self._blocks.get(nbytes)
+        if blocks is None:
+            blocks = self._blocks[nbytes] = []
+        for block, address in blocks:
+            if getrefcount(block) == self._FREE_REFCOUNT:
+                start = (page_offset - address) % PAGE_BYTES
                 return block[start : start + nbytes]
         block = np.empty(nbytes + PAGE_BYTES, dtype=np.uint8)
         address = block.ctypes.data
         if self._held_bytes + block.nbytes <= self._capacity_bytes:
-            blocks.append(block)
-            self._addresses[id(block)] = address
+            blocks.append((block, address))
             self._held_bytes += block.nbytes
         start = (page_offset - address) % PAGE_BYTES
         return block[start : start + nbytes]
@@ -111,7 +112,6 @@ class RecvBufferPool:
     def clear(self) -> None:
         """Forget every block (those still in use live on with their arrays)."""
         self._blocks.clear()
-        self._addresses.clear()
         self._held_bytes = 0
 
 
