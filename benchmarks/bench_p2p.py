@@ -66,7 +66,7 @@ PONG = MessageKey("B", 0, 0)
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-mib", type=float, default=64.0, help="largest payload (MiB)")
-    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per size")
+    parser.add_argument("--rounds", type=int, default=25, help="rotating rounds per size")
     parser.add_argument(
         "--round-s", type=float, default=0.03, help="target seconds per method per round"
     )

@@ -64,8 +64,8 @@ class RecvBufferPool:
 
     Each block has a page to spare, so that the view can start at the page offset the
     sender's buffer has (``take``'s ``page_offset``): a single-copy transfer into a
-    destination 16 bytes further into its page than the source ran 3 to 7 times slower
-    here (``benchmarks/bench_cma_alignment.py``), and equal offsets are never slow.
+    destination 8 or 16 bytes further into its page than the source ran 4 to 8 times
+    slower here (``benchmarks/bench_cma_alignment.py``), and equal offsets are never slow.
 
     ``take`` is called from one thread (the event loop's); arrays may be dropped on any
     thread, which only ever turns a block from in use to free.
