@@ -18,12 +18,9 @@ the ratio to ``d = 0``. Rank 0 prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import mpi4py
 
@@ -33,18 +30,12 @@ mpi4py.rc.finalize = True
 import numpy as np  # noqa: E402
 import numpy.typing as npt  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+from mpi_pingpong import pingpong, relaunch_under_mpiexec, under_launcher  # noqa: E402
 
 Array = npt.NDArray[Any]
 PAGE = 4096
 HUGE_PAGE = 2 << 20
 OFFSETS = (0, 8, 16, 32, 48, 64, 2048, PAGE - 16)
-LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
-
-
-def relaunch_under_mpiexec(argv: list[str]) -> NoReturn:
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    command = [str(mpiexec), "-n", "2", sys.executable, str(Path(__file__).resolve()), *argv]
-    os.execv(command[0], command)
 
 
 def placed(nbytes: int, page_offset: int, keep: list[Array]) -> Array:
@@ -55,27 +46,13 @@ def placed(nbytes: int, page_offset: int, keep: list[Array]) -> Array:
     return arena[start : start + nbytes]
 
 
-def pingpong(comm: MPI.Comm, send: Array, recv: Array, iterations: int) -> float:
-    """Mean one-way seconds; rank 0 sends ``send`` and rank 1 receives into ``recv``."""
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(iterations):
-        if comm.rank == 0:
-            comm.Send(send, 1, 7)
-            comm.Recv(recv, 1, 7)
-        else:
-            comm.Recv(recv, 0, 7)
-            comm.Send(send, 0, 7)
-    return (time.perf_counter() - start) / (2 * iterations)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--rounds", type=int, default=11)
     args = parser.parse_args(argv)
-    if not any(name in os.environ for name in LAUNCHER_ENV):
-        relaunch_under_mpiexec(argv)
+    if not under_launcher():
+        relaunch_under_mpiexec(__file__, argv)
     MPI.Init()
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:

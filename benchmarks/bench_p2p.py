@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import mpi4py
 
@@ -51,6 +50,7 @@ import anyio  # noqa: E402
 import numpy as np  # noqa: E402
 import numpy.typing as npt  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+from mpi_pingpong import pingpong, relaunch_under_mpiexec, under_launcher  # noqa: E402
 
 from ppswap.actors.messages import MessageKey  # noqa: E402
 from ppswap.actors.mpi import MPITransport  # noqa: E402
@@ -58,7 +58,6 @@ from ppswap.actors.mpi import MPITransport  # noqa: E402
 Array = npt.NDArray[Any]
 KIB = 1024
 DEFAULT_SIZES = tuple(KIB * 4**k for k in range(9))  # 1 KiB .. 64 MiB
-LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 PING = MessageKey("F", 1, 0)
 PONG = MessageKey("B", 0, 0)
 
@@ -80,13 +79,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def relaunch_under_mpiexec(argv: list[str]) -> NoReturn:
-    """Replace this process with ``mpiexec -n 2`` running this script (venv's mpiexec)."""
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    command = [str(mpiexec), "-n", "2", sys.executable, str(Path(__file__).resolve()), *argv]
-    os.execv(command[0], command)
-
-
 def iterations_for(nbytes: int, round_s: float) -> int:
     """Ping-pongs per round: about ``round_s`` at an assumed 8 GB/s, between 2 and 2000.
 
@@ -100,16 +92,7 @@ def iterations_for(nbytes: int, round_s: float) -> int:
 
 def mpi4py_pingpong(comm: MPI.Comm, buffer: Array, iterations: int) -> float:
     """Mean one-way seconds of blocking Send/Recv ping-pong on ``buffer`` (rank 0 starts)."""
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(iterations):
-        if comm.rank == 0:
-            comm.Send(buffer, 1, 7)
-            comm.Recv(buffer, 1, 7)
-        else:
-            comm.Recv(buffer, 0, 7)
-            comm.Send(buffer, 0, 7)
-    return (time.perf_counter() - start) / (2 * iterations)
+    return pingpong(comm, buffer, buffer, iterations)
 
 
 def mpi4py_on_held(comm: MPI.Comm, held: list[Array], iterations: int) -> float:
@@ -234,8 +217,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if not any(name in os.environ for name in LAUNCHER_ENV):
-        relaunch_under_mpiexec(argv)
+    if not under_launcher():
+        relaunch_under_mpiexec(__file__, argv)
     MPI.Init_thread(MPI.THREAD_MULTIPLE)
     if MPI.COMM_WORLD.Get_size() != 2:
         print("bench_p2p needs exactly 2 ranks (mpiexec -n 2)", file=sys.stderr)
