@@ -12,19 +12,20 @@ design notes and the measured overhead. In short:
   (5-10 us) later; spinning keeps a message in flight off asyncio's 1 ms timer
   resolution; the sleeps keep a rank that waits for its peer's compute from burning its
   core.
-- Wire format: a header (magic, epoch, identity, byte count, ``dtype.str``, shape) on tag
-  ``2t``, followed in the same message by a payload of up to 16 KiB; a larger payload's
-  raw C-contiguous bytes follow on tag ``2t + 1``.
-  Any shape and any dtype named by ``dtype.str`` arrives bit-exact; object and structured
-  dtypes raise ``TypeError``.
+- Wire format: a header (magic, epoch, identity, byte count, the page offset of the
+  sender's body, ``dtype.str``, shape) on tag ``2t``, followed in the same message by a
+  payload of up to 16 KiB; a larger payload's raw C-contiguous bytes follow on tag
+  ``2t + 1`` and land at the same offset into a page as they left (see
+  ``RecvBufferPool``). Any shape and any dtype named by ``dtype.str`` arrives bit-exact;
+  object and structured dtypes raise ``TypeError``.
 - Tags: P2P uses ``t = MessageKey.tag(num_stages, micro_count)`` on its own duplicate of
   ``comm``; ``configure`` sets the layout and starts a new epoch. Consecutive epochs use
   disjoint tag ranges while ``MPI.TAG_UB`` has room for several, so a message left over
   from an earlier run never matches; where it has not (or after as many epochs as it has
   room for), the epoch in the header makes such a message an error, never a wrong
-  tensor. Collectives exchange point-to-point
-  messages on a second duplicate, tagged by a hash of ``(op, group, key, call number,
-  epoch)`` and checked against a digest in the header.
+  tensor. Collectives exchange point-to-point messages on a second duplicate, tagged by
+  a hash of ``(op, group, key, call number, epoch)`` and checked against a digest in the
+  header.
 - ``send`` returns when MPI may reuse the buffer: for large payloads, once the receiver
   has posted its receive (rendezvous). A runtime must not make a rank's next receive wait
   for its own earlier send.
