@@ -255,7 +255,7 @@ def test_recv_buffer_pool_recycles_only_unreferenced_blocks() -> None:
 @pytest.mark.parametrize("page_offset", [0, 16, 48, 1040, PAGE_BYTES - 16])
 def test_recv_buffer_pool_places_buffers_at_the_requested_page_offset(page_offset: int) -> None:
     size = 1 << 20
-    pool = RecvBufferPool(capacity_bytes=1 * (size + PAGE_BYTES))
+    pool = RecvBufferPool(capacity_bytes=size + PAGE_BYTES)  # room for one block
     fresh = pool.take(size, page_offset)
     assert fresh.ctypes.data % PAGE_BYTES == page_offset and fresh.nbytes == size
     address = fresh.ctypes.data
