@@ -174,7 +174,6 @@ def measure(
                 # both ranks time the same round trips; keep the slower rank's figure
                 rounds_s[name].append(max(comm.allgather(methods[name]())))
         one_way = {name: summarize(s) for name, s in rounds_s.items()}
-
         results.append(
             {
                 "bytes": nbytes,
