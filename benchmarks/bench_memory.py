@@ -43,6 +43,7 @@ from typing import Any
 import anyio
 import mindspore as ms
 import numpy as np
+import numpy.typing as npt
 
 from ppswap import DeviceMesh, PipelineStage, RunResult, fully_shard, run_schedule
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
@@ -127,7 +128,7 @@ def build_stages(case: BenchCase) -> list[PipelineStage]:
     return stages
 
 
-def batch() -> tuple[np.ndarray, np.ndarray]:
+def batch() -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
     """Random token ids and next-token targets for ``MICRO`` micro-batches."""
     rng = np.random.default_rng(0)
     shape = (MICRO * MICRO_BATCH, LM.seq)

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders, build_exec_order
@@ -43,7 +43,10 @@ def bench_config(micro: int) -> ScheduleConfig:
     )
 
 
-def _timed(work: Callable[[], object], *, freeze: bool) -> tuple[float, float, object]:
+_Result = TypeVar("_Result")
+
+
+def _timed(work: Callable[[], _Result], *, freeze: bool) -> tuple[float, float, _Result]:
     gc.collect()
     if freeze:
         gc.freeze()
@@ -70,7 +73,7 @@ def measure(config: ScheduleConfig, repeats: int) -> dict[str, Any]:
         wall, cpu, orders = _timed(lambda: build_all_orders(config), freeze=False)
         walls.append(wall)
         cpus.append(cpu)
-        steps = sum(len(order) for order in orders)  # type: ignore[attr-defined]
+        steps = sum(len(order) for order in orders)
         del orders
         wall, _, orders = _timed(lambda: build_all_orders(config), freeze=True)
         frozen.append(wall)

@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import mindspore as ms
 import numpy as np
+import numpy.typing as npt
 from mindspore import Tensor, nn
 
 from ppswap import PipelineStage, run_schedule
@@ -34,6 +35,8 @@ from ppswap.demo.model import mse_loss
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, swap_wrapper
+
+HostArray = npt.NDArray[Any]
 
 CONFIGS = [
     ("gpipe", 4, 4, 8, False),
@@ -50,7 +53,7 @@ def _stages(stage_num: int) -> list[PipelineStage]:
     ]
 
 
-def _data(batch: int) -> tuple[np.ndarray, np.ndarray]:
+def _data(batch: int) -> tuple[HostArray, HostArray]:
     rng = np.random.default_rng(0)
     return (
         rng.standard_normal((batch, 4)).astype(np.float32),
@@ -102,8 +105,8 @@ class SyncExecutor:
             )
             for r in range(config.pp)
         }
-        mailbox: dict[tuple[str, int, int], np.ndarray] = {}
-        outbox: dict[tuple[str, int, int], np.ndarray] = {}
+        mailbox: dict[tuple[str, int, int], HostArray] = {}
+        outbox: dict[tuple[str, int, int], HostArray] = {}
         cursor = [0] * config.pp
         executed = 0
         while any(cursor[r] < len(plan.orders[r]) for r in range(config.pp)):
@@ -124,7 +127,7 @@ class SyncExecutor:
             session.close()
         return executed
 
-    def _ready(self, step: MetaStep, mailbox: dict[tuple[str, int, int], np.ndarray]) -> bool:
+    def _ready(self, step: MetaStep, mailbox: dict[tuple[str, int, int], HostArray]) -> bool:
         stage = self.stages.get(step.stage)
         if step.kind is StepKind.FWD and stage is not None and not stage.is_first:
             return ("F", step.stage, step.micro) in mailbox
@@ -137,8 +140,8 @@ class SyncExecutor:
         step: MetaStep,
         session: PipelineSwapSession,
         batches: Any,
-        mailbox: dict[tuple[str, int, int], np.ndarray],
-        outbox: dict[tuple[str, int, int], np.ndarray],
+        mailbox: dict[tuple[str, int, int], HostArray],
+        outbox: dict[tuple[str, int, int], HostArray],
     ) -> None:
         kind = step.kind
         if kind is StepKind.FWD:
