@@ -4,14 +4,11 @@ One process per rank, launched with ``mpiexec -n N``; ``docs/mpi.md`` has the re
 design notes and the measured overhead. In short:
 
 - Non-blocking, no thread: calls post ``Isend`` / ``Irecv`` and poll ``Test()`` from the
-  event loop. For ``spin_s`` plus the payload's time at 1 GB/s a wait spins: it polls in
-  a tight loop for slices of at most ``busy_poll_s`` (default 200 us, the longest it
-  blocks the loop at a time) and yields (``sleep(0)``) between slices. Then it sleeps
-  doubling intervals up to ``poll_interval_s`` between single polls. The tight slices
-  see a message arrive within about a microsecond instead of one event-loop round trip
-  (5-10 us) later; spinning keeps a message in flight off asyncio's 1 ms timer
-  resolution; the sleeps keep a rank that waits for its peer's compute from burning its
-  core.
+  event loop (``ppswap.actors.mpi_requests``). For ``spin_s`` plus the payload's time at
+  1 GB/s a wait spins: it polls in a tight loop for slices of at most ``busy_poll_s``
+  (default 200 us, the longest it blocks the loop at a time) and yields (``sleep(0)``)
+  between slices. Then it sleeps doubling intervals up to ``poll_interval_s`` between
+  single polls.
 - Wire format: a header (magic, epoch, identity, byte count, the page offset of the
   sender's body, ``dtype.str``, shape) on tag ``2t``, followed in the same message by a
   payload of up to 16 KiB; a larger payload's raw C-contiguous bytes follow on tag
@@ -41,7 +38,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, NoReturn
 
 import anyio
@@ -50,6 +46,7 @@ import numpy.typing as npt
 from mpi4py import MPI
 
 from ppswap.actors.messages import MessageKey
+from ppswap.actors.mpi_requests import InFlightRequests
 from ppswap.actors.mpi_wire import (
     HEADER_MAX_BYTES,
     INLINE_MAX_BYTES,
@@ -68,20 +65,8 @@ __all__ = ["MPITransport"]
 Array = npt.NDArray[Any]
 
 _DEFAULT_MICRO_COUNT = 1 << 16
-_SPIN_BYTES_PER_S = 1e9
-_FIRST_SLEEP_S = 20e-6
-_CLOSE_DEADLINE_S = 1.0
 _FIRST_BYTES = HEADER_MAX_BYTES + INLINE_MAX_BYTES  # the header message, inline payload included
 _ABORT_GRACE_S = 0.5  # for mpiexec to forward what a failing rank printed (see abort)
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """Requests of one message and the buffers MPI reads or writes until they complete."""
-
-    requests: list[MPI.Request]
-    buffers: tuple[object, ...]
-    p2p_send: bool  # counted as undelivered by stats() while pending
 
 
 @dataclass(slots=True)
@@ -133,9 +118,11 @@ class MPITransport:
         self._coll_comm = base.Dup()
         self._rank = base.Get_rank()
         self._world_size = base.Get_size()
-        self._poll_interval_s = float(poll_interval_s)
-        self._spin_s = float(spin_s)
-        self._busy_poll_s = float(busy_poll_s)
+        self._requests = InFlightRequests(
+            poll_interval_s=float(poll_interval_s),
+            spin_s=float(spin_s),
+            busy_poll_s=float(busy_poll_s),
+        )
         tag_ub = self._p2p_comm.Get_attr(MPI.TAG_UB)
         self._tag_ub = int(tag_ub) if tag_ub is not None else 32767
         self._num_stages = max(1, (self._tag_ub + 1) // (4 * _DEFAULT_MICRO_COUNT))
@@ -143,9 +130,7 @@ class MPITransport:
         self._epoch = 0
         self._epoch_slots = 1  # disjoint tag ranges that consecutive epochs rotate through
         self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
-        self._inflight: dict[int, _InFlight] = {}
         self._counters = _Counters()
-        self._closed = False
         self._recv_pool = RecvBufferPool(recv_pool_bytes)
         self._header_buffers: list[bytearray] = []  # free receive buffers of _FIRST_BYTES
 
@@ -163,7 +148,7 @@ class MPITransport:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._requests.closed
 
     def configure(self, num_stages: int, micro_count: int) -> None:
         """Set the P2P tag layout for a run and start a new epoch (see the module doc).
@@ -209,8 +194,8 @@ class MPITransport:
 
     def stats(self) -> TransportStats:
         """P2P counts of this rank; ``undelivered`` = its sends not yet completed."""
-        pending_sends = sum(1 for record in self._inflight.values() if record.p2p_send)
         counters = self._counters
+        pending_sends = self._requests.pending_p2p_sends()
         return TransportStats(counters.sent, counters.received, counters.bytes_sent, pending_sends)
 
     # -- collectives --------------------------------------------------------------------------
@@ -277,20 +262,9 @@ class MPITransport:
         Waits at most about a second for cancelled requests to complete; any left are
         freed (MPI finishes them in the background) so the process can exit.
         """
-        if self._closed:
+        if self._requests.closed:
             return
-        self._closed = True
-        records = list(self._inflight.values())
-        self._inflight.clear()
-        requests = [r for record in records for r in record.requests if r != MPI.REQUEST_NULL]
-        for request in requests:
-            request.Cancel()
-        deadline = time.monotonic() + _CLOSE_DEADLINE_S
-        while not MPI.Request.Testall(requests) and time.monotonic() < deadline:
-            time.sleep(1e-4)
-        for request in requests:
-            if request != MPI.REQUEST_NULL:
-                request.Free()
+        self._requests.cancel_all()
         self._p2p_comm.Free()
         self._coll_comm.Free()
         self._recv_pool.clear()
@@ -319,7 +293,7 @@ class MPITransport:
     # -- internals ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._requests.closed:
             raise RuntimeError("MPITransport is closed")
 
     def _p2p_call_ok(self, local: object, peer: object) -> bool:
@@ -330,7 +304,7 @@ class MPITransport:
         message at 1 MiB in all); this test replaces three checking calls.
         """
         return (
-            not self._closed
+            not self._requests.closed
             and type(local) is int
             and local == self._rank
             and type(peer) is int
@@ -423,23 +397,23 @@ class MPITransport:
     async def _send_message(
         self, comm: MPI.Comm, dst: int, tag: int, identity: int, body: Array
     ) -> None:
-        if body.nbytes > INLINE_MAX_BYTES:
-            # MPI.buffer(...).address: 0.5 us, where body.ctypes.data takes 1.5-2.5
-            page_offset = MPI.buffer(body).address % PAGE_BYTES
-            message = encode_message(self._epoch, identity, body, page_offset)
+        separate_body = body.nbytes > INLINE_MAX_BYTES
+        # MPI.buffer(...).address: 0.5 us, where body.ctypes.data takes 1.5-2.5
+        page_offset = MPI.buffer(body).address % PAGE_BYTES if separate_body else 0
+        message = encode_message(self._epoch, identity, body, page_offset)
+        requests = [comm.Isend(message, dst, tag)]
+        if separate_body:
             # [array, BYTE] sends the raw bytes of any dtype; 1 us cheaper than a uint8 view
-            requests = [comm.Isend(message, dst, tag), comm.Isend([body, MPI.BYTE], dst, tag + 1)]
-        else:
-            message = encode_message(self._epoch, identity, body)
-            requests = [comm.Isend(message, dst, tag)]
-        await self._complete(requests, (message, body), comm is self._p2p_comm, body.nbytes)
+            requests.append(comm.Isend([body, MPI.BYTE], dst, tag + 1))
+        p2p_send = comm is self._p2p_comm
+        await self._requests.complete(requests, (message, body), p2p_send, body.nbytes)
 
     async def _recv_message(
         self, comm: MPI.Comm, src: int, tag: int, identity: int, what: tuple[object, ...]
     ) -> Array:
         # header buffers are reused: a fresh 16 KiB allocation per message cost 1-2 us
         first = self._header_buffers.pop() if self._header_buffers else bytearray(_FIRST_BYTES)
-        await self._complete([comm.Irecv(first, src, tag)], (first,), False, 0)
+        await self._requests.complete([comm.Irecv(first, src, tag)], (first,), False, 0)
         nbytes, dtype, shape, size, page_offset = decode_header(first, self._epoch, identity, what)
         inline = first[size : size + nbytes] if nbytes <= INLINE_MAX_BYTES else None  # a copy
         self._header_buffers.append(first)
@@ -447,65 +421,7 @@ class MPITransport:
             raw = np.frombuffer(inline, dtype=np.uint8)
         else:
             raw = self._recv_pool.take(nbytes, page_offset)  # lies in its page as the sender's
-            await self._complete([comm.Irecv(raw, src, tag + 1)], (raw,), False, nbytes)
+            await self._requests.complete([comm.Irecv(raw, src, tag + 1)], (raw,), False, nbytes)
         # a view whose base is the pool's block (or the copy): cheaper than
         # raw.view(dtype).reshape(shape)
         return np.ndarray(shape, dtype, raw)
-
-    def _poll(self, requests: list[MPI.Request], busy_s: float) -> bool:
-        """Test ``requests`` in a tight loop for up to ``busy_s``: whether all completed.
-
-        Raises if ``close()`` ran while they were pending.
-        """
-        if self._closed:
-            raise RuntimeError("MPITransport was closed while a message was in flight")
-        # one request: Request.Test (0.4 us) instead of Testall over a list (1 us), so a
-        # tight loop sees the completion sooner
-        test = requests[0].Test if len(requests) == 1 else partial(MPI.Request.Testall, requests)
-        busy_until = time.perf_counter() + busy_s
-        while not test():
-            if time.perf_counter() >= busy_until:
-                return False
-        return True
-
-    async def _complete(
-        self, requests: list[MPI.Request], buffers: tuple[object, ...], p2p_send: bool, nbytes: int
-    ) -> None:
-        """Poll ``requests`` to completion, blocking the loop ``busy_poll_s`` at most at a time.
-
-        ``buffers`` are what MPI reads or writes until they complete; ``p2p_send`` marks a
-        P2P send (``stats().undelivered`` counts it while pending). Phases (see the module
-        doc): tight polling in slices of ``busy_poll_s`` with a ``sleep(0)`` between
-        slices, while the spin budget lasts; then single polls between sleeps that double
-        up to ``poll_interval_s``. If the wait is cancelled or fails, its requests are
-        cancelled; those MPI cannot finish at once stay tracked (with their buffers) until
-        ``close()``.
-        """
-        if self._poll(requests, self._busy_poll_s):
-            return
-        record = _InFlight(requests, buffers, p2p_send)
-        self._inflight[id(record)] = record
-        done = False
-        try:
-            spin_until = time.perf_counter() + self._spin_s + nbytes / _SPIN_BYTES_PER_S
-            delay = _FIRST_SLEEP_S
-            while True:
-                if time.perf_counter() < spin_until:
-                    await anyio.sleep(0)
-                    if self._poll(requests, self._busy_poll_s):
-                        break
-                else:
-                    await anyio.sleep(min(delay, self._poll_interval_s))
-                    delay *= 2
-                    if self._poll(requests, 0.0):
-                        break
-            done = True
-        finally:
-            if done:
-                del self._inflight[id(record)]
-            elif not self._closed:
-                for request in requests:
-                    if request != MPI.REQUEST_NULL:
-                        request.Cancel()
-                if MPI.Request.Testall(requests):
-                    del self._inflight[id(record)]
