@@ -97,7 +97,7 @@ class SyncExecutor:
             stage.begin_run(micro_count=config.micro, loss_fn=mse_loss, generation=1)
         sessions = {
             r: PipelineSwapSession(
-                SwapManager(),
+                SwapManager(plan.backend),
                 engine,
                 rank=r,
                 generation=1,

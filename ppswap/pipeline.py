@@ -19,10 +19,10 @@ import anyio
 
 from ppswap.actors.p2p import Transport
 from ppswap.actors.runtime import DEFAULT_STEP_TIMEOUT_S, RunResult, run_schedule
+from ppswap.backends.base import CopyEngine
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost import CostModel, SwapPolicy, check_swap_policy
 from ppswap.stage import LossFn, PipelineStage
-from ppswap.swap import CopyEngine, EmulatedDevice
 
 __all__ = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]
 
@@ -84,7 +84,9 @@ class _PipelineSchedule:
         self.cost_model = cost_model
         self.step_timeout = step_timeout
         self.transport = transport
-        self.device: CopyEngine = device if device is not None else EmulatedDevice()
+        self.device: CopyEngine = (
+            device if device is not None else self.stages[0].backend.copy_engine()
+        )
 
     async def run_async(
         self, inputs: Any, targets: Any = None, *, trace: str | Path | None = None

@@ -1,24 +1,27 @@
-"""PipelineStage: one (virtual) pipeline stage of a MindSpore model, run chunk by chunk.
+"""PipelineStage: one (virtual) pipeline stage of a model, run chunk by chunk.
+
+The stage's module belongs to a tensor framework (a ``mindspore.nn.Cell``, a
+``torch.nn.Module``); the stage reaches it only through its backend
+(``ppswap.backends``), chosen from the module's type at construction.
 
 A stage's forward and backward for a micro-batch are split in time: FWD records the
-stage's forward (``ppswap.autograd.record_forward``, which, unlike ``mindspore.vjp``, lets
-the backwards come in any order), BWD runs its backward later with the gradient arriving
-from the next stage. All methods except the constructor and ``grads`` run on the runtime's
-single compute thread (MindSpore autograd is not thread-safe).
+stage's forward (``backend.autograd.record``: backwards may come in any order), BWD runs
+its backward later with the gradient arriving from the next stage. All methods except the
+constructor and ``grads`` run on the runtime's compute thread.
 
-dx/dw split: MindSpore's backward cannot compute the input gradient without the weight
-gradient, so BWD_INPUT computes both, returns dx (to be sent upstream at once) and keeps dw;
-BWD_WEIGHT later adds the kept dw into the accumulated gradients. The *schedule* is the
-ZB-H1 one; the *compute* of dw is not deferred on this backend.
+dx/dw split: BWD_INPUT returns dx (to be sent upstream at once) and keeps what BWD_WEIGHT
+needs; BWD_WEIGHT later adds dw into the accumulated gradients. Whether the dw compute is
+really deferred is the backend's (torch: yes; MindSpore: its backward computes both).
 
-Gradients: ``stage.grads`` is aligned with ``module.trainable_params()`` and holds the
-gradient of the mean loss over micro-batches (the last stage seeds each micro-batch's
+Gradients: ``stage.grads`` is aligned with ``stage.parameters`` (the module's trainable
+parameters: ``trainable_params()`` / ``parameters()`` with ``requires_grad``) and holds
+the gradient of the mean loss over micro-batches (the last stage seeds each micro-batch's
 backward with ``1 / micro_batch_num``), reset at the start of every training run. A
 forward-only run (``begin_run(forward_only=True)``, ``forward(record=False)``: evaluation)
 records no graph, keeps no chunk and leaves the gradients as the last training run left
 them.
 
-The loss: on the last stage ``loss_fn(output, target)`` must return a scalar Tensor. A
+The loss: on the last stage ``loss_fn(output, target)`` must return a scalar tensor. A
 loss_fn that raises, returns something else or a tensor with a shape is reported as a
 ``PipelineInputError`` naming ``loss_fn`` (at the first FWD of the last stage, before
 any backward runs).
@@ -30,13 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import mindspore as ms
-import numpy as np
-from mindspore import Tensor, nn
-
-from ppswap.autograd import record_forward, release_record, run_backward, run_without_graph
+from ppswap.backends import backend_for, type_name
+from ppswap.backends.base import Backend, ForwardRecord, Module, Tensor, WeightGrads
 from ppswap.errors import PipelineInputError
-from ppswap.swap import module_state_tensors
 
 __all__ = ["LossFn", "PipelineStage", "StageCollector"]
 
@@ -59,20 +58,20 @@ class StageCollector(Protocol):
 
 @dataclass(slots=True)
 class _Chunk:
-    # The record is keyed by the identity of these inputs: they live until the backward.
-    inputs: tuple[Tensor, ...]
-    output: Tensor | None  # kept only when the send hands it over without a copy
-    # The output's shape and dtype: a zero sensitivity releases an abandoned record.
-    output_shape: tuple[int, ...] = ()
-    output_dtype: Any = None
+    record: ForwardRecord
+    # Kept only when the send hands it over without a copy, or the loss (last stage).
+    output: Tensor | None
 
 
 class PipelineStage:
     """One stage ``stage_index`` of ``stage_num`` (global index; rank = index % pp)."""
 
-    def __init__(self, module: nn.Cell | Callable[..., Any], stage_index: int, stage_num: int):
-        if not isinstance(module, nn.Cell):
-            raise TypeError(f"module must be a mindspore.nn.Cell, got {type(module).__name__}")
+    def __init__(self, module: Module, stage_index: int, stage_num: int):
+        backend = backend_for(module)
+        if not backend.is_module(module):
+            raise TypeError(
+                f"module must be a mindspore.nn.Cell or a torch.nn.Module, got {type_name(module)}"
+            )
         for name, value in (("stage_index", stage_index), ("stage_num", stage_num)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {value!r}")
@@ -84,13 +83,14 @@ class PipelineStage:
                 f"got {stage_index}"
             )
         self.module = module
+        self.backend: Backend = backend
         self.stage_index = stage_index
         self.stage_num = stage_num
         self.generation = 0
-        self._params: tuple[ms.Parameter, ...] = tuple(module.trainable_params())
+        self._params: tuple[Tensor, ...] = backend.trainable_parameters(module)
         self._grads: list[Tensor | None] = [None] * len(self._params)
         self._chunks: dict[int, _Chunk] = {}
-        self._pending_dw: dict[int, tuple[Tensor, ...]] = {}
+        self._pending_dw: dict[int, WeightGrads] = {}
         self._loss_fn: LossFn | None = None
         self._micro_count = 1
         self._forward_fn: Callable[..., Tensor] | None = None
@@ -108,14 +108,14 @@ class PipelineStage:
         return self.stage_index == self.stage_num - 1
 
     @property
-    def parameters(self) -> tuple[ms.Parameter, ...]:
+    def parameters(self) -> tuple[Tensor, ...]:
         return self._params
 
     @property
     def grads(self) -> tuple[Tensor, ...]:
-        """Accumulated gradients of the last run, aligned with ``trainable_params()``."""
+        """Accumulated gradients of the last run, aligned with ``parameters``."""
         return tuple(
-            g if g is not None else ms.ops.zeros_like(p)
+            g if g is not None else self.backend.zeros_like(p)
             for g, p in zip(self._grads, self._params, strict=True)
         )
 
@@ -133,11 +133,11 @@ class PipelineStage:
         forward_only: bool = False,
     ) -> None:
         if not forward_only:
-            self._params = tuple(self.module.trainable_params())
+            self._params = self.backend.trainable_parameters(self.module)
             self._grads = [None] * len(self._params)
         # Parameters, buffers and plain tensor attributes (a shared mask, a rotary table):
         # module state that swap must never move.
-        self._module_state = tuple(module_state_tensors(self.module))
+        self._module_state = tuple(self.backend.module_state(self.module))
         self._chunks.clear()
         self._pending_dw.clear()
         self._loss_fn = loss_fn
@@ -149,6 +149,8 @@ class PipelineStage:
         """The function whose forward is recorded: the module, plus the loss on the last
         stage (the target is an input of the record, so each micro-batch's is distinct)."""
         module = self.module
+        is_scalar_tensor = self._is_scalar_tensor
+        tensor_name = self.backend.tensor_name
         if self.is_last:
             if loss_fn is None:
                 raise ValueError(f"stage {self.stage_index} is the last stage: loss_fn is required")
@@ -163,9 +165,9 @@ class PipelineStage:
                         f"of shape {_shape_of(output)} and a target of shape "
                         f"{_shape_of(target)}: {exc}"
                     ) from exc
-                if not isinstance(loss, Tensor) or loss.shape != ():
+                if not is_scalar_tensor(loss):
                     raise PipelineInputError(
-                        f"loss_fn {_name_of(loss_fn)} must return a scalar mindspore.Tensor "
+                        f"loss_fn {_name_of(loss_fn)} must return a scalar {tensor_name} "
                         f"(shape ()), got {type(loss).__name__} of shape {_shape_of(loss)}"
                     )
                 return loss
@@ -178,31 +180,28 @@ class PipelineStage:
 
         return stage_forward
 
+    def _is_scalar_tensor(self, value: object) -> bool:
+        return self.backend.is_tensor(value) and self.backend.shape_of(value) == ()
+
     def abort_run(self, releasable: Callable[[int, int], bool] | None = None) -> None:
         """Drop every chunk of a failed or cancelled run (its graphs and saved tensors).
 
-        A recorded forward whose backward never runs keeps what its saved-tensor hooks
-        packed alive inside MindSpore for good, ``discard_all`` or not (measured on
-        mindspore 2.10: every saved activation of the chunk; ppswap's swap collector is
-        active around every FWD). So each chunk still recorded is released by running its
-        backward with a zero sensitivity, in micro-batch order, results dropped (one
-        backward's compute per abandoned chunk). ``releasable(stage, micro)`` (default:
-        every chunk) says which chunks may run that backward: the runtime skips a chunk
-        whose swap copy never finished (its unpack would wait for a copy that will never
-        run). Best effort: a chunk skipped or whose backward fails is dropped as it is.
+        A recorded forward whose backward never runs may keep what its saved-tensor hooks
+        packed alive inside the framework for good (measured on mindspore 2.10: every
+        saved activation of the chunk). So each chunk still recorded is released through
+        the backend (``autograd.release``: MindSpore runs its backward with a zero
+        sensitivity), in micro-batch order. ``releasable(stage, micro)`` (default: every
+        chunk) says which chunks may be released that way: the runtime skips a chunk whose
+        swap copy never finished (its unpack would wait for a copy that will never run).
+        Best effort: a chunk skipped or whose release fails is dropped as it is.
         """
         chunks = sorted(self._chunks.items())
         self._chunks.clear()
         self._pending_dw.clear()
-        forward_fn = self._forward_fn
-        if forward_fn is None:
-            return
         for micro, chunk in chunks:
             if releasable is not None and not releasable(self.stage_index, micro):
                 continue
-            release_record(
-                forward_fn, chunk.inputs, self._params, chunk.output_shape, chunk.output_dtype
-            )
+            self.backend.autograd.release(chunk.record, self._params)
 
     # -- compute leaves (compute thread) --------------------------------------------------
     def forward(
@@ -225,16 +224,15 @@ class PipelineStage:
         if self._forward_fn is None:
             raise RuntimeError(f"stage {self.stage_index}: begin_run() was not called")
         inputs_for_graph = (inputs,) if target is None else (inputs, target)
+        autograd = self.backend.autograd
         if not record:
-            return run_without_graph(self._forward_fn, inputs_for_graph)
+            return autograd.run_without_graph(self._forward_fn, inputs_for_graph)
         with collector.collection_context(
             self.stage_index, micro, protected=inputs_for_graph, parameters=self._module_state
         ):
-            out = record_forward(self._forward_fn, inputs_for_graph)
+            out, recorded = autograd.record(self._forward_fn, inputs_for_graph)
         collector.protect_aliases(self.stage_index, micro, [out])
-        self._chunks[micro] = _Chunk(
-            inputs_for_graph, out if keep_output else None, tuple(out.shape), out.dtype
-        )
+        self._chunks[micro] = _Chunk(recorded, out if keep_output or self.is_last else None)
         return out
 
     def backward(self, micro: int, grad_output: Tensor | None, *, split: bool) -> Tensor | None:
@@ -246,30 +244,32 @@ class PipelineStage:
         if chunk is None:
             raise RuntimeError(f"stage {self.stage_index}: BWD of micro {micro} before its FWD")
         if self.is_last:
-            sens = Tensor(np.float32(1.0 / self._micro_count))
+            assert chunk.output is not None
+            sens = self.backend.scalar_like(1.0 / self._micro_count, like=chunk.output)
         elif grad_output is None:
             raise RuntimeError(f"stage {self.stage_index}: BWD of micro {micro} has no gradient")
         else:
             sens = grad_output
-        assert self._forward_fn is not None
-        input_grads, weight_grads = run_backward(self._forward_fn, chunk.inputs, self._params, sens)
-        del chunk
+        autograd = self.backend.autograd
         if split:
-            self._pending_dw[micro] = tuple(weight_grads)
+            input_grads, pending = autograd.backward_input(chunk.record, sens, self._params)
+            self._pending_dw[micro] = pending
         else:
+            input_grads, weight_grads = autograd.backward(chunk.record, sens, self._params)
             self._accumulate(weight_grads)
+        del chunk
         if self.is_first:
             return None
         return input_grads[0]
 
     def backward_weight(self, micro: int) -> None:
-        """BWD_WEIGHT: add the dw that BWD_INPUT kept."""
-        weight_grads = self._pending_dw.pop(micro, None)
-        if weight_grads is None:
+        """BWD_WEIGHT: add the dw of the BWD_INPUT of the same micro-batch."""
+        pending = self._pending_dw.pop(micro, None)
+        if pending is None:
             raise RuntimeError(
                 f"stage {self.stage_index}: BWD_WEIGHT of micro {micro} before its BWD_INPUT"
             )
-        self._accumulate(weight_grads)
+        self._accumulate(pending())
 
     def replace_grads(self, grads: Sequence[Tensor]) -> None:
         """Replace the accumulated gradients, aligned with ``parameters`` (FSDP installs the

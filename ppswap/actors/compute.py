@@ -41,7 +41,6 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import anyio
 import structlog
 from anyio.abc import ObjectSendStream
-from mindspore import Tensor
 
 from ppswap.actors.executor import DedicatedThread
 from ppswap.actors.faults import FaultAction, FaultPlan, FaultSite
@@ -329,8 +328,9 @@ class ComputeActor:
     def _fwd_job(
         self, stage: PipelineStage, micro: int, payload: HostArray, target: HostArray | None
     ) -> HostArray:
-        inputs = Tensor.from_numpy(payload)
-        target_tensor = None if target is None else Tensor.from_numpy(target)
+        backend = stage.backend
+        inputs = backend.from_host(payload)
+        target_tensor = None if target is None else backend.from_host(target)
         out = stage.forward(
             micro,
             inputs,
@@ -339,10 +339,9 @@ class ComputeActor:
             keep_output=self._zero_copy_sends,
             record=self._record,
         )
-        host: HostArray = out.asnumpy()
-        # asnumpy() is a view of the tensor's memory on CPU: copy unless the boundary mode
-        # hands the output over as is (then the stage keeps `out` alive until its BWD).
-        return host if self._zero_copy_sends else host.copy()
+        # Copy unless the boundary mode hands the output over as is (then the stage keeps
+        # `out` alive until its BWD).
+        return backend.to_host(out, copy=not self._zero_copy_sends)
 
     async def _bwd(self, step: MetaStep) -> None:
         stage = self._stages[step.stage]
@@ -361,10 +360,10 @@ class ComputeActor:
     def _bwd_job(
         self, stage: PipelineStage, micro: int, grad: HostArray | None, split: bool
     ) -> HostArray | None:
-        grad_tensor = None if grad is None else Tensor.from_numpy(grad)
+        grad_tensor = None if grad is None else stage.backend.from_host(grad)
         dx = stage.backward(micro, grad_tensor, split=split)
         self._session.release_chunk(stage.stage_index, micro)
-        return None if dx is None else dx.asnumpy().copy()
+        return None if dx is None else stage.backend.to_host(dx, copy=True)
 
     async def _bwd_weight(self, step: MetaStep) -> None:
         if self._fsdp is not None:

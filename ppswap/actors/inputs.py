@@ -6,15 +6,16 @@ runtime start a thread or touch a tensor.
 
 What is checked (docs/reliability.md lists the tests):
 
-- the backend: MindSpore in PYNATIVE_MODE (GRAPH_MODE cannot split a forward from its
-  backward in time: refused), every stage module a ``mindspore.nn.Cell`` (a PyTorch module
-  is refused: ppswap's PP + swap runs on MindSpore only, as the RFC says);
+- the backend: every stage's module of one framework (``ppswap.backends``: a module of no
+  supported framework is refused at ``PipelineStage``, a mix of frameworks here), and
+  that framework ready to run a pipeline (MindSpore in PYNATIVE_MODE: GRAPH_MODE cannot
+  split a forward from its backward in time);
 - the options: types and ranges of every argument, ``forward_only`` with ``swap``
   (``ScheduleConfig``), ``faults`` a ``FaultPlan``, ``trace`` a path;
 - the stages: PipelineStage objects agreeing on ``stage_num``, covering the stage indices
   of the run exactly once;
-- the data: ``inputs`` (first stage) and ``targets`` (last stage) are Tensors or numpy
-  arrays of a numeric dtype with a non-empty batch dimension divisible by
+- the data: ``inputs`` (first stage) and ``targets`` (last stage) are tensors of the
+  stages' framework or numpy arrays of a numeric dtype with a non-empty batch dimension divisible by
   ``micro_batch_num``, of the same batch size; floating inputs have the floating dtype of
   the first stage's parameters (MindSpore does not promote: a float64 batch into a float32
   model fails in the first FWD); integer inputs (token ids) are free;
@@ -36,13 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn
 
 from ppswap.actors.faults import FaultPlan
 from ppswap.actors.messages import HostArray
 from ppswap.actors.p2p import InProcessTransport, Transport
+from ppswap.backends import type_name
+from ppswap.backends.base import Backend
 from ppswap.errors import PipelineInputError
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.fsdp.plan import check_mesh, replica_of, resolve_mesh, world_orders
@@ -60,6 +61,7 @@ class RunPlan:
     """Everything a run needs, checked."""
 
     stages: tuple[PipelineStage, ...]
+    backend: Backend
     config: ScheduleConfig
     orders: tuple[Order, ...]
     local_ranks: tuple[int, ...]
@@ -103,19 +105,15 @@ class Batches:
         return Batches(self.inputs[low:high], targets)
 
 
-def _is_array(value: Any) -> bool:
-    return isinstance(value, (Tensor, np.ndarray))
-
-
-def _check_batch(name: str, value: Any, micro: int, dp: int = 1) -> None:
-    if not _is_array(value):
+def _check_batch(backend: Backend, name: str, value: Any, micro: int, dp: int = 1) -> None:
+    if not (isinstance(value, np.ndarray) or backend.is_tensor(value)):
         raise PipelineInputError(
-            f"{name} must be a mindspore.Tensor or numpy.ndarray, got {type(value).__name__}"
+            f"{name} must be a {backend.tensor_name} or numpy.ndarray, got {type(value).__name__}"
         )
     shape = tuple(value.shape)
     if len(shape) == 0:
         raise PipelineInputError(f"{name} must have a batch dimension, got a scalar")
-    dtype = _numpy_dtype(value)
+    dtype = backend.numpy_dtype(value)
     if dtype is not None and dtype.kind not in _NUMERIC_KINDS:
         raise PipelineInputError(
             f"{name} must hold numbers (bool, int or float), got dtype {dtype} (shape {shape})"
@@ -133,27 +131,14 @@ def _check_batch(name: str, value: Any, micro: int, dp: int = 1) -> None:
 _NUMERIC_KINDS = "biuf"
 
 
-def _numpy_dtype(value: Any) -> np.dtype[Any] | None:
-    """The numpy dtype of an array or Tensor (None for a Tensor dtype numpy lacks)."""
-    if isinstance(value, np.ndarray):
-        array_dtype: np.dtype[Any] = value.dtype
-        return array_dtype
-    try:
-        # MindSpore names its dtypes like numpy's, capitalised (Float32, Int64, Bool).
-        dtype: np.dtype[Any] = np.dtype(str(value.dtype).lower())
-    except (TypeError, ValueError):
-        return None
-    # Extension dtypes (bfloat16) are void-like to numpy: not checked.
-    return None if dtype.kind == "V" else dtype
-
-
 def _check_float_dtype(name: str, value: Any, stage: PipelineStage, which: str) -> None:
     """A floating batch (inputs for the first stage, targets for the last) must have the
-    (single) floating dtype of that stage's parameters."""
-    dtype = _numpy_dtype(value)
+    (single) floating dtype of that stage's parameters (frameworks do not promote)."""
+    backend = stage.backend
+    dtype = backend.numpy_dtype(value)
     if dtype is None or dtype.kind != "f":
         return
-    param_dtypes = {_numpy_dtype(p) for p in stage.module.trainable_params()}
+    param_dtypes = {backend.numpy_dtype(p) for p in stage.parameters}
     floating = {d for d in param_dtypes if d is not None and d.kind == "f"}
     if len(floating) == 1 and dtype not in floating:
         (expected,) = floating
@@ -163,22 +148,21 @@ def _check_float_dtype(name: str, value: Any, stage: PipelineStage, which: str) 
         )
 
 
-def _check_backend(stages: Sequence[PipelineStage]) -> None:
-    mode = ms.get_context("mode")
-    if mode != ms.PYNATIVE_MODE:
-        raise ValueError(
-            "the MindSpore execution mode must be PYNATIVE_MODE for pipeline runs (a forward "
-            "and its backward are separate steps), got GRAPH_MODE: call "
-            "mindspore.set_context(mode=mindspore.PYNATIVE_MODE)"
-        )
+def _check_backend(stages: Sequence[PipelineStage]) -> Backend:
+    """The one backend every stage's module belongs to, ready to run a pipeline."""
+    backends = {stage.backend.name: stage.backend for stage in stages}
+    if len(backends) != 1:
+        kinds = sorted(f"stage {s.stage_index}: {s.backend.name}" for s in stages)
+        raise TypeError(f"stages must all be modules of one framework, got {', '.join(kinds)}")
+    (backend,) = backends.values()
     for stage in stages:
-        if not isinstance(stage.module, nn.Cell):
+        if not backend.is_module(stage.module):
             raise TypeError(
-                f"stage {stage.stage_index}'s module must be a mindspore.nn.Cell, got "
-                f"{type(stage.module).__module__}.{type(stage.module).__name__} (ppswap runs "
-                "MindSpore PyNative only; PyTorch pipeline parallelism with swap is not "
-                "supported)"
+                f"stage {stage.stage_index}'s module must be a {backend.module_name} (the "
+                f"framework the stage was built with), got {type_name(stage.module)}"
             )
+    backend.check_runnable()
+    return backend
 
 
 def prepare_run(
@@ -239,7 +223,7 @@ def prepare_run(
             f"transport must implement ppswap's Transport protocol, got {type(transport).__name__}"
         )
     stage_list = _check_stages(stages)
-    _check_backend(stage_list)
+    backend = _check_backend(stage_list)
     stage_num = stage_list[0].stage_num
     distributed = transport is not None and not isinstance(transport, InProcessTransport)
     fsdp_mesh = resolve_mesh(stage_list, mesh)
@@ -289,7 +273,7 @@ def prepare_run(
     has_last = (stage_num - 1) in given
     has_first = 0 in given
     if has_first:
-        _check_batch("inputs", inputs, micro_batch_num, dp)
+        _check_batch(backend, "inputs", inputs, micro_batch_num, dp)
         first = next(s for s in stage_list if s.stage_index == 0)
         _check_float_dtype("inputs", inputs, first, "first")
     if has_last:
@@ -298,7 +282,7 @@ def prepare_run(
                 f"loss_fn must be a callable (output, target) -> scalar loss for the last "
                 f"stage, got {loss_fn!r}"
             )
-        _check_batch("targets", targets, micro_batch_num, dp)
+        _check_batch(backend, "targets", targets, micro_batch_num, dp)
         last = next(s for s in stage_list if s.stage_index == stage_num - 1)
         _check_float_dtype("targets", targets, last, "last")
     if has_first and has_last and inputs.shape[0] != targets.shape[0]:
@@ -312,6 +296,7 @@ def prepare_run(
     capacity = max(sum(1 for _ in iter_leaves(order)) for order in orders) + 1
     return RunPlan(
         stages=tuple(sorted(stage_list, key=lambda s: s.stage_index)),
+        backend=backend,
         config=config,
         orders=orders,
         local_ranks=local_ranks,
@@ -369,16 +354,18 @@ def _resolve_pp(schedule: str, pp: int | None, stage_num: int, transport: Transp
     return pp
 
 
-def _to_host(value: Any) -> HostArray:
-    array = value.asnumpy() if isinstance(value, Tensor) else np.asarray(value)
-    return np.asarray(array)
+def _to_host(backend: Backend, value: Any) -> HostArray:
+    if isinstance(value, np.ndarray):
+        return value
+    return backend.to_host(value, copy=False)
 
 
 def split_batches(plan: RunPlan) -> Batches:
-    """Split the batch into micro-batches (compute thread: may call ``asnumpy``)."""
+    """Split the batch into micro-batches (compute thread: may read a framework tensor)."""
     micro = plan.config.micro * (1 if plan.mesh is None else plan.mesh.dp)
     split: Callable[[Any], list[HostArray]] = lambda value: [  # noqa: E731
-        np.array(part, copy=True, order="C") for part in np.split(_to_host(value), micro, axis=0)
+        np.array(part, copy=True, order="C")
+        for part in np.split(_to_host(plan.backend, value), micro, axis=0)
     ]
     inputs = split(plan.inputs) if plan.inputs is not None else []
     targets = split(plan.targets) if plan.targets is not None else None

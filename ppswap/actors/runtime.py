@@ -19,8 +19,8 @@ Reliability (docs/reliability.md): every wait has the deadline ``step_timeout``
 recorder's dump (per actor the last events and pending futures, every channel's
 statistics, the compute thread's current job, the transport's counters). Cancelling the
 awaiting task tears the run down like a failure and re-raises the cancellation. The
-teardown also drops MindSpore's records of forwards whose backward never ran
-(``ppswap.autograd.discard_all``): they would otherwise stay in the process for good.
+teardown also drops the framework's records of forwards whose backward never ran
+(``backend.autograd.discard_all``): they would otherwise stay in the process for good.
 ``faults`` (a ``FaultPlan``, tests only) injects failures and delays into the actors.
 """
 
@@ -53,7 +53,7 @@ from ppswap.actors.inputs import RunPlan, prepare_run, split_batches
 from ppswap.actors.messages import CopyRequest, P2PRequest
 from ppswap.actors.p2p import InProcessTransport, P2PActor, Transport
 from ppswap.actors.trace import FlightRecorder
-from ppswap.autograd import discard_all
+from ppswap.backends.base import CopyEngine
 from ppswap.errors import first_pipeline_error
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.fsdp.mesh import DeviceMesh
@@ -61,7 +61,7 @@ from ppswap.fsdp.plan import collectives_for, param_storage_bytes
 from ppswap.scheduler.cost import CostModel, SwapPolicy
 from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.stage import LossFn, PipelineStage
-from ppswap.swap import CopyEngine, EmulatedDevice, PipelineSwapSession, SwapManager
+from ppswap.swap import PipelineSwapSession, SwapManager
 
 __all__ = ["RankStats", "RunResult", "run_schedule"]
 
@@ -209,8 +209,10 @@ async def run_schedule(
         swap_policy=swap_policy,
         cost_model=cost_model,
     )
+    engine = device if device is not None else plan.backend.copy_engine()
     async with _exclusive_run():
-        return await _run(plan, transport or InProcessTransport(), device or EmulatedDevice())
+        with plan.backend.run_scope():
+            return await _run(plan, transport or InProcessTransport(), engine)
 
 
 async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunResult:
@@ -249,7 +251,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         for rank in plan.local_ranks:
             order = plan.orders[rank]
             sessions[rank] = PipelineSwapSession(
-                SwapManager(),
+                SwapManager(plan.backend),
                 engine,
                 rank=rank,
                 generation=generation,
@@ -410,9 +412,9 @@ def _abort_all(plan: RunPlan, sessions: dict[int, PipelineSwapSession]) -> None:
         for session in sessions.values():
             session.abort()
     finally:
-        # The forwards whose backward never ran stay recorded in MindSpore's executor
-        # (memory that is never given back) until this; see ppswap.autograd.
-        discard_all()
+        # The forwards whose backward never ran may stay recorded in the framework
+        # (memory that is never given back) until this; see the backend's autograd.
+        plan.backend.autograd.discard_all()
 
 
 async def _teardown(

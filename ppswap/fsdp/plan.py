@@ -110,7 +110,7 @@ def param_storage_bytes(stages: Sequence[PipelineStage]) -> int:
     thread)."""
     seen: dict[int, int] = {}
     for stage in stages:
-        for param in stage.module.get_parameters():
-            storage = param.untyped_storage()
-            seen[int(storage.data_ptr())] = int(storage.nbytes())
+        for param in stage.backend.all_parameters(stage.module):
+            storage = stage.backend.storage_of(param)
+            seen[storage.ptr] = storage.nbytes
     return sum(seen.values())

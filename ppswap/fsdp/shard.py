@@ -3,9 +3,10 @@
 ``fully_shard(module, mesh=mesh, dp_rank=d)`` (RFC 5.2.3) shards every parameter of
 ``module`` along dim 0 across the ``mesh.dp`` replicas: the rows are padded with zeros to
 ``dp * rows`` (``rows = ceil(dim0 / dp)``) and replica ``d`` keeps rows
-``d * rows .. (d + 1) * rows - 1``. The parameter's data is replaced by that shard
-(``Parameter.set_data`` adopts the new tensor's storage), so the full storage is released
-at once. A 0-d parameter is treated as shape ``(1,)``.
+``d * rows .. (d + 1) * rows - 1``. The parameter's data is replaced by that shard (the
+backend's ``set_parameter_data`` gives it the new storage), so the full storage is
+released at once. A 0-d parameter is treated as shape ``(1,)``. The module may be of any
+backend's framework; shards travel between replicas as host arrays.
 
 In-process runs hold every dp replica's module copy in one process, so a module cannot
 learn its dp index from the process: ``dp_rank`` says which replica this copy is (with one
@@ -34,11 +35,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import mindspore as ms
 import numpy as np
 import numpy.typing as npt
-from mindspore import Tensor, nn
 
+from ppswap.backends import backend_for
+from ppswap.backends.base import Backend, Module, Tensor
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.stage import PipelineStage
 
@@ -67,7 +68,7 @@ def _as_rows(array: Array, full_rows: int) -> Array:
 class ShardedParameter:
     """One parameter's shard layout: ``rows`` rows per replica, ``full_shape`` unsharded."""
 
-    param: ms.Parameter
+    param: Tensor
     full_shape: tuple[int, ...]
     rows: int
     dtype: np.dtype[np.generic]
@@ -115,8 +116,13 @@ class FsdpState:
     """What ``fully_shard`` attached to a module: its mesh, dp rank and parameter shards."""
 
     def __init__(
-        self, mesh: DeviceMesh, dp_rank: int, params: tuple[ShardedParameter, ...]
+        self,
+        backend: Backend,
+        mesh: DeviceMesh,
+        dp_rank: int,
+        params: tuple[ShardedParameter, ...],
     ) -> None:
+        self.backend = backend
         self.mesh = mesh
         self.dp_rank = dp_rank
         self.params = params
@@ -139,10 +145,11 @@ class FsdpState:
         """Bytes the module's parameters take unsharded (from their shapes)."""
         return sum(p.full_nbytes for p in self.params)
 
-    def spec_of(self, param: ms.Parameter) -> ShardedParameter:
+    def spec_of(self, param: Tensor) -> ShardedParameter:
         spec = self._by_id.get(id(param))
         if spec is None:
-            raise ValueError(f"parameter {param.name!r} is not sharded by this FsdpState")
+            name = self.backend.parameter_name(param)
+            raise ValueError(f"parameter {name!r} is not sharded by this FsdpState")
         return spec
 
     # -- the moves (compute thread) ---------------------------------------------------------
@@ -153,10 +160,11 @@ class FsdpState:
             raise RuntimeError(f"{self!r}: unshard requested while already unsharded")
         parts: list[Array] = []
         for spec in self.params:
-            data = spec.param.asnumpy()
+            data = self.backend.to_host(spec.param, copy=False)
             if tuple(data.shape) != spec.shard_shape:
+                name = self.backend.parameter_name(spec.param)
                 raise ValueError(
-                    f"parameter {spec.param.name!r} has shape {tuple(data.shape)} between "
+                    f"parameter {name!r} has shape {tuple(data.shape)} between "
                     f"uses; a sharded parameter must keep its shard shape {spec.shard_shape}"
                 )
             parts.append(np.ascontiguousarray(data, dtype=spec.dtype).reshape(-1).view(np.uint8))
@@ -174,7 +182,7 @@ class FsdpState:
         for spec in self.params:
             nbytes = spec.shard_nbytes
             shards = [g[offset : offset + nbytes].view(spec.dtype) for g in gathered]
-            spec.param.set_data(Tensor(spec.join(shards)))
+            self.backend.set_parameter_data(spec.param, spec.join(shards))
             offset += nbytes
 
     def reshard(self) -> None:
@@ -186,7 +194,7 @@ class FsdpState:
         for spec in self.params:
             nbytes = spec.shard_nbytes
             shard = snapshot[offset : offset + nbytes].view(spec.dtype).reshape(spec.shard_shape)
-            spec.param.set_data(Tensor(shard.copy()))
+            self.backend.set_parameter_data(spec.param, shard)
             offset += nbytes
         self._snapshot = None
 
@@ -195,15 +203,13 @@ class FsdpState:
         shard while unsharded."""
         seen: dict[int, int] = {}
         for spec in self.params:
-            storage = spec.param.untyped_storage()
-            seen[int(storage.data_ptr())] = int(storage.nbytes())
+            storage = self.backend.storage_of(spec.param)
+            seen[storage.ptr] = storage.nbytes
         kept = 0 if self._snapshot is None else int(self._snapshot.nbytes)
         return sum(seen.values()) + kept
 
     # -- gradients ----------------------------------------------------------------------------
-    def grad_buckets(
-        self, params: Sequence[ms.Parameter], grads: Sequence[Tensor]
-    ) -> list[GradBucket]:
+    def grad_buckets(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> list[GradBucket]:
         """Split full-shaped ``grads`` (aligned with ``params``) into per-member flat
         contributions, one bucket per dtype, in first-seen order (compute thread)."""
         if len(params) != len(grads):
@@ -214,10 +220,11 @@ class FsdpState:
         indices: dict[str, list[int]] = {}
         for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
             spec = self.spec_of(param)
-            array = grad.asnumpy()
+            array = self.backend.to_host(grad, copy=False)
             if tuple(array.shape) != spec.full_shape:
+                name = self.backend.parameter_name(param)
                 raise ValueError(
-                    f"gradient of {param.name!r} has shape {tuple(array.shape)}, expected the "
+                    f"gradient of {name!r} has shape {tuple(array.shape)}, expected the "
                     f"full shape {spec.full_shape}"
                 )
             key = array.dtype.str
@@ -239,7 +246,7 @@ class FsdpState:
 
     def shard_grads(
         self,
-        params: Sequence[ms.Parameter],
+        params: Sequence[Tensor],
         buckets: Sequence[GradBucket],
         sums: Sequence[Array],
     ) -> tuple[Tensor, ...]:
@@ -253,9 +260,9 @@ class FsdpState:
                 spec = self.spec_of(params[index])
                 size = math.prod(spec.shard_shape)
                 part = total[offset : offset + size].reshape(spec.shard_shape)
-                out[index] = Tensor(np.divide(part, dp, dtype=part.dtype))
+                out[index] = self.backend.from_host(np.divide(part, dp, dtype=part.dtype))
                 offset += size
-        missing = [params[i].name for i, grad in enumerate(out) if grad is None]
+        missing = [self.backend.parameter_name(params[i]) for i, g in enumerate(out) if g is None]
         if missing:
             raise ValueError(f"no reduced gradient for parameters {missing}")
         return tuple(grad for grad in out if grad is not None)
@@ -267,15 +274,18 @@ def fsdp_state_of(module: object) -> FsdpState | None:
     return state if isinstance(state, FsdpState) else None
 
 
-def fully_shard(module: nn.Cell, *, mesh: DeviceMesh, dp_rank: int | None = None) -> nn.Cell:
+def fully_shard(module: Module, *, mesh: DeviceMesh, dp_rank: int | None = None) -> Module:
     """Shard every parameter of ``module`` along dim 0 across ``mesh.dp`` replicas.
 
     ``dp_rank`` is the replica this module copy belongs to (required when ``mesh.dp > 1``;
     module docstring). Returns ``module`` itself, sharded in place. Refuses a module (or a
     submodule, or a parameter) that is already sharded.
     """
-    if not isinstance(module, nn.Cell):
-        raise TypeError(f"module must be a mindspore.nn.Cell, got {type(module).__name__}")
+    backend = backend_for(module)
+    if not backend.is_module(module):
+        raise TypeError(
+            f"module must be a mindspore.nn.Cell or a torch.nn.Module, got {type(module).__name__}"
+        )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a ppswap.DeviceMesh, got {type(mesh).__name__}")
     if dp_rank is None:
@@ -289,7 +299,7 @@ def fully_shard(module: nn.Cell, *, mesh: DeviceMesh, dp_rank: int | None = None
         raise TypeError(f"dp_rank must be an int in 0..{mesh.dp - 1}, got {dp_rank!r}")
     if not 0 <= dp_rank < mesh.dp:
         raise ValueError(f"dp_rank must be in 0..{mesh.dp - 1} for {mesh!r}, got {dp_rank!r}")
-    for name, cell in module.cells_and_names():
+    for name, cell in backend.submodules(module):
         existing = fsdp_state_of(cell)
         if existing is not None:
             where = "module" if not name else f"submodule {name!r}"
@@ -297,16 +307,17 @@ def fully_shard(module: nn.Cell, *, mesh: DeviceMesh, dp_rank: int | None = None
                 f"{where} is already fully_shard()-ed ({existing!r}); a module is sharded "
                 "once, with one mesh"
             )
-    params = list(module.get_parameters())
+    params = backend.all_parameters(module)
     for param in params:
         if getattr(param, _PARAM_MARK, False):
             raise ValueError(
-                f"parameter {param.name!r} is already sharded by another fully_shard() call "
-                "(a module sharded twice, or a parameter shared with a sharded module)"
+                f"parameter {backend.parameter_name(param)!r} is already sharded by another "
+                "fully_shard() call (a module sharded twice, or a parameter shared with a "
+                "sharded module)"
             )
     specs: list[ShardedParameter] = []
     for param in params:
-        data = param.asnumpy()
+        data = backend.to_host(param, copy=True)
         full_rows = data.shape[0] if data.ndim else 1
         spec = ShardedParameter(
             param=param,
@@ -315,16 +326,16 @@ def fully_shard(module: nn.Cell, *, mesh: DeviceMesh, dp_rank: int | None = None
             dtype=data.dtype,
         )
         shard = spec.split(data, mesh.dp)[dp_rank]
-        param.set_data(Tensor(shard))
+        backend.set_parameter_data(param, shard)
         setattr(param, _PARAM_MARK, True)
         specs.append(spec)
-    setattr(module, _STATE_ATTR, FsdpState(mesh, dp_rank, tuple(specs)))
+    setattr(module, _STATE_ATTR, FsdpState(backend, mesh, dp_rank, tuple(specs)))
     return module
 
 
-def _by_dp_rank(modules: Sequence[nn.Cell]) -> list[tuple[FsdpState, nn.Cell]]:
+def _by_dp_rank(modules: Sequence[Module]) -> list[tuple[FsdpState, Module]]:
     """``(state, module)`` of one stage's dp replicas, sorted by dp rank (checked)."""
-    pairs: list[tuple[FsdpState, nn.Cell]] = []
+    pairs: list[tuple[FsdpState, Module]] = []
     for module in modules:
         state = fsdp_state_of(module)
         if state is None:
@@ -342,13 +353,15 @@ def _by_dp_rank(modules: Sequence[nn.Cell]) -> list[tuple[FsdpState, nn.Cell]]:
     return pairs
 
 
-def full_parameters(replicas: Sequence[nn.Cell]) -> list[Array]:
+def full_parameters(replicas: Sequence[Module]) -> list[Array]:
     """The full trainable parameters of one stage, joined from its ``dp`` sharded module
-    copies (any order); aligned with ``trainable_params()``. Not during a run."""
+    copies (any order); aligned with the trainable parameters. Not during a run."""
     pairs = _by_dp_rank(replicas)
-    columns = zip(*(module.trainable_params() for _, module in pairs), strict=True)
+    backend = pairs[0][0].backend
+    columns = zip(*(backend.trainable_parameters(module) for _, module in pairs), strict=True)
     return [
-        pairs[0][0].spec_of(params[0]).join([p.asnumpy() for p in params]) for params in columns
+        pairs[0][0].spec_of(params[0]).join([backend.to_host(p, copy=True) for p in params])
+        for params in columns
     ]
 
 
@@ -359,7 +372,7 @@ def full_gradients(replicas: Sequence[PipelineStage]) -> list[Array]:
     stages = {id(stage.module): stage for stage in replicas}
     pairs = _by_dp_rank([stage.module for stage in replicas])
     ordered = [stages[id(module)] for _, module in pairs]
-    grads = [[g.asnumpy() for g in stage.grads] for stage in ordered]
+    grads = [[stage.backend.to_host(g, copy=True) for g in stage.grads] for stage in ordered]
     state = pairs[0][0]
     return [
         state.spec_of(param).join([replica[index] for replica in grads])

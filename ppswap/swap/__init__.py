@@ -4,16 +4,18 @@ Selection (``swap_wrapper``, ``swap_tensor_wrapper``) is the user's; timing is t
 pipeline schedule's, executed through a :class:`PipelineSwapSession` per run and rank.
 """
 
-from ppswap.swap.device import CopyEngine, EmulatedDevice
+from ppswap.backends.base import CopyEngine
+from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.swap.errors import SwapError, SwapStateError, SwapTimeoutError, SwapWarning
 from ppswap.swap.group import SwapGroup
 from ppswap.swap.jobs import CopyJob
 from ppswap.swap.manager import SwapManager
 from ppswap.swap.session import PipelineSwapSession, SwapStats
-from ppswap.swap.tensor import Storage, SwapState, SwapTensor
+from ppswap.swap.tensor import CheckMode, Storage, SwapState, SwapTensor
 from ppswap.swap.wrappers import module_state_tensors, swap_tensor_wrapper, swap_wrapper
 
 __all__ = [
+    "CheckMode",
     "CopyEngine",
     "CopyJob",
     "EmulatedDevice",

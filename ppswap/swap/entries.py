@@ -16,16 +16,15 @@ from __future__ import annotations
 import enum
 import threading
 
-from mindspore import Tensor
-
+from ppswap.backends.base import Backend, CopyEngine, StorageRef, Tensor, ViewKey
 from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.errors import SwapStateError
 from ppswap.swap.tensor import (
+    CHECK_MODES,
+    CheckMode,
     EntryOwner,
-    StorageInfo,
     SwapState,
     SwapTensor,
-    ViewKey,
     content_digest,
 )
 from ppswap.swap.validation import check_bool, check_int
@@ -46,7 +45,9 @@ class GroupPhase(enum.Enum):
 class EntryTable:
     """The entries of one chunk's group, keyed by exact view (see the module docstring).
 
-    ``owner`` answers backward's unpack for the entries (the group itself).
+    ``owner`` answers backward's unpack for the entries (the group itself); ``backend``
+    reads the tensors, ``engine`` says where their bytes are read from when they move,
+    ``check`` how in-place modification is checked (``ppswap.swap.tensor``).
     """
 
     def __init__(
@@ -55,12 +56,20 @@ class EntryTable:
         stage: int,
         micro: int,
         *,
+        backend: Backend,
+        engine: CopyEngine,
+        check: CheckMode,
         group_swap: bool,
         accounting: SwapAccounting | None,
         owner: EntryOwner,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if check not in CHECK_MODES:
+            raise ValueError(f"check must be one of {', '.join(CHECK_MODES)}, got {check!r}")
+        self.backend = backend
+        self.engine = engine
+        self.check: CheckMode = check
         self.name = name
         self.stage = check_int("stage", stage, 0)
         self.micro = check_int("micro", micro, 0)
@@ -94,8 +103,9 @@ class EntryTable:
 
     def find(self, tensor: Tensor) -> SwapTensor | None:
         """The entry registered for exactly this view, if any."""
+        key = self.backend.view_key(tensor, self.backend.storage_of(tensor))
         with self._lock:
-            return self._by_key.get(ViewKey.of(tensor))
+            return self._by_key.get(key)
 
     # -- collection ---------------------------------------------------------------------
 
@@ -106,7 +116,7 @@ class EntryTable:
         tag: str | None = None,
         group_swap: bool | None = None,
         selected: bool = True,
-        storage: StorageInfo | None = None,
+        storage: StorageRef | None = None,
     ) -> SwapTensor:
         """Capture ``tensor`` (a saved tensor) and return its handle (deduplicated).
 
@@ -114,10 +124,10 @@ class EntryTable:
         still gets a handle, so a later ``select_storage`` (a ``swap_tensor_wrapper``
         call after the producer saved it) can still choose it; still unselected at
         :meth:`seal`, it is pinned. Registering an existing view again can only select it.
-        ``storage`` is the tensor's :class:`StorageInfo` when the caller already has it.
+        ``storage`` is the tensor's :class:`StorageRef` when the caller already has it.
         """
-        info = storage if storage is not None else StorageInfo.of(tensor)
-        key = ViewKey.of(tensor, info)
+        info = storage if storage is not None else self.backend.storage_of(tensor)
+        key = self.backend.view_key(tensor, info)
         with self._lock:
             if self._phase is not GroupPhase.COLLECTING:
                 raise SwapStateError(
@@ -134,6 +144,7 @@ class EntryTable:
                     existing.bulk = self.group_swap if group_swap is None else group_swap
                 return existing
             entry = SwapTensor.capture(
+                self.backend,
                 tensor,
                 owner=self._owner,
                 group=self.name,
@@ -178,6 +189,7 @@ class EntryTable:
             for entry in self._by_storage.get(storage_ptr, ()):
                 if not entry.pinned and entry.state is SwapState.DEVICE:
                     entry.pinned = True
+                    entry.storage.source = None  # a pinned entry is never copied
                     pinned += 1
             return pinned
 
@@ -187,7 +199,9 @@ class EntryTable:
         Unselected entries are pinned; then every entry on a storage that has a pinned
         entry is pinned too (a storage only leaves the device when the group owns every
         saved view of it, otherwise the copy would free nothing). Movable entries get
-        their content digest (the reference for every later check).
+        their copy source and, where the framework's version counter does not work, their
+        content digest (the reference for every later check): O(1) per tensor unless
+        ``check="full"``.
         """
         with self._lock:
             self._expect(GroupPhase.COLLECTING, GroupPhase.SEALED)
@@ -199,9 +213,14 @@ class EntryTable:
                     for entry in entries:
                         entry.pinned = True
             for entry in self._entries:
-                device = entry.storage.device
-                if not entry.pinned and device is not None:
-                    entry.storage.digest = content_digest(device.asnumpy())
+                storage = entry.storage
+                if entry.pinned or storage.device is None:
+                    continue
+                storage.source = self.engine.source(storage.device)
+                host = self.engine.host_view(storage.source)
+                needs_digest = storage.fingerprint is None or storage.fingerprint.version is None
+                if needs_digest and host is not None:
+                    storage.digest = content_digest(host, self.check)
             self._phase = GroupPhase.SEALED
 
     def _expect(self, phase: GroupPhase, target: GroupPhase) -> None:

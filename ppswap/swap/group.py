@@ -21,15 +21,13 @@ them take the group lock; :meth:`materialize` never holds it while waiting.
 
 from __future__ import annotations
 
-import numpy as np
-from mindspore import Tensor
-
+from ppswap.backends.base import Backend, CopyEngine, Tensor
+from ppswap.backends.cpu_engine import HOST_ALIGNMENT, Array
 from ppswap.swap.accounting import SwapAccounting
-from ppswap.swap.device import HOST_ALIGNMENT, Array, CopyEngine
 from ppswap.swap.entries import EntryTable, GroupPhase
 from ppswap.swap.errors import SwapError, SwapStateError
 from ppswap.swap.jobs import CopyJob, JobKind
-from ppswap.swap.tensor import SwapState, SwapTensor
+from ppswap.swap.tensor import CheckMode, SwapState, SwapTensor
 from ppswap.swap.transfer import (
     CopySlot,
     HostBucket,
@@ -54,19 +52,29 @@ class SwapGroup(EntryTable):
         stage: int,
         micro: int,
         *,
+        backend: Backend,
+        engine: CopyEngine,
+        check: CheckMode = "sampled",
         group_swap: bool = False,
         bucket_bytes: int = MAX_BUCKET_BYTES,
         wait_timeout_s: float = 60.0,
         accounting: SwapAccounting | None = None,
     ) -> None:
         super().__init__(
-            name, stage, micro, group_swap=group_swap, accounting=accounting, owner=self
+            name,
+            stage,
+            micro,
+            backend=backend,
+            engine=engine,
+            check=check,
+            group_swap=group_swap,
+            accounting=accounting,
+            owner=self,
         )
         if check_int("bucket_bytes", bucket_bytes, HOST_ALIGNMENT) > MAX_BUCKET_BYTES:
             raise ValueError(f"bucket_bytes must be <= {MAX_BUCKET_BYTES}, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
         self.wait_timeout_s = check_positive_seconds("wait_timeout_s", wait_timeout_s)
-        self._engine: CopyEngine | None = None
         self._offload_job: CopyJob | None = None
         self._offload_slots: list[CopySlot] = []
         self._offload_buckets: list[HostBucket] = []
@@ -85,23 +93,26 @@ class SwapGroup(EntryTable):
 
     # -- offload ------------------------------------------------------------------------
 
-    def prepare_offload(self, engine: CopyEngine) -> CopyJob:
+    def prepare_offload(self) -> CopyJob:
         """DEVICE -> D2H for every unpinned entry; return the job the copy thread runs.
 
-        Every entry is checked first (storage identity and content digest against the
-        capture); if one fails, nothing moves and :class:`SwapError` is raised.
+        Every entry's storage identity and version are checked first (O(1) each); if one
+        changed, nothing moves and :class:`SwapError` is raised. The content checks run on
+        the copy thread (``transfer.run_offload``).
         """
         with self._lock:
             self._expect(GroupPhase.SEALED, GroupPhase.OFFLOAD_PREPARED)
             movable = [e for e in self._entries if not e.pinned and e.state is SwapState.DEVICE]
-            slots = [CopySlot(entry=e, src=e.checked_view()) for e in movable]
+            for entry in movable:
+                entry.check_unchanged(self.backend, "before its offload")
+            slots = [CopySlot(entry=e, src=e.storage.source) for e in movable]
             single = [s for s in slots if not s.entry.bulk]
             buckets = pack_buckets([s for s in slots if s.entry.bulk], self.bucket_bytes)
-            self._engine = engine
+            engine, check = self.engine, self.check
 
             def work() -> None:
                 try:
-                    run_offload(engine, single, buckets)
+                    run_offload(engine, single, buckets, check)
                 finally:
                     with self._lock:
                         if self._phase is GroupPhase.RELEASED:
@@ -129,10 +140,19 @@ class SwapGroup(EntryTable):
             return job
 
     def finish_offload(self) -> int:
-        """D2H -> HOST; drop the device references; return the device bytes released."""
+        """D2H -> HOST; drop the device references; return the device bytes released.
+
+        Before a device tensor is dropped its storage, version and content digest are
+        checked once more (O(1) each): a write after the copy would make the host copy
+        stale, so it raises :class:`SwapError` and nothing is dropped.
+        """
         with self._lock:
             self._expect(GroupPhase.OFFLOAD_PREPARED, GroupPhase.OFFLOADED)
             job = self._finished_job(self._offload_job, SwapState.D2H, SwapState.HOST)
+            for slot in self._offload_slots:
+                entry, storage = slot.entry, slot.entry.storage
+                entry.check_unchanged(self.backend, "before its device memory was released")
+                entry.verify(self.engine.host_view(storage.source), self.check, "after its copy")
             before = self.accounting.resident_bytes
             bucket_of = {id(s): b for b in self._offload_buckets for s, _ in b.members}
             for slot in self._offload_slots:
@@ -156,11 +176,12 @@ class SwapGroup(EntryTable):
         if storage.device_block is not None:
             self.accounting.drop(storage.device_block, entry)
         storage.device = None
+        storage.source = None
         storage.device_block = None
 
     # -- load ---------------------------------------------------------------------------
 
-    def prepare_load(self, engine: CopyEngine) -> CopyJob:
+    def prepare_load(self) -> CopyJob:
         """HOST -> H2D for every offloaded entry; return the job the copy thread runs.
 
         The destination memory is counted as resident from here (the copy allocates it).
@@ -180,10 +201,11 @@ class SwapGroup(EntryTable):
             taken = {id(b) for b, _ in plan.buckets}
             self._host_buckets = [b for b in self._host_buckets if id(b) not in taken]
             slots = plan.slots
+            engine, check = self.engine, self.check
 
             def work() -> None:
                 try:
-                    plan.run(engine)
+                    plan.run(engine, check)
                 finally:
                     self._release_load(engine, plan)
 
@@ -216,7 +238,7 @@ class SwapGroup(EntryTable):
             plan.release(engine)
 
     def finish_load(self) -> int:
-        """H2D -> DEVICE (``Tensor.from_numpy``); return the bytes restored by this call."""
+        """H2D -> DEVICE (the engine's ``restore``); return the bytes restored by this call."""
         with self._lock:
             self._expect(GroupPhase.LOAD_PREPARED, GroupPhase.LOADED)
             self._finished_job(self._load_job, SwapState.H2D, SwapState.DEVICE)
@@ -254,7 +276,7 @@ class SwapGroup(EntryTable):
     def _complete_load(self, entry: SwapTensor, loaded: Array | None) -> Tensor:
         if loaded is None:
             raise SwapError(f"group {self.name!r} tensor {entry.tag!r}: load produced no data")
-        tensor = Tensor.from_numpy(loaded)
+        tensor = self.engine.restore(loaded)
         entry.transition(SwapState.DEVICE)
         entry.storage.device = tensor
         entry.storage.job = None
@@ -312,19 +334,19 @@ class SwapGroup(EntryTable):
     def _load_now(self, entry: SwapTensor) -> Tensor:
         storage = entry.storage
         host, bucket = storage.host, storage.host_bucket
-        assert host is not None and self._engine is not None
-        loaded = np.array(host, copy=True, order="C")
-        entry.verify(loaded, "synchronous load")
+        assert host is not None
+        loaded = self.engine.load_now(host)
+        entry.verify(self.engine.host_view(loaded), self.check, "while it was on the host")
         entry.transition(SwapState.H2D)
         storage.device_block = self.accounting.new_loaded_block()
         self.accounting.hold(storage.device_block, entry.nbytes, entry, self.chunk)
         storage.host, storage.host_bucket = None, None
         if bucket is None:
-            self._engine.release_host(host)
+            self.engine.release_host(host)
         else:
             bucket.holding -= 1
             if bucket.holding == 0 and bucket.raw is not None:
-                self._engine.release_host(bucket.raw)
+                self.engine.release_host(bucket.raw)
                 bucket.raw = None
                 self._host_buckets = [b for b in self._host_buckets if b is not bucket]
         self.accounting.count_sync_load()
@@ -366,17 +388,16 @@ class SwapGroup(EntryTable):
         for job in (self._offload_job, self._load_job):
             if job is not None:
                 job.cancel()
-        engine = self._engine
-        if engine is not None:
-            if self._offload_copied:
-                release_offload_buffers(engine, self._offload_slots, self._offload_buckets)
-            for entry in self._entries:
-                if entry.storage.host is not None and entry.storage.host_bucket is None:
-                    engine.release_host(entry.storage.host)
-            for bucket in self._host_buckets:
-                if bucket.raw is not None:
-                    engine.release_host(bucket.raw)
-                    bucket.raw = None
+        engine = self.engine
+        if self._offload_copied:
+            release_offload_buffers(engine, self._offload_slots, self._offload_buckets)
+        for entry in self._entries:
+            if entry.storage.host is not None and entry.storage.host_bucket is None:
+                engine.release_host(entry.storage.host)
+        for bucket in self._host_buckets:
+            if bucket.raw is not None:
+                engine.release_host(bucket.raw)
+                bucket.raw = None
         for entry in self._entries:
             self._drop_device(entry)
             entry.storage.host, entry.storage.host_bucket = None, None

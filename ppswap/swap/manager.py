@@ -24,12 +24,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mindspore import Parameter, Tensor
-
+from ppswap.backends.base import Backend, CopyEngine, StorageRef, Tensor
 from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.errors import SwapError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
-from ppswap.swap.tensor import StorageInfo
+from ppswap.swap.tensor import CheckMode
 
 __all__ = [
     "Collection",
@@ -77,26 +76,27 @@ def activate(collection: Collection | None) -> Iterator[Collection | None]:
         _CURRENT.reset(token)
 
 
-def tensors_in(obj: object) -> Iterator[Tensor]:
-    """The tensors of ``obj``: a Tensor, or tuples/lists/dict values nested; others skipped."""
-    if isinstance(obj, Tensor):
+def tensors_in(backend: Backend, obj: object) -> Iterator[Tensor]:
+    """The tensors of ``obj``: a tensor, or tuples/lists/dict values nested; others
+    skipped."""
+    if backend.is_tensor(obj):
         yield obj
     elif isinstance(obj, tuple | list):
         for item in obj:
-            yield from tensors_in(item)
+            yield from tensors_in(backend, item)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from tensors_in(item)
+            yield from tensors_in(backend, item)
 
 
 class SavedTensorSink(Protocol):
     """Where a collection reports saved tensors it does not capture (the chunk ledger)."""
 
-    def must_stay_resident(self, storage: StorageInfo) -> bool:
+    def must_stay_resident(self, storage: StorageRef) -> bool:
         """True if this storage is already held on device outside the chunk's group."""
         ...
 
-    def record_resident(self, tensor: Tensor, storage: StorageInfo) -> None:
+    def record_resident(self, tensor: Tensor, storage: StorageRef) -> None:
         """A saved tensor stays on device (counted, never moved)."""
         ...
 
@@ -118,12 +118,14 @@ class Collection:
 
     def __init__(
         self,
+        backend: Backend,
         *,
         group: SwapGroup | None,
         sink: SavedTensorSink | None = None,
         protected: Iterable[Tensor] = (),
         parameters: Iterable[Tensor] = (),
     ) -> None:
+        self.backend = backend
         self.group = group
         self.sink = sink
         self._parameters: dict[int, list[Tensor]] = {}
@@ -131,10 +133,14 @@ class Collection:
         self._registered: dict[int, _Registration] = {}
         self._resident: list[ResidentTensor] = []  # handles packed during this forward
         self._closed = False
-        for tensor in tensors_in(list(parameters)):
-            self._parameters.setdefault(StorageInfo.of(tensor).ptr, []).append(tensor)
-        for tensor in tensors_in(list(protected)):
-            self._protected[StorageInfo.of(tensor).ptr] = tensor
+        for tensor in tensors_in(backend, list(parameters)):
+            self._parameters.setdefault(backend.storage_of(tensor).ptr, []).append(tensor)
+        for tensor in tensors_in(backend, list(protected)):
+            self._protected[backend.storage_of(tensor).ptr] = tensor
+
+    def tensors_in(self, obj: object) -> Iterator[Tensor]:
+        """The tensors of ``obj`` (see :func:`tensors_in`)."""
+        return tensors_in(self.backend, obj)
 
     def is_parameter(self, storage_ptr: int) -> bool:
         return storage_ptr in self._parameters
@@ -147,7 +153,7 @@ class Collection:
         """Treat ``tensors`` as parameters (never captured or counted) inside the block."""
         added = []
         for tensor in tensors:
-            ptr = StorageInfo.of(tensor).ptr
+            ptr = self.backend.storage_of(tensor).ptr
             self._parameters.setdefault(ptr, []).append(tensor)
             added.append(ptr)
         try:
@@ -167,9 +173,9 @@ class Collection:
         """
         if self._closed:
             raise SwapError("swap_tensor_wrapper called after its chunk's forward ended")
-        if isinstance(tensor, Parameter):
+        if self.backend.is_parameter(tensor):
             return
-        info = StorageInfo.of(tensor)
+        info = self.backend.storage_of(tensor)
         if info.nbytes == 0:
             return
         self._registered[info.ptr] = _Registration(tensor, tag, group_swap)
@@ -196,9 +202,10 @@ class Collection:
         or when its storage was registered (before or, via
         :meth:`SwapGroup.select_storage`, after this save).
         """
-        if not isinstance(tensor, Tensor):
+        backend = self.backend
+        if not backend.is_tensor(tensor):
             return tensor
-        info = StorageInfo.of(tensor)
+        info = backend.storage_of(tensor)
         if info.ptr in self._parameters or info.nbytes == 0:
             return tensor
         group = self.group
@@ -233,7 +240,7 @@ class Collection:
         if not isinstance(verdict, bool):
             raise TypeError(
                 f"policy_fn must return a bool for each saved tensor, got {verdict!r} "
-                f"for a tensor of shape {tuple(tensor.shape)}"
+                f"for a tensor of shape {tuple(getattr(tensor, 'shape', ()))}"
             )
         return verdict
 
@@ -255,9 +262,13 @@ class Collection:
 
 
 class SwapManager:
-    """The swap groups of one rank, by name. Thread-safe; never a singleton."""
+    """The swap groups of one rank, by name. Thread-safe; never a singleton.
 
-    def __init__(self) -> None:
+    ``backend`` reads the tensors its groups capture.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
         self._lock = threading.Lock()
         self._groups: dict[str, SwapGroup] = {}
 
@@ -267,16 +278,22 @@ class SwapManager:
         stage: int,
         micro: int,
         *,
+        engine: CopyEngine,
+        check: CheckMode = "sampled",
         group_swap: bool = False,
         bucket_bytes: int = MAX_BUCKET_BYTES,
         wait_timeout_s: float = 60.0,
         accounting: SwapAccounting | None = None,
     ) -> SwapGroup:
-        """Create and register a group; a name still in use raises :class:`SwapError`."""
+        """Create and register a group whose bytes ``engine`` moves; a name still in use
+        raises :class:`SwapError`."""
         group = SwapGroup(
             name,
             stage,
             micro,
+            backend=self.backend,
+            engine=engine.for_backend(self.backend),
+            check=check,
             group_swap=group_swap,
             bucket_bytes=bucket_bytes,
             wait_timeout_s=wait_timeout_s,
@@ -325,7 +342,7 @@ class SwapManager:
         For use outside a pipeline session (no ledger); the group is sealed on exit.
         """
         group = self.get_group(name)
-        collection = Collection(group=group)
+        collection = Collection(self.backend, group=group)
         try:
             with activate(collection):
                 yield collection

@@ -2,13 +2,13 @@
 
 One session per run per rank (``generation`` numbers the runs). It owns the chunk
 groups of the run (named ``pp_swap_run{generation}_s{stage}_m{micro}``), the chunk
-ledgers and the memory accounting; the runtime owns the :class:`SwapManager` and the
-:class:`CopyEngine` and passes them in.
+ledgers and the memory accounting; the runtime owns the :class:`SwapManager` (with its
+backend) and the :class:`CopyEngine` and passes them in.
 
 Calls per chunk ``(stage, micro)``, all on the compute thread except ``CopyJob.run``::
 
     with session.collection_context(s, m, protected=inputs, parameters=params):
-        out = forward under ms.vjp                  # FWD
+        out = the stage's forward, recorded         # FWD
     session.protect_aliases(s, m, [out, loss])      # pin what leaves the chunk
     job = session.prepare_offload(s, m)             # SWAP_LAUNCH_OFFLOAD
     job.run()                                       #   ... on the copy thread
@@ -16,7 +16,7 @@ Calls per chunk ``(stage, micro)``, all on the compute thread except ``CopyJob.r
     job = session.prepare_load(s, m)                # SWAP_LAUNCH_LOAD
     job.run()                                       #   ... on the copy thread
     session.finish_load(s, m)                       # SWAP_WAIT_LOAD
-    grads = vjp_fn(sens)                            # BWD / BWD_INPUT
+    grads = the recorded backward                   # BWD / BWD_INPUT
     session.release_chunk(s, m)
 
 For a chunk not in ``eligible`` only the first and the last call apply: no group is
@@ -49,15 +49,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import structlog
-from mindspore import Tensor
 
+from ppswap.backends.base import CopyEngine, StorageRef, Tensor
 from ppswap.swap.accounting import Chunk, SwapAccounting
-from ppswap.swap.device import CopyEngine
 from ppswap.swap.errors import SwapError, SwapTimeoutError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
 from ppswap.swap.jobs import CopyJob
 from ppswap.swap.manager import Collection, SwapManager, tensors_in
-from ppswap.swap.tensor import StorageInfo, SwapState
+from ppswap.swap.tensor import CHECK_MODES, CheckMode, SwapState
 from ppswap.swap.validation import check_int, check_positive_seconds
 from ppswap.swap.wrappers import capture_scope
 
@@ -93,13 +92,13 @@ class _ChunkRecord:
     def holder(self) -> tuple[str, int, int]:
         return ("ledger", *self.chunk)
 
-    def must_stay_resident(self, storage: StorageInfo) -> bool:
+    def must_stay_resident(self, storage: StorageRef) -> bool:
         if storage.ptr in self.resident:
             return True
         others = self.session.accounting.chunks_holding(("storage", storage.ptr))
         return bool(others - {self.chunk})
 
-    def record_resident(self, tensor: Tensor, storage: StorageInfo) -> None:
+    def record_resident(self, tensor: Tensor, storage: StorageRef) -> None:
         if storage.ptr not in self.resident:
             self.resident[storage.ptr] = tensor
             self.session.accounting.hold(
@@ -139,13 +138,18 @@ class PipelineSwapSession:
         eligible: CollectionABC[tuple[int, int]],
         wait_timeout_s: float = 60.0,
         bucket_bytes: int = MAX_BUCKET_BYTES,
+        check: CheckMode = "sampled",
     ) -> None:
         if not isinstance(manager, SwapManager):
             raise TypeError(f"manager must be a SwapManager, got {type(manager).__name__}")
         if not isinstance(engine, CopyEngine):
             raise TypeError(f"engine must implement CopyEngine, got {type(engine).__name__}")
+        if check not in CHECK_MODES:
+            raise ValueError(f"check must be one of {', '.join(CHECK_MODES)}, got {check!r}")
         self.manager = manager
-        self.engine = engine
+        self.backend = manager.backend
+        self.engine = engine.for_backend(manager.backend)
+        self.check: CheckMode = check
         self.rank = check_int("rank", rank, 0)
         self.generation = check_int("generation", generation, 0)
         self.eligible = _eligible_set(eligible)
@@ -198,6 +202,8 @@ class PipelineSwapSession:
                     self.group_name(stage, micro),
                     stage,
                     micro,
+                    engine=self.engine,
+                    check=self.check,
                     bucket_bytes=self.bucket_bytes,
                     wait_timeout_s=self.wait_timeout_s,
                     accounting=self.accounting,
@@ -205,7 +211,7 @@ class PipelineSwapSession:
             record = _ChunkRecord(session=self, chunk=chunk, group=group)
             self._chunks[chunk] = record
         collection = Collection(
-            group=group, sink=record, protected=protected, parameters=parameters
+            self.backend, group=group, sink=record, protected=protected, parameters=parameters
         )
         try:
             with capture_scope(collection):
@@ -223,8 +229,8 @@ class PipelineSwapSession:
         record = self._record(stage, micro, "protect_aliases")
         if record.group is None:
             return
-        for tensor in tensors_in(list(tensors)):
-            record.group.pin_storage(StorageInfo.of(tensor).ptr)
+        for tensor in tensors_in(self.backend, list(tensors)):
+            record.group.pin_storage(self.backend.storage_of(tensor).ptr)
 
     def _pin_storage_everywhere(self, storage_ptr: int) -> None:
         with self._lock:
@@ -236,7 +242,7 @@ class PipelineSwapSession:
 
     def prepare_offload(self, stage: int, micro: int) -> CopyJob:
         """SWAP_LAUNCH_OFFLOAD: DEVICE -> D2H; the returned job runs on the copy thread."""
-        return self._group(stage, micro, "prepare_offload").prepare_offload(self.engine)
+        return self._group(stage, micro, "prepare_offload").prepare_offload()
 
     def finish_offload(self, stage: int, micro: int) -> int:
         """SWAP_WAIT_OFFLOAD: D2H -> HOST, device references dropped; bytes released."""
@@ -244,10 +250,10 @@ class PipelineSwapSession:
 
     def prepare_load(self, stage: int, micro: int) -> CopyJob:
         """SWAP_LAUNCH_LOAD: HOST -> H2D; the returned job runs on the copy thread."""
-        return self._group(stage, micro, "prepare_load").prepare_load(self.engine)
+        return self._group(stage, micro, "prepare_load").prepare_load()
 
     def finish_load(self, stage: int, micro: int) -> int:
-        """SWAP_WAIT_LOAD: H2D -> DEVICE (``Tensor.from_numpy``); bytes restored."""
+        """SWAP_WAIT_LOAD: H2D -> DEVICE (the engine's ``restore``); bytes restored."""
         return self._group(stage, micro, "finish_load").finish_load()
 
     def release_chunk(self, stage: int, micro: int) -> None:

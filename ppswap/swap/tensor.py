@@ -17,16 +17,19 @@ A :class:`SwapTensor` is the *handle* the autograd graph keeps (the pack hook re
 the graph never holds the device tensor itself, which is what lets ``finish_offload``
 really release memory. Backward's unpack calls :meth:`SwapTensor.materialize`, which
 returns the live tensor or, through its owner (the group), waits for or performs the load
-(the safety net). A materialized tensor is rebuilt with ``Tensor.from_numpy`` from the
-loaded bytes; it is contiguous, has the captured shape and dtype, and is bit-identical.
+(the safety net). A materialized tensor is rebuilt by the copy engine from the loaded
+bytes; it has the captured shape and dtype and is bit-identical.
 
-Identity and the checks before D2H: at capture the storage's base address, its size
-(``untyped_storage().nbytes()``), the view's shape/dtype and MindSpore's ``_version``
-counter are recorded (:class:`Fingerprint`); at the end of the forward a content digest is
-taken. Before D2H all of them are compared again. MindSpore 2.10 never bumps ``_version``
-(measured: not for ``add_``, ``mul_``, ``__setitem__`` or numpy writes), so in-place
-modification is detected by the digest: a CRC32 of the whole tensor up to
-:data:`FULL_DIGEST_MAX_BYTES`, of :data:`DIGEST_SAMPLES` evenly spaced elements above.
+In-place modification (docs/swap.md has the measured trade-off): at capture the storage's
+address and size and the framework's version counter are recorded (:class:`Fingerprint`)
+and compared again before the copy and before the device reference is dropped. Where the
+counter works (torch) that is the whole check. Where it does not (MindSpore 2.10 never
+bumps ``_version``), content digests stand in, by :class:`CheckMode`: ``"sampled"`` (the
+default) digests 64 evenly spaced elements of each tensor, O(1) per tensor on the compute
+thread; ``"full"`` digests every byte. The reference is taken when the forward ends, the
+copy thread compares the host copy against it and against the source after copying, the
+compute thread compares the source again just before it drops the device tensor, and every
+load is compared with the host copy's digest.
 """
 
 from __future__ import annotations
@@ -35,18 +38,18 @@ import enum
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import numpy as np
-from mindspore import Tensor
 
-from ppswap.swap.device import Array
+from ppswap.backends.base import Backend, HostArray, StorageRef, Tensor, ViewKey
 from ppswap.swap.errors import SwapError, SwapStateError
 
 __all__ = [
+    "CHECK_MODES",
     "DIGEST_SAMPLES",
-    "FULL_DIGEST_MAX_BYTES",
     "LEGAL_TRANSITIONS",
+    "CheckMode",
     "Fingerprint",
     "Storage",
     "StorageInfo",
@@ -56,8 +59,13 @@ __all__ = [
     "content_digest",
 ]
 
-FULL_DIGEST_MAX_BYTES = 1 << 20
-DIGEST_SAMPLES = 4096
+DIGEST_SAMPLES = 64
+
+CheckMode = Literal["sampled", "full"]
+CHECK_MODES: tuple[str, ...] = get_args(CheckMode)
+
+StorageInfo = StorageRef
+"""The storage a tensor lives in (the name the swap layer has always used)."""
 
 
 class SwapState(enum.Enum):
@@ -77,84 +85,43 @@ LEGAL_TRANSITIONS: dict[SwapState, SwapState] = {
 }
 
 
-@dataclass(frozen=True)
-class StorageInfo:
-    """The device storage a tensor lives in: base address and size in bytes."""
-
-    ptr: int
-    nbytes: int
-
-    @classmethod
-    def of(cls, tensor: Tensor) -> StorageInfo:
-        storage = tensor.untyped_storage()
-        return cls(ptr=int(storage.data_ptr()), nbytes=int(storage.nbytes()))
-
-
-@dataclass(frozen=True)
-class ViewKey:
-    """Exact identity of a view: same storage, offset, shape, strides and dtype.
-
-    Only tensors with equal keys share one :class:`SwapTensor`; a view and its base (or
-    two different views of one storage) are separate entries, each copied on its own.
-    """
-
-    storage_ptr: int
-    offset: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: str
-
-    @classmethod
-    def of(cls, tensor: Tensor, storage: StorageInfo | None = None) -> ViewKey:
-        info = storage if storage is not None else StorageInfo.of(tensor)
-        return cls(
-            storage_ptr=info.ptr,
-            offset=int(tensor.storage_offset()),
-            shape=tuple(int(d) for d in tensor.shape),
-            strides=tuple(int(s) for s in tensor.stride()),
-            dtype=str(tensor.dtype),
-        )
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fingerprint:
-    """What is checked before D2H: storage address and size, view shape, dtype, version."""
+    """What is checked before D2H and before the device tensor is dropped: the storage's
+    address and size, and the framework's version counter (None where it has none)."""
 
     storage_ptr: int
     storage_nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    version: int
+    version: int | None
 
     @classmethod
-    def of(cls, tensor: Tensor, storage: StorageInfo | None = None) -> Fingerprint:
-        info = storage if storage is not None else StorageInfo.of(tensor)
-        return cls(
-            storage_ptr=info.ptr,
-            storage_nbytes=info.nbytes,
-            shape=tuple(int(d) for d in tensor.shape),
-            dtype=str(tensor.dtype),
-            version=int(getattr(tensor, "_version", 0)),
-        )
+    def of(cls, backend: Backend, tensor: Tensor, storage: StorageRef | None = None) -> Fingerprint:
+        info = storage if storage is not None else backend.storage_of(tensor)
+        return cls(info.ptr, info.nbytes, backend.version_of(tensor))
 
     def differences(self, other: Fingerprint) -> list[str]:
         """Human-readable list of what changed from ``self`` to ``other``."""
         changed = []
-        for name in ("storage_ptr", "storage_nbytes", "shape", "dtype", "version"):
+        for name in ("storage_ptr", "storage_nbytes", "version"):
             before, after = getattr(self, name), getattr(other, name)
             if before != after:
                 changed.append(f"{name} {before!r} -> {after!r}")
         return changed
 
 
-def content_digest(array: Array) -> int:
-    """CRC32 of the array's bytes (whole up to 1 MiB, evenly spaced elements above)."""
-    flat = np.ascontiguousarray(array).reshape(-1)
-    if flat.nbytes <= FULL_DIGEST_MAX_BYTES:
-        return zlib.crc32(flat.view(np.uint8).data)
-    rows = flat.view(np.uint8).reshape(flat.size, flat.itemsize)
-    picks = np.linspace(0, flat.size - 1, num=DIGEST_SAMPLES).astype(np.int64)
-    return zlib.crc32(np.ascontiguousarray(rows[picks]).data)
+def content_digest(array: HostArray, mode: CheckMode = "sampled") -> int:
+    """CRC32 of the array's bytes: every byte (``"full"``) or :data:`DIGEST_SAMPLES`
+    evenly spaced elements plus the byte count (``"sampled"``)."""
+    flat = (
+        array.reshape(-1) if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(-1)
+    )
+    raw = flat.view(np.uint8)
+    if mode == "full" or flat.size <= DIGEST_SAMPLES:
+        return zlib.crc32(raw.data)
+    rows = raw.reshape(flat.size, flat.itemsize)
+    step = (flat.size - 1) / (DIGEST_SAMPLES - 1)
+    picks = [round(i * step) for i in range(DIGEST_SAMPLES)]
+    return zlib.crc32(rows[picks].tobytes(), flat.nbytes)
 
 
 class Storage:
@@ -162,8 +129,29 @@ class Storage:
 
     Fields are owned by the compute thread; the copy thread never touches a Storage (copy
     jobs carry their own buffers). :meth:`transition` is atomic under the storage's lock
-    so a concurrent reader of :attr:`state` always sees a legal state.
+    so a concurrent reader of :attr:`state` always sees a legal state. ``source`` is what
+    the copy thread reads the device bytes from (taken when the forward ends), ``digest``
+    the reference content digest (MindSpore; None where the version counter is used).
     """
+
+    __slots__ = (
+        "_lock",
+        "_state",
+        "device",
+        "device_block",
+        "digest",
+        "dtype",
+        "fingerprint",
+        "group",
+        "host",
+        "host_bucket",
+        "job",
+        "nbytes",
+        "released",
+        "shape",
+        "source",
+        "tag",
+    )
 
     def __init__(self, *, group: str, tag: str, nbytes: int, shape: tuple[int, ...], dtype: Any):
         self.group = group
@@ -175,7 +163,8 @@ class Storage:
         self._state = SwapState.DEVICE
         self.device: Tensor | None = None
         self.device_block: tuple[str, int] | None = None
-        self.host: Array | None = None
+        self.source: Any = None
+        self.host: HostArray | None = None
         self.host_bucket: Any = None
         self.job: Any = None
         self.fingerprint: Fingerprint | None = None
@@ -256,6 +245,7 @@ class SwapTensor:
     @classmethod
     def capture(
         cls,
+        backend: Backend,
         tensor: Tensor,
         *,
         owner: EntryOwner,
@@ -264,14 +254,20 @@ class SwapTensor:
         key: ViewKey,
         bulk: bool,
         chunk: tuple[int, int],
-        storage_info: StorageInfo | None = None,
+        storage_info: StorageRef,
     ) -> SwapTensor:
         """A new DEVICE entry holding ``tensor`` with its capture fingerprint."""
         storage = Storage(
-            group=group, tag=tag, nbytes=int(tensor.nbytes), shape=key.shape, dtype=tensor.dtype
+            group=group,
+            tag=tag,
+            nbytes=backend.data_nbytes(tensor),
+            shape=key.shape,
+            dtype=key.dtype,
         )
         storage.device = tensor
-        storage.fingerprint = Fingerprint.of(tensor, storage_info)
+        storage.fingerprint = Fingerprint(
+            storage_info.ptr, storage_info.nbytes, backend.version_of(tensor)
+        )
         return cls(owner=owner, tag=tag, key=key, storage=storage, bulk=bulk, chunk=chunk)
 
     @property
@@ -295,38 +291,28 @@ class SwapTensor:
         """The tensor for backward: live, waited for, or loaded now (never partial)."""
         return self._owner.materialize(self)
 
-    def checked_view(self) -> Array:
-        """The checks before D2H, then a numpy view of the device data (compute thread).
-
-        Raises :class:`SwapError` if the storage changed since capture (address, size,
-        shape, dtype, ``_version``) or its content digest differs from the one taken at
-        the end of the forward (an in-place modification).
-        """
+    def check_unchanged(self, backend: Backend, when: str) -> None:
+        """Raise :class:`SwapError` if the storage or version changed since capture
+        (compute thread; O(1))."""
         storage = self.storage
         device = storage.device
         if device is None or storage.fingerprint is None:
             raise SwapError(f"group {self.group!r} tensor {self.tag!r} lost its device tensor")
-        changes = storage.fingerprint.differences(Fingerprint.of(device))
+        changes = storage.fingerprint.differences(Fingerprint.of(backend, device))
         if changes:
             raise SwapError(
                 f"group {self.group!r} tensor {self.tag!r}: its storage changed after "
-                f"capture ({'; '.join(changes)}); refusing to offload"
+                f"capture ({'; '.join(changes)}) {when}; refusing to offload"
             )
-        view: Array = device.asnumpy()
-        if storage.digest is not None and content_digest(view) != storage.digest:
-            raise SwapError(
-                f"group {self.group!r} tensor {self.tag!r} was modified in place after "
-                "capture (content digest changed); refusing to offload stale data"
-            )
-        return view
 
-    def verify(self, array: Array, where: str) -> None:
-        """Raise :class:`SwapError` if ``array`` does not hold the captured data."""
+    def verify(self, array: HostArray | None, mode: CheckMode, where: str) -> None:
+        """Raise :class:`SwapError` if ``array`` does not hold the captured data (no-op
+        without a reference digest or a host-visible array)."""
         expected = self.storage.digest
-        if expected is not None and content_digest(array) != expected:
+        if expected is not None and array is not None and content_digest(array, mode) != expected:
             raise SwapError(
-                f"group {self.group!r} tensor {self.tag!r}: data changed during {where} "
-                "(digest mismatch); the copy is not trustworthy"
+                f"group {self.group!r} tensor {self.tag!r} was modified in place {where} "
+                "(content digest changed); refusing to swap stale data"
             )
 
     def __repr__(self) -> str:

@@ -1,7 +1,11 @@
-"""The copy bodies of a group's offload and load jobs (numpy only, no MindSpore calls).
+"""The copy bodies of a group's offload and load jobs (no framework calls of their own).
 
-These functions run on the copy thread. They only see what a job carries: the source
-views, the host buffers, the buckets. They take no locks; the group wraps them.
+These functions run on the copy thread. They only see what a job carries: the copy
+sources, the host buffers, the buckets, and move bytes with the engine's primitives. They
+take no locks; the group wraps them. After each copy they compare content digests where
+the group keeps them (``SwapTensor.verify``): the host copy against the reference taken
+when the forward ended, the source again after the copy (a write during the copy), a
+load against the host copy.
 
 Bucket layout (``group_swap=True``): members are placed in capture order at 64-byte
 aligned offsets; a bucket never exceeds ``bucket_bytes`` unless it holds one tensor that
@@ -16,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ppswap.swap.device import HOST_ALIGNMENT, Array, CopyEngine
-from ppswap.swap.tensor import SwapTensor
+from ppswap.backends.base import CopyEngine
+from ppswap.backends.cpu_engine import HOST_ALIGNMENT, Array
+from ppswap.swap.tensor import CheckMode, SwapTensor
 
 __all__ = [
     "CopySlot",
@@ -78,13 +83,20 @@ def pack_buckets(slots: list[CopySlot], bucket_bytes: int) -> list[HostBucket]:
     return buckets
 
 
-def run_offload(engine: CopyEngine, single: list[CopySlot], buckets: list[HostBucket]) -> None:
-    """Copy every source view to host: one pooled buffer per single slot, one per bucket."""
+def _verify_offloaded(engine: CopyEngine, slot: CopySlot, check: CheckMode) -> None:
+    slot.entry.verify(slot.host, check, "after capture")
+    slot.entry.verify(engine.host_view(slot.src), check, "while its offload copy ran")
+
+
+def run_offload(
+    engine: CopyEngine, single: list[CopySlot], buckets: list[HostBucket], check: CheckMode
+) -> None:
+    """Copy every source to host: one pooled buffer per single slot, one per bucket."""
     for slot in single:
         assert slot.src is not None
         slot.host = engine.d2h(slot.src)
+        _verify_offloaded(engine, slot, check)
         slot.src = None
-        slot.entry.verify(slot.host, "D2H")
     for bucket in buckets:
         bucket.raw = engine.acquire_host(bucket.nbytes)
         for slot, offset in bucket.members:
@@ -93,20 +105,21 @@ def run_offload(engine: CopyEngine, single: list[CopySlot], buckets: list[HostBu
             dst = bucket.raw[offset : offset + src.nbytes]
             engine.d2h_into(src, dst)
             slot.host = dst.view(src.dtype).reshape(src.shape)
+            _verify_offloaded(engine, slot, check)
             slot.src = None
-            slot.entry.verify(slot.host, "D2H")
 
 
 def run_load(
     engine: CopyEngine,
     single: list[CopySlot],
     buckets: list[tuple[HostBucket, list[CopySlot]]],
+    check: CheckMode,
 ) -> None:
-    """Copy host data to fresh device arrays; bucket members become slices of one array."""
+    """Copy host data to fresh device memory; bucket members become slices of one block."""
     for slot in single:
         assert slot.host is not None
         loaded = engine.h2d(slot.host)
-        slot.entry.verify(loaded, "H2D")
+        slot.entry.verify(engine.host_view(loaded), check, "while it was on the host (load)")
         slot.loaded = loaded
     for bucket, bucket_slots in buckets:
         assert bucket.raw is not None
@@ -114,7 +127,7 @@ def run_load(
         for slot in bucket_slots:
             raw = device[slot.offset : slot.offset + slot.entry.nbytes]
             loaded = raw.view(slot.dtype).reshape(slot.entry.storage.shape)
-            slot.entry.verify(loaded, "H2D")
+            slot.entry.verify(engine.host_view(loaded), check, "while it was on the host (load)")
             slot.loaded = loaded
 
 
@@ -212,8 +225,8 @@ class LoadPlan:
     def nbytes(self) -> int:
         return sum(s.entry.nbytes for s in self.single) + sum(b.nbytes for b, _ in self.buckets)
 
-    def run(self, engine: CopyEngine) -> None:
-        run_load(engine, self.single, self.buckets)
+    def run(self, engine: CopyEngine, check: CheckMode) -> None:
+        run_load(engine, self.single, self.buckets, check)
 
     def release(self, engine: CopyEngine) -> None:
         release_load_buffers(engine, self.single, self.buckets)

@@ -34,8 +34,8 @@ from reliability_support import (
 )
 
 import ppswap.actors.runtime as runtime
-import ppswap.stage as stage_module
 from ppswap import PipelineInputError, PipelineStage, run_schedule
+from ppswap.backends.mindspore import BACKEND as MINDSPORE
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.swap import EmulatedDevice
 from ppswap.swap.manager import ResidentTensor
@@ -67,8 +67,8 @@ def _kwargs(**overrides: Any) -> dict[str, Any]:
     return base | overrides
 
 
-class _TorchLikeModule:
-    """Stands in for a torch.nn.Module (not a MindSpore Cell)."""
+class _ForeignModule:
+    """A callable module of no supported framework (neither MindSpore nor torch)."""
 
     def __call__(self, x: Any) -> Any:
         return x
@@ -182,19 +182,23 @@ async def test_bad_input_is_refused_before_compute(
     assert all(s.generation == 0 for s in STAGES + OTHER_STAGES)
 
 
-def test_a_non_mindspore_module_is_refused() -> None:
+def test_a_module_of_no_supported_framework_is_refused() -> None:
     with pytest.raises(
-        TypeError, match=r"module must be a mindspore\.nn\.Cell, got _TorchLikeModule"
+        TypeError,
+        match=r"module must be a mindspore\.nn\.Cell or a torch\.nn\.Module, got "
+        r"\S*_ForeignModule",
     ):
-        PipelineStage(_TorchLikeModule(), 0, 1)  # type: ignore[arg-type]
+        PipelineStage(_ForeignModule(), 0, 1)  # type: ignore[arg-type]
 
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("no_compute")
 async def test_a_module_swapped_for_a_foreign_one_is_refused() -> None:
     stages = make_stages(2)
-    stages[1].module = _TorchLikeModule()  # type: ignore[assignment]
-    with pytest.raises(TypeError, match="PyTorch pipeline parallelism with swap is not"):
+    stages[1].module = _ForeignModule()  # type: ignore[assignment]
+    with pytest.raises(
+        TypeError, match=r"stage 1's module must be a mindspore\.nn\.Cell \(the framework"
+    ):
         await run_schedule(stages, "gpipe", **_kwargs())
 
 
@@ -340,7 +344,7 @@ async def test_forward_only_returns_the_losses_and_leaves_gradients_alone(
     def no_recording(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a forward-only run recorded a graph")
 
-    monkeypatch.setattr(stage_module, "record_forward", no_recording)
+    monkeypatch.setattr(MINDSPORE.autograd, "record", no_recording)
     result = await run_case(stages, case, forward_only=True)
     assert result.losses == expected_losses
     assert all(s.live_chunks == 0 for s in stages)

@@ -10,6 +10,7 @@ import mindspore as ms
 import pytest
 from swap_support import CopyThread, ForwardLedger
 
+from ppswap.backends.mindspore import BACKEND as MINDSPORE
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager
 
 _CALL_FAILED = pytest.StashKey[bool]()
@@ -62,7 +63,7 @@ def copy_thread() -> Iterator[CopyThread]:
 
 @pytest.fixture
 def manager() -> SwapManager:
-    return SwapManager()
+    return SwapManager(MINDSPORE)
 
 
 @pytest.fixture

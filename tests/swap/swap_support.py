@@ -13,7 +13,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from ppswap.autograd import discard_all
+from ppswap.backends.mindspore import BACKEND as MINDSPORE
 from ppswap.swap import CopyJob, EmulatedDevice, PipelineSwapSession
 
 Grads = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
@@ -157,7 +157,7 @@ def release_forward(vjp_fn: Callable[[Tensor], Grads]) -> None:
 
     ``ms.vjp`` keeps its forward recorded in MindSpore's executor until ``vjp_fn`` runs;
     this runs it with a zero sensitivity (every forward here returns a scalar loss), as
-    ``ppswap.autograd.release_record`` does for the runtime's records. The backward may
+    ``MindSporeAutograd.release`` does for the runtime's records. The backward may
     raise (say, its swap group was already released or aborted): the record is consumed
     all the same, so the error is of no interest here.
     """
@@ -254,10 +254,10 @@ class ForwardLedger:
         """Drop every record of the executor without running a backward (for a forward
         whose backward cannot run, say its saved storage was freed under it: MindSpore
         would read freed memory). Values the hooks packed may stay alive (see
-        ``ppswap.autograd``); in a test that is a few bytes."""
+        ``ppswap.backends.mindspore.autograd``); in a test that is a few bytes."""
         self._pending.clear()
         self.raised.clear()
-        discard_all()
+        MINDSPORE.autograd.discard_all()
 
     def clean_up(self) -> None:
         """Leave the executor with nothing recorded: release every pending forward (a

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mindspore import ops
 
+from ppswap.backends.cpu_engine import size_class
 from ppswap.swap import CopyEngine, EmulatedDevice
-from ppswap.swap.device import size_class
 
 
 def test_is_a_copy_engine():

@@ -29,6 +29,7 @@ from swap_support import (
     wait_until,
 )
 
+from ppswap.backends.mindspore import BACKEND as MINDSPORE
 from ppswap.swap import (
     EmulatedDevice,
     PipelineSwapSession,
@@ -268,16 +269,16 @@ def test_views_sharing_a_storage_are_separate_entries_restored_right(
         "T again": base.transpose(1, 0),
     }
     expected = {name: view.asnumpy().copy() for name, view in views.items()}
-    group = manager.create_group("views", 0, 0, group_swap=group_swap)
+    group = manager.create_group("views", 0, 0, engine=EmulatedDevice(), group_swap=group_swap)
     handles = {name: group.register(view, tag=name) for name, view in views.items()}
     assert handles["T again"] is handles["T"]  # the exact same view: one entry
     assert len(group) == 5  # the base and every other view: separate entries
     assert len({e.key.storage_ptr for e in group.entries()}) == 1
     group.seal()
-    copy_thread.run_now(group.prepare_offload(engine))
+    copy_thread.run_now(group.prepare_offload())
     group.finish_offload()
     assert {e.state for e in group.entries()} == {SwapState.HOST}
-    copy_thread.run_now(group.prepare_load(engine))
+    copy_thread.run_now(group.prepare_load())
     group.finish_load()
     for name, handle in handles.items():
         restored = handle.materialize().asnumpy()
@@ -357,7 +358,7 @@ def test_stale_storage_keys_across_generations(manager, engine, copy_thread):
     second.close()
     # A group left over under a name (an aborted run that did not clean up) is refused,
     # never silently reused.
-    manager.create_group("pp_swap_run3_s0_m0", 0, 0)
+    manager.create_group("pp_swap_run3_s0_m0", 0, 0, engine=EmulatedDevice())
     third = PipelineSwapSession(manager, engine, rank=0, generation=3, eligible={(0, 0)})
     with (
         pytest.raises(SwapError, match="already exists"),
@@ -457,7 +458,7 @@ def test_copy_thread_is_not_the_compute_thread():
     thread = CopyThread()
     try:
         engine = EmulatedDevice()
-        manager = SwapManager()
+        manager = SwapManager(MINDSPORE)
         session = PipelineSwapSession(manager, engine, rank=0, generation=1, eligible={(0, 0)})
         model, x = _big_mlp()
         vjp_fn = _collect(session, model, x)

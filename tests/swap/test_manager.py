@@ -7,14 +7,15 @@ import threading
 
 import pytest
 
-from ppswap.swap import SwapError, SwapManager
+from ppswap.backends.mindspore import BACKEND as MINDSPORE
+from ppswap.swap import EmulatedDevice, SwapError, SwapManager
 from ppswap.swap.manager import Collection, activate, current_collection
 
 
 def test_groups_by_name(manager):
     assert manager.group_names() == () and len(manager) == 0
-    a = manager.create_group("a", 0, 0)
-    b = manager.create_group("b", 1, 3, group_swap=True)
+    a = manager.create_group("a", 0, 0, engine=EmulatedDevice())
+    b = manager.create_group("b", 1, 3, engine=EmulatedDevice(), group_swap=True)
     assert manager.group_names() == ("a", "b") and len(manager) == 2
     assert manager.get_group("b") is b and b.chunk == (1, 3) and b.group_swap
     assert "a" in manager and "zzz" not in manager
@@ -27,21 +28,25 @@ def test_groups_by_name(manager):
 
 
 def test_a_name_in_use_is_refused(manager):
-    manager.create_group("pp_swap_run1_s0_m0", 0, 0)
+    manager.create_group("pp_swap_run1_s0_m0", 0, 0, engine=EmulatedDevice())
     with pytest.raises(SwapError, match="'pp_swap_run1_s0_m0' already exists"):
-        manager.create_group("pp_swap_run1_s0_m0", 0, 0)
+        manager.create_group("pp_swap_run1_s0_m0", 0, 0, engine=EmulatedDevice())
 
 
 def test_managers_are_independent():
-    first, second = SwapManager(), SwapManager()
-    first.create_group("g", 0, 0)
+    first, second = SwapManager(MINDSPORE), SwapManager(MINDSPORE)
+    first.create_group("g", 0, 0, engine=EmulatedDevice())
     assert second.group_names() == ()
-    second.create_group("g", 0, 0)  # same name, other rank: no clash
+    second.create_group("g", 0, 0, engine=EmulatedDevice())  # same name, other rank: no clash
 
 
 def test_nested_contexts_restore_the_outer_one(manager):
-    outer = Collection(group=manager.create_group("outer", 0, 0))
-    inner = Collection(group=manager.create_group("inner", 0, 1))
+    outer = Collection(
+        MINDSPORE, group=manager.create_group("outer", 0, 0, engine=EmulatedDevice())
+    )
+    inner = Collection(
+        MINDSPORE, group=manager.create_group("inner", 0, 1, engine=EmulatedDevice())
+    )
     assert current_collection() is None
     with activate(outer):
         assert current_collection() is outer
@@ -55,9 +60,9 @@ def test_nested_contexts_restore_the_outer_one(manager):
 
 
 def test_context_restored_after_an_exception(manager):
-    outer = Collection(group=None)
+    outer = Collection(MINDSPORE, group=None)
     with activate(outer):
-        with pytest.raises(RuntimeError), activate(Collection(group=None)):
+        with pytest.raises(RuntimeError), activate(Collection(MINDSPORE, group=None)):
             raise RuntimeError("forward failed")
         assert current_collection() is outer
 
@@ -65,11 +70,11 @@ def test_context_restored_after_an_exception(manager):
 def test_threads_do_not_see_each_others_context(manager):
     seen: dict[str, object] = {}
     ready, release = threading.Event(), threading.Event()
-    mine = Collection(group=manager.create_group("t", 0, 0))
+    mine = Collection(MINDSPORE, group=manager.create_group("t", 0, 0, engine=EmulatedDevice()))
 
     def other() -> None:
         seen["before"] = current_collection()
-        theirs = Collection(group=None)
+        theirs = Collection(MINDSPORE, group=None)
         with activate(theirs):
             ready.set()
             release.wait(5)
@@ -87,7 +92,7 @@ def test_threads_do_not_see_each_others_context(manager):
 
 def test_tasks_do_not_see_each_others_context(manager):
     async def main() -> list[bool]:
-        collections = [Collection(group=None) for _ in range(3)]
+        collections = [Collection(MINDSPORE, group=None) for _ in range(3)]
         gate = asyncio.Event()
 
         async def task(i: int) -> bool:
@@ -107,7 +112,7 @@ def test_tasks_do_not_see_each_others_context(manager):
 
 
 def test_collecting_targets_a_named_group(manager):
-    group = manager.create_group("standalone", 0, 0)
+    group = manager.create_group("standalone", 0, 0, engine=EmulatedDevice())
     with manager.collecting("standalone") as collection:
         assert current_collection() is collection and collection.group is group
     assert current_collection() is None

@@ -23,6 +23,7 @@ from swap_support import (
     wait_until,
 )
 
+from ppswap.backends.mindspore import BACKEND as MINDSPORE
 from ppswap.swap import (
     EmulatedDevice,
     PipelineSwapSession,
@@ -33,6 +34,7 @@ from ppswap.swap import (
     SwapTimeoutError,
     swap_wrapper,
 )
+from ppswap.swap.tensor import DIGEST_SAMPLES, content_digest
 
 
 def _model(group_swap: bool = False) -> MLP:
@@ -71,7 +73,7 @@ def _collect(session, model, x, micro=0, stage=0):
 )
 def test_bad_session_arguments(kwargs, error, match):
     options = {
-        "manager": SwapManager(),
+        "manager": SwapManager(MINDSPORE),
         "engine": EmulatedDevice(),
         "rank": 0,
         "generation": 0,
@@ -216,14 +218,45 @@ def _with_handle_on_saved(session):
     return group, saved, vjp_fn
 
 
-def test_in_place_modification_after_capture_is_refused(make_session):
-    session = make_session()
-    group, saved, vjp_fn = _with_handle_on_saved(session)
-    saved.asnumpy()[3, 4] += 1.0  # on CPU asnumpy() is a view: an in-place write
-    with pytest.raises(SwapError, match="modified in place after capture"):
-        session.prepare_offload(0, 0)
-    assert {e.state for e in group.entries()} == {SwapState.DEVICE}  # nothing moved
+def _refused_offload(session, copy_thread, match):
+    """Run the chunk's offload; it must fail with ``match`` and drop no device tensor."""
+    job = session.prepare_offload(0, 0)
+    copy_thread.run_now(job)
+    group = session.manager.get_group(session.group_name(0, 0))
+    with pytest.raises(SwapError, match=match):
+        session.finish_offload(0, 0)
+    moving = [e for e in group.entries() if not e.pinned]
+    assert moving and all(e.storage.device is not None for e in moving)  # nothing dropped
+    assert {e.state for e in moving} == {SwapState.D2H}
+
+
+@pytest.mark.parametrize(
+    ("check", "write"),
+    [
+        ("sampled", lambda a: a.__iadd__(1.0)),  # every element: seen by the samples
+        ("full", lambda a: a[3].__iadd__(1.0)),  # one row: seen by the full digest
+    ],
+)
+def test_in_place_modification_after_capture_is_refused(make_session, copy_thread, check, write):
+    session = make_session(check=check)
+    _, saved, vjp_fn = _with_handle_on_saved(session)
+    write(saved.asnumpy())  # on CPU asnumpy() is a view: an in-place write
+    _refused_offload(session, copy_thread, "modified in place after capture")
     release_forward(vjp_fn)
+
+
+def test_sampled_check_reads_64_elements_and_can_miss_a_single_one():
+    """The documented limit of the default check (docs/swap.md): it reads 64 elements."""
+    array = np.arange(4096, dtype=np.float32)
+    before = content_digest(array, "sampled")
+    array[1] += 1.0  # not one of the 64 evenly spaced samples (0, 65, 130, ...)
+    assert content_digest(array, "sampled") == before
+    assert content_digest(array, "full") != content_digest(
+        np.arange(4096, dtype=np.float32), "full"
+    )
+    array[65] += 1.0  # a sampled element
+    assert content_digest(array, "sampled") != before
+    assert DIGEST_SAMPLES == 64
 
 
 def test_resized_storage_is_refused(make_session, forwards):
@@ -237,15 +270,28 @@ def test_resized_storage_is_refused(make_session, forwards):
         forwards.discard()  # a backward would read the freed storage: it crashes the process
 
 
-def test_modification_during_the_copy_is_detected(make_session, copy_thread):
+def test_modification_between_launch_and_copy_is_detected(make_session, copy_thread):
     session = make_session()
     _, saved, vjp_fn = _with_handle_on_saved(session)
     job = session.prepare_offload(0, 0)
     saved.asnumpy()[:] = 0.0  # between launch and copy: the copy would be stale
     copy_thread.run_now(job)
     assert isinstance(job.error, SwapError) and copy_thread.errors == [job.error]
-    with pytest.raises(SwapError, match="data changed during D2H"):
+    with pytest.raises(SwapError, match="modified in place after capture"):
         session.finish_offload(0, 0)
+    release_forward(vjp_fn)
+
+
+def test_modification_after_the_copy_keeps_the_device_tensor(make_session, copy_thread):
+    """A write between the copy and the release would make the host copy stale: the
+    compute thread checks once more before it drops the device tensor."""
+    session = make_session()
+    group, saved, vjp_fn = _with_handle_on_saved(session)
+    copy_thread.run_now(session.prepare_offload(0, 0))
+    saved.asnumpy()[:] *= 2.0
+    with pytest.raises(SwapError, match="modified in place after its copy"):
+        session.finish_offload(0, 0)
+    assert all(e.storage.device is not None for e in group.entries() if not e.pinned)
     release_forward(vjp_fn)
 
 
@@ -267,7 +313,7 @@ def test_unpack_waits_bounded_for_a_load_that_never_runs(manager, engine, copy_t
 
 
 def test_close_returns_everything_to_baseline(make_session, copy_thread, manager, engine):
-    manager.create_group("someone_else", 0, 0)
+    manager.create_group("someone_else", 0, 0, engine=EmulatedDevice())
     session = make_session(eligible={(0, 0), (0, 1)})
     assert session.baseline_groups == 1
     model = _model()

@@ -10,7 +10,8 @@ import pytest
 from mindspore import ops
 from swap_support import GatedDevice, seeded, wait_until
 
-from ppswap.swap import CopyJob, Storage, SwapError, SwapState, SwapStateError
+from ppswap.backends.mindspore import BACKEND as MINDSPORE
+from ppswap.swap import CopyJob, EmulatedDevice, Storage, SwapError, SwapState, SwapStateError
 from ppswap.swap.group import GroupPhase, SwapGroup
 from ppswap.swap.jobs import JobKind, JobPhase
 from ppswap.swap.tensor import LEGAL_TRANSITIONS
@@ -90,7 +91,7 @@ def test_concurrent_transitions_admit_exactly_one_winner():
 
 
 def test_swap_tensor_transitions_through_its_group(manager, engine, copy_thread):
-    group = manager.create_group("g2", 0, 0)
+    group = manager.create_group("g2", 0, 0, engine=EmulatedDevice())
     entry = group.register(ops.ones((4,), ms.float32) * 3, tag="x")
     assert entry.state is SwapState.DEVICE and entry.group == "g2" and entry.nbytes == 16
     with pytest.raises(SwapStateError, match=r"'g2'.*'x'.*DEVICE -> HOST"):
@@ -99,23 +100,23 @@ def test_swap_tensor_transitions_through_its_group(manager, engine, copy_thread)
 
 
 def test_group_phases_are_enforced(manager, engine, copy_thread):
-    group = manager.create_group("phases", 1, 2)
+    group = manager.create_group("phases", 1, 2, engine=EmulatedDevice())
     group.register(seeded((8,), 1) * 2, tag="a")
     with pytest.raises(SwapStateError, match="collecting -> offload_prepared"):
-        group.prepare_offload(engine)
+        group.prepare_offload()
     group.seal()
     with pytest.raises(SwapStateError, match=r"'phases'.*sealed -> collecting"):
         group.register(seeded((8,), 2) * 2, tag="late")
     with pytest.raises(SwapStateError, match="sealed -> offloaded"):
         group.finish_offload()
-    job = group.prepare_offload(engine)
+    job = group.prepare_offload()
     with pytest.raises(SwapStateError, match="offload_prepared -> load_prepared"):
-        group.prepare_load(engine)
+        group.prepare_load()
     with pytest.raises(SwapStateError, match=r"D2H -> HOST \(the offload copy has not run"):
         group.finish_offload()
     copy_thread.run_now(job)
     group.finish_offload()
-    load = group.prepare_load(engine)
+    load = group.prepare_load()
     with pytest.raises(SwapStateError, match=r"H2D -> DEVICE \(the load copy has not run"):
         group.finish_load()
     copy_thread.run_now(load)
@@ -129,10 +130,10 @@ def test_group_phases_are_enforced(manager, engine, copy_thread):
 def test_release_refuses_while_a_copy_runs(manager, copy_thread):
     slow = GatedDevice()
     slow.d2h_gate.clear()
-    group = manager.create_group("busy", 0, 0)
+    group = manager.create_group("busy", 0, 0, engine=slow)
     group.register(seeded((64, 256), 3) * 1.5, tag="big")
     group.seal()
-    job = copy_thread.submit(group.prepare_offload(slow))
+    job = copy_thread.submit(group.prepare_offload())
     wait_until(lambda: job.started)
     with pytest.raises(SwapStateError, match="copy job in flight"):
         group.release()
@@ -143,18 +144,23 @@ def test_release_refuses_while_a_copy_runs(manager, copy_thread):
 
 
 def test_bad_group_arguments():
+    def group(name: str, stage: object, micro: object, **kwargs: object) -> SwapGroup:
+        return SwapGroup(name, stage, micro, backend=MINDSPORE, engine=EmulatedDevice(), **kwargs)  # type: ignore[arg-type]
+
     with pytest.raises(TypeError, match="name"):
-        SwapGroup("", 0, 0)
+        group("", 0, 0)
     with pytest.raises(ValueError, match="stage"):
-        SwapGroup("g", -1, 0)
+        group("g", -1, 0)
     with pytest.raises(TypeError, match="micro"):
-        SwapGroup("g", 0, "3")
+        group("g", 0, "3")
     with pytest.raises(TypeError, match="group_swap"):
-        SwapGroup("g", 0, 0, group_swap=1)
+        group("g", 0, 0, group_swap=1)
     with pytest.raises(ValueError, match="bucket_bytes"):
-        SwapGroup("g", 0, 0, bucket_bytes=64 * 1024 * 1024)
+        group("g", 0, 0, bucket_bytes=64 * 1024 * 1024)
     with pytest.raises(ValueError, match="wait_timeout_s"):
-        SwapGroup("g", 0, 0, wait_timeout_s=0)
+        group("g", 0, 0, wait_timeout_s=0)
+    with pytest.raises(ValueError, match="check must be one of sampled, full"):
+        group("g", 0, 0, check="none")
 
 
 # -- CopyJob ------------------------------------------------------------------------------

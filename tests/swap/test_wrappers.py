@@ -9,6 +9,7 @@ import pytest
 from mindspore import Parameter, Tensor, nn, ops
 from swap_support import MLP, backward, forward, reference_grads, release_forward, seeded
 
+from ppswap.backends.mindspore import SwapWrapperCell
 from ppswap.swap import (
     SwapTensor,
     SwapWarning,
@@ -16,7 +17,6 @@ from ppswap.swap import (
     swap_tensor_wrapper,
     swap_wrapper,
 )
-from ppswap.swap.wrappers import SwapWrapperCell
 
 # -- RFC 5.1 bad inputs ---------------------------------------------------------------------
 

@@ -1,36 +1,41 @@
-"""Copy engines: how bytes move between the "device" and the host tier.
+"""The CPU copy engine: host memory stands in for the device (``EmulatedDevice``).
 
-On this machine the device is MindSpore's CPU memory and the host tier is numpy buffers
-owned by the engine. A :class:`CopyEngine` is only ever called with numpy arrays and only
-on the rank's copy thread (never the compute thread, never the event loop), except
-:meth:`CopyEngine.release_host`, which is thread-safe and may be called from any thread.
+Where the stages' tensors live in host memory (MindSpore on CPU, torch CPU tensors), a
+"device" tensor's bytes are reachable as a numpy array: ``source`` takes that view on the
+compute thread (the framework's call), the copy thread copies with a real ``numpy``
+memcpy into pooled host buffers, and ``restore`` wraps a loaded array as a framework
+tensor again (sharing its memory). The engine knows no framework itself: the runtime binds
+it to the stages' backend with ``for_backend``.
 
-:class:`EmulatedDevice` copies with a real ``numpy`` memcpy and, when a bandwidth is set,
-makes each copy take at least ``nbytes / bandwidth`` seconds (it sleeps the remainder),
-so overlap can be studied as on a PCIe link. Bandwidths are in gigabytes per second
-(1 GB/s = 1e9 bytes/s).
+With a bandwidth set, each copy takes at least ``nbytes / bandwidth`` seconds (it sleeps
+the remainder), so overlap can be studied as on a PCIe link. Bandwidths are in gigabytes
+per second (1 GB/s = 1e9 bytes/s).
 
-Host buffers come from a pool that lives as long as the engine (so across runs): raw
-``uint8`` buffers grouped by size class (the size rounded up to 1/8 of its power of two,
-at least 4 KiB), handed out as typed views and returned with :meth:`release_host`.
+Host buffers come from a pool shared by every binding of the engine and living as long as
+it (so across runs): raw ``uint8`` buffers grouped by size class (the size rounded up to
+1/8 of its power of two, at least 4 KiB), handed out as typed views and returned with
+``release_host``. Plain memory: ``pinned`` is False.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from ppswap.backends.base import Backend, CopyEngine
 
 __all__ = [
     "HOST_ALIGNMENT",
     "Array",
     "CopyCounters",
-    "CopyEngine",
     "EmulatedDevice",
+    "HostPool",
     "PoolStats",
     "size_class",
 ]
@@ -69,35 +74,6 @@ class CopyCounters:
     h2d_calls: int
 
 
-@runtime_checkable
-class CopyEngine(Protocol):
-    """What the swap runtime needs from a copy engine (see the module docstring)."""
-
-    def d2h(self, src_view: Array) -> Array:
-        """Copy ``src_view`` into a pooled host buffer; return it (same shape/dtype)."""
-        ...
-
-    def acquire_host(self, nbytes: int) -> Array:
-        """A pooled host ``uint8`` buffer of at least ``nbytes`` (exactly ``nbytes`` long)."""
-        ...
-
-    def d2h_into(self, src_view: Array, dst: Array) -> None:
-        """Copy ``src_view`` into ``dst`` (a slice of an acquired host buffer)."""
-        ...
-
-    def h2d(self, host: Array) -> Array:
-        """Copy ``host`` into fresh "device" memory and return it (same shape/dtype)."""
-        ...
-
-    def release_host(self, buf: Array) -> None:
-        """Give a buffer from :meth:`d2h`/:meth:`acquire_host` (or a view of it) back."""
-        ...
-
-    def pool_stats(self) -> PoolStats:
-        """The host pool's state."""
-        ...
-
-
 def size_class(nbytes: int) -> int:
     """The pool size class of a request: ``nbytes`` rounded up to 1/8 of its power of 2."""
     if nbytes <= _MIN_CLASS:
@@ -123,22 +99,14 @@ def _root(buf: Array) -> Array:
     return root
 
 
-class EmulatedDevice:
-    """A CPU copy engine: real memcpy, optional bandwidth floor, pooled host buffers.
+class HostPool:
+    """Pooled host buffers and the copy counters of an engine. Thread-safe.
 
     ``max_pool_bytes`` caps the idle bytes the pool keeps (``None``: no cap); a released
-    buffer that would exceed it is freed instead. All methods are thread-safe.
+    buffer that would exceed it is freed instead.
     """
 
-    def __init__(
-        self,
-        d2h_gbps: float | None = None,
-        h2d_gbps: float | None = None,
-        *,
-        max_pool_bytes: int | None = None,
-    ) -> None:
-        self.d2h_gbps = _validate_bandwidth("d2h_gbps", d2h_gbps)
-        self.h2d_gbps = _validate_bandwidth("h2d_gbps", h2d_gbps)
+    def __init__(self, max_pool_bytes: int | None = None) -> None:
         if max_pool_bytes is not None and (
             isinstance(max_pool_bytes, bool)
             or not isinstance(max_pool_bytes, int)
@@ -157,12 +125,7 @@ class EmulatedDevice:
         self._d2h_calls = 0
         self._h2d_calls = 0
 
-    def __repr__(self) -> str:
-        return f"EmulatedDevice(d2h_gbps={self.d2h_gbps}, h2d_gbps={self.h2d_gbps})"
-
-    # -- pool ---------------------------------------------------------------------------
-
-    def acquire_host(self, nbytes: int) -> Array:
+    def acquire(self, nbytes: int) -> Array:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
         cls = size_class(nbytes)
@@ -181,7 +144,7 @@ class EmulatedDevice:
             self._lent[id(raw)] = raw
         return raw[:nbytes]
 
-    def release_host(self, buf: Array) -> None:
+    def release(self, buf: Array) -> None:
         raw = _root(buf)
         with self._lock:
             if self._lent.pop(id(raw), None) is None:
@@ -196,13 +159,13 @@ class EmulatedDevice:
             self._idle.setdefault(raw.nbytes, []).append(raw)
             self._idle_bytes += raw.nbytes
 
-    def clear_pool(self) -> None:
+    def clear(self) -> None:
         """Free every idle buffer (lent buffers are unaffected)."""
         with self._lock:
             self._idle.clear()
             self._idle_bytes = 0
 
-    def pool_stats(self) -> PoolStats:
+    def stats(self) -> PoolStats:
         with self._lock:
             return PoolStats(
                 buffers=sum(len(v) for v in self._idle.values()),
@@ -213,6 +176,16 @@ class EmulatedDevice:
                 misses=self._misses,
             )
 
+    def count_d2h(self, nbytes: int) -> None:
+        with self._lock:
+            self._d2h_bytes += nbytes
+            self._d2h_calls += 1
+
+    def count_h2d(self, nbytes: int) -> None:
+        with self._lock:
+            self._h2d_bytes += nbytes
+            self._h2d_calls += 1
+
     def counters(self) -> CopyCounters:
         with self._lock:
             return CopyCounters(
@@ -222,7 +195,87 @@ class EmulatedDevice:
                 h2d_calls=self._h2d_calls,
             )
 
-    # -- copies -------------------------------------------------------------------------
+
+class EmulatedDevice:
+    """A CPU copy engine: real memcpy, optional bandwidth floor, pooled host buffers.
+
+    ``EmulatedDevice(d2h_gbps=None, h2d_gbps=None, max_pool_bytes=None)``; every method is
+    thread-safe. ``source`` / ``restore`` need a binding to a backend (``for_backend``),
+    which the runtime makes at the start of each run.
+    """
+
+    pinned = False
+
+    def __init__(
+        self,
+        d2h_gbps: float | None = None,
+        h2d_gbps: float | None = None,
+        *,
+        max_pool_bytes: int | None = None,
+    ) -> None:
+        self.d2h_gbps = _validate_bandwidth("d2h_gbps", d2h_gbps)
+        self.h2d_gbps = _validate_bandwidth("h2d_gbps", h2d_gbps)
+        self.pool = HostPool(max_pool_bytes)
+        self._backend: Backend | None = None
+
+    @property
+    def max_pool_bytes(self) -> int | None:
+        return self.pool.max_pool_bytes
+
+    def __repr__(self) -> str:
+        return f"EmulatedDevice(d2h_gbps={self.d2h_gbps}, h2d_gbps={self.h2d_gbps})"
+
+    def for_backend(self, backend: Backend) -> CopyEngine:
+        """This engine bound to ``backend``'s tensors; the pool and counters are shared."""
+        if self._backend is backend:
+            return self
+        bound = copy.copy(self)  # a shallow copy: the same pool (and a subclass's state)
+        bound._backend = backend
+        return bound
+
+    # -- pool ---------------------------------------------------------------------------
+
+    def acquire_host(self, nbytes: int) -> Array:
+        return self.pool.acquire(nbytes)
+
+    def release_host(self, buf: Array) -> None:
+        self.pool.release(buf)
+
+    def clear_pool(self) -> None:
+        """Free every idle buffer (lent buffers are unaffected)."""
+        self.pool.clear()
+
+    def pool_stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def counters(self) -> CopyCounters:
+        return self.pool.counters()
+
+    # -- framework side (compute thread) ---------------------------------------------------
+
+    def _bound(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError(
+                f"{self!r} is not bound to a tensor framework: call for_backend(backend)"
+            )
+        return self._backend
+
+    def source(self, tensor: Any) -> Array:
+        """The tensor's bytes as a numpy view (no copy)."""
+        return self._bound().to_host(tensor, copy=False)
+
+    def restore(self, loaded: Array) -> Any:
+        """A framework tensor sharing ``loaded``'s memory."""
+        return self._bound().from_host(loaded)
+
+    def host_view(self, loaded: Array) -> Array:
+        return loaded
+
+    def load_now(self, host: Array) -> Array:
+        """A plain copy on the calling thread (no bandwidth floor: not the copy stream)."""
+        return np.array(host, copy=True, order="C")
+
+    # -- copies (copy thread) --------------------------------------------------------------
 
     def d2h(self, src_view: Array) -> Array:
         raw = self.acquire_host(src_view.nbytes)
@@ -238,25 +291,21 @@ class EmulatedDevice:
         started = time.perf_counter()
         typed = dst.view(src_view.dtype).reshape(src_view.shape) if dst.nbytes else dst
         np.copyto(typed, src_view, casting="no")
-        self._throttle(src_view.nbytes, self.d2h_gbps, started)
-        with self._lock:
-            self._d2h_bytes += src_view.nbytes
-            self._d2h_calls += 1
+        _throttle(src_view.nbytes, self.d2h_gbps, started)
+        self.pool.count_d2h(src_view.nbytes)
 
     def h2d(self, host: Array) -> Array:
         started = time.perf_counter()
         fresh = np.empty(host.shape, dtype=host.dtype)
         np.copyto(fresh, host, casting="no")
-        self._throttle(host.nbytes, self.h2d_gbps, started)
-        with self._lock:
-            self._h2d_bytes += host.nbytes
-            self._h2d_calls += 1
+        _throttle(host.nbytes, self.h2d_gbps, started)
+        self.pool.count_h2d(host.nbytes)
         return fresh
 
-    @staticmethod
-    def _throttle(nbytes: int, gbps: float | None, started: float) -> None:
-        if gbps is None or nbytes == 0:
-            return
-        remaining = nbytes / (gbps * 1e9) - (time.perf_counter() - started)
-        if remaining > 0:
-            time.sleep(remaining)
+
+def _throttle(nbytes: int, gbps: float | None, started: float) -> None:
+    if gbps is None or nbytes == 0:
+        return
+    remaining = nbytes / (gbps * 1e9) - (time.perf_counter() - started)
+    if remaining > 0:
+        time.sleep(remaining)

@@ -1,0 +1,346 @@
+"""The backend seam: everything the runtime needs from a tensor framework.
+
+The runtime (scheduler, stage, swap, actors, fsdp) never imports a tensor framework; it
+reaches one only through a :class:`Backend` (``ppswap.backends.mindspore``,
+``ppswap.backends.torch``), chosen from the stages' modules by
+:func:`ppswap.backends.backend_for`. Tensors, modules and parameters are opaque objects
+here (``Tensor`` / ``Module`` are ``Any``); only the backend looks inside them.
+
+What a backend provides, grouped as the runtime uses it:
+
+- modules and parameters: the trainable parameters (the order ``stage.grads`` follows),
+  the module state swap must never move (parameters, buffers, plain tensor attributes),
+  a swap-capturing wrapper around a module (``swap_wrapper``);
+- tensors: storage identity and size (:class:`StorageRef`), exact view identity
+  (:class:`ViewKey`), the in-place modification counter where the framework has one,
+  host views and tensors made from host arrays (P2P payloads, restored activations);
+- capture: saved-tensor hooks around a forward;
+- autograd: a stage's forward recorded now and its backward run later, in any order,
+  with the dx/dw split (:class:`Autograd`);
+- the run's scope on the compute thread (settings the framework needs while a run
+  executes, restored after it), memory statistics, and the copy engine that moves saved
+  activations between device and host (:class:`CopyEngine`).
+
+Threading: every call that touches a framework tensor runs on the runtime's compute
+thread, except the copy-engine primitives documented as copy-thread calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "Autograd",
+    "Backend",
+    "CopyEngine",
+    "CopyEvent",
+    "DeviceMemory",
+    "ForwardRecord",
+    "HostArray",
+    "Module",
+    "PackHook",
+    "StorageRef",
+    "Tensor",
+    "UnpackHook",
+    "ViewKey",
+    "WeightGrads",
+]
+
+Tensor = Any
+"""A framework tensor (``mindspore.Tensor``, ``torch.Tensor``): opaque to the runtime."""
+
+Module = Any
+"""A framework module (``mindspore.nn.Cell``, ``torch.nn.Module``)."""
+
+HostArray = npt.NDArray[Any]
+"""A numpy array in host memory."""
+
+PackHook = Callable[[Tensor], Any]
+UnpackHook = Callable[[Any], Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    """The storage a tensor lives in: base address and size in bytes (the whole storage,
+    because that is what stays allocated while any view of it is alive)."""
+
+    ptr: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ViewKey:
+    """Exact identity of a view: same storage, offset, shape, strides and dtype."""
+
+    storage_ptr: int
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """What the framework's allocator reports for the device the stages run on, in
+    bytes; ``None`` where the device has no allocator statistics (MindSpore on CPU)."""
+
+    device: str
+    allocated: int | None
+    peak_allocated: int | None
+
+
+class CopyEvent:
+    """Completion of one copy job, set once by the copy thread.
+
+    ``wait(timeout)`` blocks a thread; ``on_set(callback)`` runs ``callback`` once the
+    event is set (at once if it already is, else on the thread that sets it), which is
+    how the event loop learns of a completion without a thread waiting for it.
+    """
+
+    __slots__ = ("_callbacks", "_done", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._done.is_set()
+
+    def set(self) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until set or ``timeout_s`` passed; whether it is set."""
+        return self._done.wait(timeout_s)
+
+    def on_set(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+
+class ForwardRecord(Protocol):
+    """A stage forward recorded for a later backward (opaque; only the backend that made
+    it reads it). It holds what the backward needs, not necessarily the output."""
+
+
+class WeightGrads(Protocol):
+    """The weight gradients of a split backward, computed now or when called."""
+
+    def __call__(self) -> tuple[Tensor, ...]: ...
+
+
+@runtime_checkable
+class Autograd(Protocol):
+    """Forward now, backward later, in any order (a pipeline's FWD and BWD steps).
+
+    ``record`` runs ``fn(*inputs)`` recording its graph and returns its output and the
+    record; the saved-tensor hooks active around it see every tensor the graph saves.
+    ``backward`` runs the recorded graph's backward seeded with ``sensitivity`` and
+    returns ``(input_grads, weight_grads)``
+    (``weight_grads`` aligned with ``weights``). ``backward_input`` is the dx half of the
+    dx/dw split: it returns the input gradients now and the weight gradients as a
+    callable (a backend that cannot compute dx alone computes both and keeps dw).
+    ``release`` gives back what an abandoned record holds (its backward never runs);
+    ``run_without_graph`` runs a forward recording nothing (forward-only runs);
+    ``discard_all`` forgets every record of the process (teardown of a failed run).
+    """
+
+    def record(
+        self, fn: Callable[..., Tensor], inputs: Sequence[Tensor]
+    ) -> tuple[Tensor, ForwardRecord]: ...
+
+    def backward(
+        self, record: ForwardRecord, sensitivity: Tensor, weights: Sequence[Tensor]
+    ) -> tuple[tuple[Tensor | None, ...], tuple[Tensor, ...]]: ...
+
+    def backward_input(
+        self, record: ForwardRecord, sensitivity: Tensor, weights: Sequence[Tensor]
+    ) -> tuple[tuple[Tensor | None, ...], WeightGrads]: ...
+
+    def release(self, record: ForwardRecord, weights: Sequence[Tensor]) -> bool: ...
+
+    def run_without_graph(self, fn: Callable[..., Tensor], inputs: Sequence[Tensor]) -> Tensor: ...
+
+    def discard_all(self) -> None: ...
+
+
+@runtime_checkable
+class CopyEngine(Protocol):
+    """How a saved tensor's bytes move between the device and host memory.
+
+    The swap layer prepares a chunk's copy on the compute thread (``source`` per tensor:
+    O(1), no copy) and runs it as one job on the rank's copy stream, where the engine's
+    primitives move bytes (``d2h``, ``acquire_host`` + ``d2h_into``, ``h2d``); after the
+    job's completion event, ``restore`` (compute thread, O(1) per tensor) turns a loaded
+    device handle back into a framework tensor. Host buffers come from a pool that
+    outlives runs (``release_host`` gives one back; thread-safe). ``digest`` fingerprints
+    host arrays for the in-place checks; ``pinned`` says whether host buffers are
+    page-locked (real DMA) or plain memory.
+
+    An engine is made without knowing the framework (``EmulatedDevice(d2h_gbps=...)``);
+    the runtime calls ``for_backend(backend)`` once per run and uses the engine it
+    returns (the same pool, bound to that backend's tensors).
+    """
+
+    @property
+    def pinned(self) -> bool: ...
+
+    def for_backend(self, backend: Backend) -> CopyEngine:
+        """This engine bound to ``backend``'s tensors (sharing the host pool)."""
+        ...
+
+    def source(self, tensor: Tensor) -> Any:
+        """Compute thread: what the copy thread reads ``tensor``'s bytes from."""
+        ...
+
+    def d2h(self, source: Any) -> HostArray:
+        """Copy thread: a pooled host buffer holding ``source``'s bytes (same shape/dtype)."""
+        ...
+
+    def acquire_host(self, nbytes: int) -> HostArray:
+        """A pooled ``uint8`` host buffer of exactly ``nbytes`` bytes."""
+        ...
+
+    def d2h_into(self, source: Any, dst: HostArray) -> None:
+        """Copy thread: copy ``source`` into ``dst`` (a slice of an acquired buffer)."""
+        ...
+
+    def h2d(self, host: HostArray) -> Any:
+        """Copy thread: fresh device memory holding ``host``'s bytes (a device handle)."""
+        ...
+
+    def restore(self, loaded: Any) -> Tensor:
+        """Compute thread: the framework tensor for a device handle ``h2d`` returned."""
+        ...
+
+    def load_now(self, host: HostArray) -> Any:
+        """Compute thread: a synchronous copy of ``host`` into fresh device memory, outside
+        the copy stream (backward's safety net when a load was never launched)."""
+        ...
+
+    def host_view(self, loaded: Any) -> HostArray | None:
+        """The host-visible bytes of a device handle (for checks), or None on a device
+        the host cannot read."""
+        ...
+
+    def release_host(self, buf: HostArray) -> None: ...
+
+
+class Backend(Protocol):
+    """One tensor framework, as the runtime sees it (see the module docstring)."""
+
+    name: str
+    """The framework's package name: ``"mindspore"``, ``"torch"``."""
+    tensor_name: str
+    """Its tensor type, for messages: ``"mindspore.Tensor"``, ``"torch.Tensor"``."""
+    module_name: str
+    """Its module type, for messages: ``"mindspore.nn.Cell"``, ``"torch.nn.Module"``."""
+    autograd: Autograd
+
+    # -- modules and parameters -------------------------------------------------------
+    def is_module(self, obj: object) -> bool: ...
+
+    def trainable_parameters(self, module: Module) -> tuple[Tensor, ...]: ...
+
+    def all_parameters(self, module: Module) -> list[Tensor]:
+        """Every parameter, trainable or not (what FSDP shards)."""
+        ...
+
+    def submodules(self, module: Module) -> Iterator[tuple[str, Module]]:
+        """``(name, submodule)`` for the module and every module below it."""
+        ...
+
+    def module_state(self, module: Module) -> list[Tensor]:
+        """Parameters, buffers and plain tensor attributes: what swap never moves."""
+        ...
+
+    def wrap_for_swap(self, module: Module, run: Callable[[Callable[[], Any]], Any]) -> Module:
+        """A module whose forward runs ``module``'s through ``run`` (which installs the
+        swap capture hooks); it exposes the same parameters in the same order."""
+        ...
+
+    def parameter_name(self, param: Tensor) -> str: ...
+
+    def set_parameter_data(self, param: Tensor, data: HostArray) -> None:
+        """Replace ``param``'s data (and storage) with a copy of ``data``."""
+        ...
+
+    # -- tensors ----------------------------------------------------------------------
+    def is_tensor(self, obj: object) -> bool: ...
+
+    def is_parameter(self, obj: object) -> bool: ...
+
+    def storage_of(self, tensor: Tensor) -> StorageRef: ...
+
+    def view_key(self, tensor: Tensor, storage: StorageRef) -> ViewKey: ...
+
+    def data_nbytes(self, tensor: Tensor) -> int:
+        """Bytes of the view's own elements (what a copy moves)."""
+        ...
+
+    def shape_of(self, tensor: Tensor) -> tuple[int, ...]: ...
+
+    def version_of(self, tensor: Tensor) -> int | None:
+        """The framework's in-place modification counter, or None if it has none that
+        works (MindSpore 2.10 never bumps ``_version``)."""
+        ...
+
+    def to_host(self, tensor: Tensor, *, copy: bool) -> HostArray:
+        """The tensor's data as a numpy array; ``copy=False`` may return a view."""
+        ...
+
+    def from_host(self, array: HostArray) -> Tensor:
+        """A tensor on the stages' device holding ``array``'s data (may share memory)."""
+        ...
+
+    def scalar_like(self, value: float, like: Tensor) -> Tensor:
+        """A 0-d tensor of ``like``'s dtype and device holding ``value``."""
+        ...
+
+    def zeros_like(self, tensor: Tensor) -> Tensor: ...
+
+    def numpy_dtype(self, obj: object) -> np.dtype[Any] | None:
+        """The numpy dtype of a tensor or array (None when numpy has no such dtype)."""
+        ...
+
+    # -- capture ------------------------------------------------------------------------
+    def saved_tensors_hooks(
+        self, pack: PackHook, unpack: UnpackHook
+    ) -> AbstractContextManager[None]: ...
+
+    # -- the run ------------------------------------------------------------------------
+    def check_runnable(self) -> None:
+        """Raise ValueError if the framework is configured so a pipeline cannot run."""
+        ...
+
+    def run_scope(self) -> AbstractContextManager[None]:
+        """Entered around a run, before its first framework call and until its last
+        (settings the framework needs while a run executes, restored after it)."""
+        ...
+
+    def memory(self) -> DeviceMemory: ...
+
+    def reset_peak_memory(self) -> None: ...
+
+    def copy_engine(
+        self, *, d2h_gbps: float | None = None, h2d_gbps: float | None = None
+    ) -> CopyEngine:
+        """The default copy engine for the stages' device."""
+        ...

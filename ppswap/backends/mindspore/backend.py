@@ -1,0 +1,216 @@
+"""The MindSpore (PyNative) backend: ``mindspore.nn.Cell`` stages on MindSpore tensors.
+
+Facts this relies on (measured on mindspore 2.10, CPU):
+
+- Inside a saved-tensor pack hook, parameters and inputs arrive as *new* Tensor objects
+  sharing storage with the originals (``t is x`` and ``isinstance(t, Parameter)`` are
+  both False): identity is by storage (``untyped_storage().data_ptr()``).
+- ``asnumpy()`` of a contiguous CPU tensor is a view of its memory (it keeps the device
+  address alive); ``Tensor.from_numpy`` shares memory the other way.
+- ``_version`` is never bumped (not by ``add_``, ``mul_``, ``__setitem__`` or numpy writes
+  through ``asnumpy()`` views): :meth:`MindSporeBackend.version_of` returns None and the
+  swap layer checks content digests instead.
+- Asynchronous dispatch (the default) runs every op through a pipeline of worker threads
+  (``frontend_queue``, ``bprop_queue``, ``backend_queue``, the actor and kernel threads)
+  whose hand-offs busy-wait: ``AsyncRQueue::Wait`` is a bare spin loop. With fewer cores
+  than spinning threads every hand-off waits for the OS to preempt a spinner: a plain
+  forward/backward loop of the demo's stage took 260-300 ms per iteration here (4 million
+  involuntary context switches in 20 iterations) against 22 ms with synchronous dispatch.
+  On CPU there is no device to overlap with, so :meth:`MindSporeBackend.run_scope` turns
+  synchronous dispatch on for the run and restores the previous setting after it. The
+  worker threads' spin behaviour is fixed when MindSpore first launches a kernel
+  asynchronously: a process that ran asynchronous kernels before its first run keeps the
+  slow hand-offs (measured: 130-300 ms per iteration even with synchronous dispatch on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn
+from mindspore import context as ms_context
+from mindspore._c_expression import ms_ctx_param
+
+from ppswap.backends.base import (
+    Autograd,
+    CopyEngine,
+    DeviceMemory,
+    HostArray,
+    Module,
+    PackHook,
+    StorageRef,
+    UnpackHook,
+    ViewKey,
+)
+from ppswap.backends.cpu_engine import EmulatedDevice
+from ppswap.backends.mindspore.autograd import MindSporeAutograd
+
+__all__ = ["MindSporeBackend", "SwapWrapperCell"]
+
+
+class SwapWrapperCell(nn.Cell):  # type: ignore[misc]
+    """``swap_wrapper(cell)``: a cell whose forward runs the wrapped cell's through
+    ``run`` (the swap layer's capture). Its parameters are the wrapped cell's, in the same
+    order; their *names* gain the ``module.`` path segment, as with any wrapper cell."""
+
+    def __init__(self, module: nn.Cell, run: Callable[[Callable[[], Any]], Any]) -> None:
+        super().__init__(auto_prefix=False)
+        self.module = module
+        self.swap_run = run
+
+    def construct(self, *args: Any, **kwargs: Any) -> Any:
+        return self.swap_run(lambda: self.module(*args, **kwargs))
+
+
+def _set_synchronous(enabled: bool) -> None:
+    # ms.set_context(pynative_synchronize=...) logs a deprecation warning on every call;
+    # ms.runtime.launch_blocking() cannot be turned off again. This is the setting both
+    # of them change.
+    ms_context._context().set_param(ms_ctx_param.pynative_synchronize, enabled)
+
+
+class MindSporeBackend:
+    """:class:`~ppswap.backends.base.Backend` for MindSpore PyNative."""
+
+    name = "mindspore"
+    tensor_name = "mindspore.Tensor"
+    module_name = "mindspore.nn.Cell"
+
+    def __init__(self) -> None:
+        self.autograd: Autograd = MindSporeAutograd()
+
+    def __repr__(self) -> str:
+        return "MindSporeBackend()"
+
+    # -- modules and parameters -------------------------------------------------------
+    def is_module(self, obj: object) -> bool:
+        return isinstance(obj, nn.Cell)
+
+    def trainable_parameters(self, module: Module) -> tuple[Tensor, ...]:
+        return tuple(module.trainable_params())
+
+    def all_parameters(self, module: Module) -> list[Tensor]:
+        return list(module.get_parameters())
+
+    def submodules(self, module: Module) -> Iterator[tuple[str, Module]]:
+        yield from module.cells_and_names()
+
+    def module_state(self, module: Module) -> list[Tensor]:
+        found: list[Tensor] = list(module.get_parameters())
+        for _, sub in module.cells_and_names():
+            buffers = getattr(sub, "_buffers", None)
+            if isinstance(buffers, dict):
+                found.extend(v for v in buffers.values() if isinstance(v, Tensor))
+            found.extend(
+                v
+                for v in vars(sub).values()
+                if isinstance(v, Tensor) and not isinstance(v, Parameter)
+            )
+        return found
+
+    def wrap_for_swap(self, module: Module, run: Callable[[Callable[[], Any]], Any]) -> Module:
+        return SwapWrapperCell(module, run)
+
+    def parameter_name(self, param: Tensor) -> str:
+        return str(param.name)
+
+    def set_parameter_data(self, param: Tensor, data: HostArray) -> None:
+        param.set_data(Tensor(np.array(data, copy=True)))
+
+    # -- tensors ----------------------------------------------------------------------
+    def is_tensor(self, obj: object) -> bool:
+        return isinstance(obj, Tensor)
+
+    def is_parameter(self, obj: object) -> bool:
+        return isinstance(obj, Parameter)
+
+    def storage_of(self, tensor: Tensor) -> StorageRef:
+        storage = tensor.untyped_storage()
+        return StorageRef(int(storage.data_ptr()), int(storage.nbytes()))
+
+    def view_key(self, tensor: Tensor, storage: StorageRef) -> ViewKey:
+        return ViewKey(
+            storage.ptr,
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            str(tensor.dtype),
+        )
+
+    def data_nbytes(self, tensor: Tensor) -> int:
+        return int(tensor.nbytes)
+
+    def shape_of(self, tensor: Tensor) -> tuple[int, ...]:
+        return tuple(tensor.shape)
+
+    def version_of(self, tensor: Tensor) -> int | None:
+        return None
+
+    def to_host(self, tensor: Tensor, *, copy: bool) -> HostArray:
+        array: HostArray = tensor.asnumpy()
+        return array.copy() if copy else array
+
+    def from_host(self, array: HostArray) -> Tensor:
+        return Tensor.from_numpy(array)
+
+    def scalar_like(self, value: float, like: Tensor) -> Tensor:
+        return Tensor(np.array(value, dtype=self.numpy_dtype(like) or np.float32))
+
+    def zeros_like(self, tensor: Tensor) -> Tensor:
+        return ms.ops.zeros_like(tensor)
+
+    def numpy_dtype(self, obj: object) -> np.dtype[Any] | None:
+        if isinstance(obj, np.ndarray):
+            array_dtype: np.dtype[Any] = obj.dtype
+            return array_dtype
+        try:
+            # MindSpore names its dtypes like numpy's, capitalised (Float32, Int64, Bool).
+            dtype: np.dtype[Any] = np.dtype(str(getattr(obj, "dtype", "")).lower())
+        except (TypeError, ValueError):
+            return None
+        # Extension dtypes (bfloat16) are void-like to numpy.
+        return None if dtype.kind == "V" else dtype
+
+    # -- capture ------------------------------------------------------------------------
+    def saved_tensors_hooks(
+        self, pack: PackHook, unpack: UnpackHook
+    ) -> AbstractContextManager[None]:
+        hooks: AbstractContextManager[None] = ms.saved_tensors_hooks(pack, unpack)
+        return hooks
+
+    # -- the run ------------------------------------------------------------------------
+    def check_runnable(self) -> None:
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            raise ValueError(
+                "the MindSpore execution mode must be PYNATIVE_MODE for pipeline runs (a "
+                "forward and its backward are separate steps), got GRAPH_MODE: call "
+                "mindspore.set_context(mode=mindspore.PYNATIVE_MODE)"
+            )
+
+    @contextmanager
+    def run_scope(self) -> Iterator[None]:
+        """Synchronous dispatch on CPU for the run (module docstring), then restored."""
+        if ms.get_context("device_target") != "CPU":
+            yield
+            return
+        previous = bool(ms.get_context("pynative_synchronize"))
+        _set_synchronous(True)
+        try:
+            yield
+        finally:
+            _set_synchronous(previous)
+
+    def memory(self) -> DeviceMemory:
+        return DeviceMemory(str(ms.get_context("device_target")), None, None)
+
+    def reset_peak_memory(self) -> None:
+        return None
+
+    def copy_engine(
+        self, *, d2h_gbps: float | None = None, h2d_gbps: float | None = None
+    ) -> CopyEngine:
+        return EmulatedDevice(d2h_gbps, h2d_gbps).for_backend(self)
