@@ -2,16 +2,24 @@
 
 ``ppswap plan --schedule {gpipe,1f1b,interleaved_1f1b} --pp N [--vpp V] --micro M
 [--split-dw] [--overlap-b-f] [--p2p plain|batch|boundary] [--fsdp] [--swap]
-[--min-swap-gap N] [--compute-only] [--format text|json]`` prints every rank's order:
-the finalized order (compute -> FSDP -> P2P -> swap), or with ``--compute-only`` the
-compute slots alone. The orders are validated (per-rank invariants, P2P pairing and the
+[--min-swap-gap N] [--compute-only] [--format text|json] [--width N]`` prints every rank's
+order: the finalized order (compute -> FSDP -> P2P -> swap), or with ``--compute-only``
+the compute slots alone. The orders are validated (per-rank invariants, P2P pairing and the
 cross-rank progress simulation) before anything is printed. JSON is
 ``{"schedule", "pp", "vpp", "micro", "ranks": [{"rank": r, "steps": [MetaStep.to_dict(),
-...]}]}``; text is a per-rank grid (``MetaStep.short()`` cells).
+...]}]}``; text is a per-rank grid (``MetaStep.short()`` cells) folded into blocks of at
+most ``--width`` columns, then a legend of every step code in it.
+
+``ppswap plot`` takes the same schedule options and draws the diagram, with the swap plan
+only with ``--swap`` (as ``plan``). ``--vpp`` defaults to 2 for ``interleaved_1f1b`` (which
+needs at least 2) and to 1 for the other schedules (the only value they allow), in every
+subcommand. ``ppswap demo`` is imported only to run it: this module loads no tensor
+framework.
 
 A bad configuration prints ``ppswap: error: <message>`` on stderr and exits with 2 (as
-argparse does for bad arguments). Each subcommand is a ``run_<name>(args) -> int``
-function registered in ``build_parser``.
+argparse does for bad arguments); ``ppswap demo`` checks all of its options before it
+builds or trains anything. Each subcommand is a ``run_<name>(args) -> int`` function
+registered in ``build_parser``.
 """
 
 from __future__ import annotations
@@ -20,12 +28,11 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ppswap.demo.fsdp_demo import main_fsdp_demo
-from ppswap.demo.run import DemoOptions, main_demo
 from ppswap.scheduler.config import (
     DEFAULT_MIN_SWAP_GAP,
     P2P_MODES,
@@ -33,7 +40,7 @@ from ppswap.scheduler.config import (
     ScheduleConfig,
 )
 from ppswap.scheduler.lowering import build_all_orders
-from ppswap.scheduler.render import format_grid
+from ppswap.scheduler.render import format_grid, step_legend
 from ppswap.scheduler.schedules import compute_order
 from ppswap.scheduler.simulate import memory_table
 from ppswap.scheduler.steps import Order
@@ -46,6 +53,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "build_parser",
+    "demo_config",
     "format_json",
     "main",
     "plan_orders",
@@ -57,7 +65,27 @@ __all__ = [
 
 PROG = "ppswap"
 EXIT_USAGE = 2
+TEXT_WIDTH = 100
+"""The default ``--width`` of ``ppswap plan``'s text: no line of it is longer."""
+MIN_TEXT_WIDTH = 50
+"""The smallest ``--width`` other than 0: the memory table's rows are 42 characters."""
+DEMO_FSDP_DP = 2
+"""The data-parallel degree of ``ppswap demo --fsdp``."""
+INTERLEAVED_DEFAULT_VPP = 2
+"""``--vpp`` when it is not given with ``--schedule interleaved_1f1b`` (which needs >= 2)."""
 _ONE_LINE_WIDTH = 160
+DEMO_DEFAULTS: Mapping[str, int | str] = {
+    "schedule": "gpipe",
+    "pp": 4,
+    "micro": 8,
+    "batch": 16,
+    "steps": 3,
+    "out": "out",
+    "transport": "inprocess",
+}
+"""The defaults of ``ppswap demo``'s options: ``DemoOptions``' own (a test checks that
+they agree; they are repeated here so that the CLI does not import the demo, and with it
+MindSpore, before it runs one)."""
 
 
 def format_json(value: Any, indent: int = 0) -> str:
@@ -107,12 +135,11 @@ def plan_payload(config: ScheduleConfig, *, compute_only: bool = False) -> dict[
     return payload
 
 
-def _memory_text(config: ScheduleConfig) -> str:
+def _memory_text(config: ScheduleConfig, width: int) -> str:
+    """The swap memory model per rank, as a table; its title wrapped at ``width``."""
     rows = memory_table(config)
-    lines = [
-        f"swap memory model (resident activation chunks, min_swap_gap={config.min_swap_gap}):",
-        "rank | eligible | peak no swap | peak swap",
-    ]
+    title = f"swap memory model (resident activation chunks, min_swap_gap={config.min_swap_gap}):"
+    lines = [*textwrap.wrap(title, width), "rank | eligible | peak no swap | peak swap"]
     lines += [
         f"{r['rank']:>4} | {r['eligible']:>8} | {r['peak_chunks_no_swap']:>12} | "
         f"{r['peak_chunks_swap']:>9}"
@@ -121,7 +148,10 @@ def _memory_text(config: ScheduleConfig) -> str:
     return "\n".join(lines)
 
 
-def _plan_text(config: ScheduleConfig, orders: Sequence[Order], compute_only: bool) -> str:
+def _plan_text(
+    config: ScheduleConfig, orders: Sequence[Order], compute_only: bool, width: int | None
+) -> str:
+    """The header, the grid (folded at ``width``; ``None``: one line per rank), the legend."""
     options = [
         name
         for name, enabled in (
@@ -139,14 +169,25 @@ def _plan_text(config: ScheduleConfig, orders: Sequence[Order], compute_only: bo
     if config.swap:
         header += f" min_swap_gap={config.min_swap_gap}"
     view = "compute slots only" if compute_only else "finalized orders"
-    return f"{header} ({view})\n{format_grid(orders, compact=False)}"
+    title = f"{header} ({view})"
+    lines = textwrap.wrap(title, width, subsequent_indent="  ") if width else [title]
+    lines.append(format_grid(orders, compact=False, width=width))
+    lines += ["", step_legend(orders, width=width or TEXT_WIDTH)]
+    return "\n".join(lines)
+
+
+def _vpp(args: argparse.Namespace) -> int:
+    """``--vpp``, or its default: 2 for interleaved_1f1b, 1 for the other schedules."""
+    if args.vpp is not None:
+        return int(args.vpp)
+    return INTERLEAVED_DEFAULT_VPP if args.schedule == "interleaved_1f1b" else 1
 
 
 def _config_from_args(args: argparse.Namespace) -> ScheduleConfig:
     return ScheduleConfig(
         schedule=args.schedule,
         pp=args.pp,
-        vpp=args.vpp,
+        vpp=_vpp(args),
         micro=args.micro,
         split_dw=args.split_dw,
         overlap_b_f=args.overlap_b_f,
@@ -166,6 +207,11 @@ def run_plan(args: argparse.Namespace) -> int:
     """``ppswap plan``: print the per-rank orders of one schedule."""
     try:
         config = _config_from_args(args)
+        if args.width != 0 and args.width < MIN_TEXT_WIDTH:
+            raise ValueError(
+                f"width must be 0 (one line per rank) or an int >= {MIN_TEXT_WIDTH}, "
+                f"got {args.width}"
+            )
     except (TypeError, ValueError) as exc:
         return _fail(str(exc))
     if args.format == "json":
@@ -173,10 +219,10 @@ def run_plan(args: argparse.Namespace) -> int:
         print(format_json(payload))
     else:
         orders = plan_orders(config, compute_only=args.compute_only)
-        print(_plan_text(config, orders, args.compute_only))
+        print(_plan_text(config, orders, args.compute_only, args.width or None))
         if config.swap and not args.compute_only:
             print()
-            print(_memory_text(config))
+            print(_memory_text(config, args.width or TEXT_WIDTH))
     return 0
 
 
@@ -196,38 +242,118 @@ def run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_demo_command(args: argparse.Namespace) -> int:
-    """``ppswap demo``: train the LM without, then with swap, and report."""
+def _make_out_dir(out: str) -> None:
+    """Create the demo's output folder (and its parents) now, so that a bad ``--out``
+    fails before anything is built; ValueError naming the option when it cannot be."""
     try:
-        options = DemoOptions(
-            schedule=args.schedule,
-            pp=args.pp,
-            vpp=args.vpp,
-            micro=args.micro,
-            batch=args.batch,
-            steps=args.steps,
-            out_dir=Path(args.out),
-            plot=not args.no_plot,
-            fsdp=args.fsdp,
-            transport=args.transport,
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"out must be a folder that can be created, got {out!r} ({exc.strerror})"
+        ) from exc
+
+
+def _check_count(name: str, value: object) -> None:
+    """ValueError unless ``value`` is an int >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def demo_config(args: argparse.Namespace) -> ScheduleConfig:
+    """Check every option of ``ppswap demo`` and return its schedule configuration.
+
+    Imports no tensor framework and builds nothing (it only creates the ``--out``
+    folder). Raises ValueError (or TypeError) naming the option, its value and what is
+    allowed: the schedule configuration (``ScheduleConfig``: sizes >= 1, vpp against the
+    schedule, micro a multiple of pp for interleaved_1f1b), ``batch`` and ``steps`` >= 1,
+    ``batch`` divisible by ``micro`` (by ``micro * 2`` with ``--fsdp``, whose batch is split
+    over dp=2 replicas), ``--fsdp`` only in one process, ``--out`` a folder.
+    """
+    config = ScheduleConfig(
+        schedule=args.schedule, pp=args.pp, vpp=_vpp(args), micro=args.micro, swap=True
+    )
+    _check_count("batch", args.batch)
+    _check_count("steps", args.steps)
+    if not args.fsdp and args.batch % config.micro:
+        raise ValueError(f"batch must be divisible by micro={config.micro}, got batch={args.batch}")
+    if args.fsdp and args.batch % (config.micro * DEMO_FSDP_DP):
+        raise ValueError(
+            f"batch must be divisible by micro * dp = {config.micro * DEMO_FSDP_DP} with "
+            f"--fsdp (dp={DEMO_FSDP_DP} replicas, each split into micro-batches), "
+            f"got batch={args.batch}"
         )
+    if args.fsdp and args.transport != "inprocess":
+        raise ValueError(
+            f"transport must be 'inprocess' with --fsdp (the FSDP demo runs its ranks in one "
+            f"process), got {args.transport!r}"
+        )
+    _make_out_dir(args.out)
+    return config
+
+
+def _run_demo(args: argparse.Namespace, config: ScheduleConfig) -> int:
+    """Run the demo of the checked ``config``: its exit status, or 2 with one error line
+    when MindSpore is missing or (under MPI) the world size is not ``--pp``.
+
+    The demo is imported here, not at the top: it imports MindSpore (seconds; an optional
+    extra), which ``ppswap plan``, ``ppswap plot`` and a refused demo never need.
+    """
+    try:
+        from ppswap.demo.fsdp_demo import main_fsdp_demo
+        from ppswap.demo.run import DemoConfigError, DemoOptions, main_demo
+    except ModuleNotFoundError as exc:
+        if exc.name != "mindspore":
+            raise
+        return _fail("ppswap demo needs MindSpore: pip install 'ppswap[mindspore]'")
+    options = DemoOptions(
+        schedule=config.schedule,
+        pp=config.pp,
+        vpp=config.vpp,
+        micro=config.micro,
+        batch=args.batch,
+        steps=args.steps,
+        out_dir=Path(args.out),
+        plot=not args.no_plot,
+        fsdp=args.fsdp,
+        transport=args.transport,
+    )
+    if options.fsdp:
+        return main_fsdp_demo(options, dp=DEMO_FSDP_DP)
+    try:
+        return main_demo(options)
+    except DemoConfigError as exc:
+        return _fail(str(exc))
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    """``ppswap demo``: check every option, then train the LM without, then with swap, and
+    report. A bad option (or, under MPI, a world size other than ``--pp``) is one
+    ``ppswap: error:`` line and exit status 2, before any training."""
+    try:
+        config = demo_config(args)
     except (TypeError, ValueError) as exc:
         return _fail(str(exc))
-    if options.fsdp:
-        return main_fsdp_demo(options)
-    return main_demo(options)
+    return _run_demo(args, config)
+
+
+_VPP_HELP = (
+    f"virtual stages per rank (default: {INTERLEAVED_DEFAULT_VPP} for interleaved_1f1b, "
+    "which needs at least 2; 1 for gpipe and 1f1b, the only value they allow)"
+)
 
 
 def _add_schedule_arguments(plan: argparse.ArgumentParser) -> None:
-    plan.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES)
+    plan.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES, help="schedule family")
     plan.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    plan.add_argument("--vpp", type=int, default=1, help="virtual stages per rank")
+    plan.add_argument("--vpp", type=int, default=None, help=_VPP_HELP)
     plan.add_argument("--micro", type=int, required=True, help="micro-batches")
     plan.add_argument("--split-dw", action="store_true", help="dx/dw split (ZB-H1)")
     plan.add_argument("--overlap-b-f", action="store_true", help="OVERLAP_B_F composites")
     plan.add_argument("--p2p", choices=P2P_MODES, default="plain", help="P2P transport")
     plan.add_argument("--fsdp", action="store_true", help="FSDP unshard/reshard steps")
-    plan.add_argument("--swap", action="store_true", help="inject activation swap steps")
+    plan.add_argument(
+        "--swap", action="store_true", help="inject the activation swap steps (default: off)"
+    )
     plan.add_argument(
         "--min-swap-gap",
         type=int,
@@ -246,7 +372,19 @@ def _add_plan_parser(subparsers: Any) -> None:
     plan.add_argument(
         "--compute-only", action="store_true", help="only the compute slots, no lowering"
     )
-    plan.add_argument("--format", choices=("text", "json"), default="text")
+    plan.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="text: a grid of step codes and their legend; json: every step (default text)",
+    )
+    plan.add_argument(
+        "--width",
+        type=int,
+        default=TEXT_WIDTH,
+        help=f"fold the text grid into blocks at most this many columns wide; 0: one line "
+        f"per rank (default {TEXT_WIDTH})",
+    )
     plan.set_defaults(handler=run_plan)
 
 
@@ -254,29 +392,70 @@ def _add_plot_parser(subparsers: Any) -> None:
     plot = subparsers.add_parser(
         "plot",
         help="draw the schedule diagram (PNG or SVG)",
-        description="Per-rank lanes on the logical time axis with swap windows (RFC 6.8).",
+        description="Per-rank lanes on the logical time axis (RFC 6.8); with --swap, the "
+        "swap plan: offload and load windows, and resident chunks with against without swap.",
     )
     _add_schedule_arguments(plot)
     plot.add_argument("-o", "--output", required=True, help="FILE.png or FILE.svg")
-    plot.set_defaults(handler=run_plot, swap=True)
+    plot.set_defaults(handler=run_plot)
 
 
 def _add_demo_parser(subparsers: Any) -> None:
+    defaults = DEMO_DEFAULTS
     demo = subparsers.add_parser(
         "demo",
         help="train a small transformer LM with pp ranks, swap off then on",
-        description="The main job: trains, checks swap on/off agree, reports memory.",
+        description="The main job: trains, checks swap on/off agree, reports memory. Every "
+        "option is checked before anything is built.",
     )
-    demo.add_argument("--schedule", choices=SCHEDULE_NAMES, default="gpipe")
-    demo.add_argument("--pp", type=int, default=4)
-    demo.add_argument("--vpp", type=int, default=1)
-    demo.add_argument("--micro", type=int, default=8)
-    demo.add_argument("--batch", type=int, default=16)
-    demo.add_argument("--steps", type=int, default=3)
-    demo.add_argument("--out", default="out", help="folder for the trace and diagram")
-    demo.add_argument("--no-plot", action="store_true", help="skip the diagram")
-    demo.add_argument("--fsdp", action="store_true", help="FSDP over dp=2 replicas")
-    demo.add_argument("--transport", choices=("inprocess", "mpi"), default="inprocess")
+    demo.add_argument(
+        "--schedule",
+        choices=SCHEDULE_NAMES,
+        default=defaults["schedule"],
+        help=f"schedule family (default {defaults['schedule']})",
+    )
+    demo.add_argument(
+        "--pp", type=int, default=defaults["pp"], help=f"pipeline ranks (default {defaults['pp']})"
+    )
+    demo.add_argument("--vpp", type=int, default=None, help=_VPP_HELP)
+    demo.add_argument(
+        "--micro",
+        type=int,
+        default=defaults["micro"],
+        help=f"micro-batches per step; a multiple of pp for interleaved_1f1b "
+        f"(default {defaults['micro']})",
+    )
+    demo.add_argument(
+        "--batch",
+        type=int,
+        default=defaults["batch"],
+        help=f"sequences per step, divisible by micro (by 2 * micro with --fsdp) "
+        f"(default {defaults['batch']})",
+    )
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=defaults["steps"],
+        help=f"training steps per pass (default {defaults['steps']})",
+    )
+    demo.add_argument(
+        "--out",
+        default=defaults["out"],
+        help=f"folder for the traces and the diagram (default {defaults['out']})",
+    )
+    demo.add_argument("--no-plot", action="store_true", help="skip the diagram (default: draw it)")
+    demo.add_argument(
+        "--fsdp",
+        action="store_true",
+        help=f"FSDP over dp={DEMO_FSDP_DP} replicas, in one process (default: off)",
+    )
+    demo.add_argument(
+        "--transport",
+        choices=("inprocess", "mpi"),
+        default=defaults["transport"],
+        help=f"inprocess: every rank in this process; mpi: one process per rank, under "
+        f"mpiexec -n PP (default {defaults['transport']})",
+    )
     demo.set_defaults(handler=run_demo_command)
 
 

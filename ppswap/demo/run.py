@@ -33,7 +33,15 @@ try:  # the diagram needs the optional 'plot' extra (matplotlib)
 except ImportError:  # pragma: no cover - depends on the environment
     plot_schedule = None  # type: ignore[assignment]
 
-__all__ = ["DemoOptions", "DemoReport", "lm_batches", "load_corpus", "run_demo"]
+__all__ = [
+    "REPORT_LEGEND",
+    "DemoConfigError",
+    "DemoOptions",
+    "DemoReport",
+    "lm_batches",
+    "load_corpus",
+    "run_demo",
+]
 
 _SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -42,8 +50,17 @@ _SCHEDULES = {
 }
 
 
+class DemoConfigError(ValueError):
+    """An option that does not fit where the demo runs, found when it starts, before any
+    training (under MPI: ``pp`` other than the world size)."""
+
+
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
+    """What the demo runs; a bad size, batch or transport raises ValueError (naming it) on
+    construction (a bad schedule configuration does when ``run_demo`` starts, before any
+    training; ``ppswap demo`` checks it first)."""
+
     schedule: str = "gpipe"
     pp: int = 4
     vpp: int = 1
@@ -145,6 +162,8 @@ def _train(
     result: RunResult | None = None
     label = "swap on " if swap else "swap off"
     suffix = "" if rank is None else f"_rank{rank}"
+    if not rank:  # under MPI only rank 0 reports
+        print(f"\r  {label} [{'':<20}] step 0/{len(data)} running...", end="", file=sys.stderr)
     for step, (x, y) in enumerate(data):
         trace = opts.out_dir / f"trace_{'swap' if swap else 'noswap'}{suffix}.json"
         result = schedule.run(x, targets=y, trace=trace if step == len(data) - 1 else None)
@@ -174,7 +193,7 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
     rank's stages; every process gets the whole report back."""
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     if transport is not None and getattr(transport, "world_size", opts.pp) != opts.pp:
-        raise ValueError(
+        raise DemoConfigError(
             f"pp must equal the MPI world size {transport.world_size}, got "  # type: ignore[attr-defined]
             f"pp={opts.pp} (launch with mpiexec -n {opts.pp})"
         )
@@ -196,6 +215,11 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
             f"char LM ({cfg.layers_per_stage} blocks/stage, dim {cfg.dim}), {opts.steps} steps",
             file=sys.stderr,
         )
+        print(
+            f"  {opts.pp * opts.vpp} stages, {opts.steps} steps with swap off, then again with "
+            "swap on (first steps are the slowest)",
+            file=sys.stderr,
+        )
     losses_off, last_off = _train(opts, cfg, data, False, transport)
     losses_on, last_on = _train(opts, cfg, data, True, transport)
     predicted = memory_table(config)
@@ -210,6 +234,18 @@ def _plot(config: ScheduleConfig, path: Path) -> None:
         return
     plot_schedule(config, path)
     print(f"  schedule diagram: {path}")
+
+
+REPORT_LEGEND: tuple[str, ...] = (
+    "columns (from the last step of each pass):",
+    "  rank                  pipeline rank (stage s runs on rank s % pp)",
+    "  peak saved off/on     measured peak of the bytes autograd keeps for backward, swap off / on",
+    "  cut                   how much swap lowers that peak: 1 - on / off",
+    "  chunks off/on (plan)  planned peak of resident chunks (a chunk: what one forward saves)",
+    "  predicted on          planned peak with swap in bytes (those chunks x measured sizes)",
+    "  exposed wait          time compute waited on swap copies (copy time not hidden by compute)",
+)
+"""The lines under the report table that say what each column means."""
 
 
 def format_report(report: DemoReport) -> str:
@@ -242,6 +278,8 @@ def format_report(report: DemoReport) -> str:
             f"{cut:>6.1%} | {chunks_off:>9} / {chunks_on:<8} | {predicted:>12,.0f} | "
             f"{on.exposed_copy_wait_s * 1e3:>9.1f} ms"
         )
+    lines.append("")
+    lines += REPORT_LEGEND
     lines.append("")
     lines.append(
         f"step time: swap off {report.last_no_swap.step_time_s:.2f}s, "

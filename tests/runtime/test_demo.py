@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ppswap.cli import main
 from ppswap.demo.run import DemoOptions, format_report, run_demo
 
 
-def test_demo_trains_and_swap_agrees(tmp_path: Path) -> None:
+def test_demo_trains_and_swap_agrees(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = run_demo(DemoOptions(pp=2, micro=4, batch=8, steps=2, out_dir=tmp_path, plot=False))
+    progress = capsys.readouterr().err
+    # a line before the first step, so the slow first step does not look like a hang
+    assert progress.index("swap off [                    ] step 0/2 running") < progress.index(
+        "step 1/2"
+    )
     assert report.losses_no_swap == report.losses_swap
     assert len(report.losses_swap) == 2
     assert report.losses_swap[1] < report.losses_swap[0]  # it trains
@@ -17,6 +24,15 @@ def test_demo_trains_and_swap_agrees(tmp_path: Path) -> None:
         assert on.peak_saved_bytes < off.peak_saved_bytes
     text = format_report(report)
     assert "bit-identical: yes" in text
+    legend = text.split("columns (", 1)[1].splitlines()
+    for column in (
+        "peak saved off/on",
+        "cut",
+        "chunks off/on (plan)",
+        "predicted on",
+        "exposed wait",
+    ):
+        assert sum(line.startswith(f"  {column}  ") for line in legend) == 1, column
     assert (tmp_path / "trace_swap.json").exists()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -114,3 +115,77 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice: 'zigzag'" in capsys.readouterr().err
     assert main([]) == 2
     assert "plan" in capsys.readouterr().err
+
+
+LARGE = (
+    "plan", "--schedule", "interleaved_1f1b", "--pp", "4", "--vpp", "2", "--micro", "16",
+    "--swap", "--fsdp",
+)  # fmt: skip
+
+
+def _row_cells(text: str, rank: int) -> list[str]:
+    """Every cell of ``rank``'s rows, over all the blocks of the folded grid."""
+    cells: list[str] = []
+    for line in text.splitlines():
+        label, _, row = line.partition("|")
+        if label.strip() == f"rank {rank}":
+            cells += row.split()
+    return cells
+
+
+def test_text_plan_fits_the_width_and_keeps_every_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, err = run(capsys, *LARGE)
+    assert status == 0 and err == ""
+    assert max(len(line) for line in out.splitlines()) <= 100
+    config = ScheduleConfig(
+        schedule="interleaved_1f1b", pp=4, vpp=2, micro=16, swap=True, fsdp=True
+    )
+    for rank, order in enumerate(build_all_orders(config)):
+        assert _row_cells(out, rank) == [step.short() for step in order]
+    assert "steps 0-" in out  # folded into labelled blocks
+    _, narrow, _ = run(capsys, *LARGE, "--width", "60")
+    assert max(len(line) for line in narrow.splitlines()) <= 60
+    _, wide, _ = run(capsys, *LARGE, "--width", "0")
+    assert len(re.findall(r"^rank \d \|", wide, re.MULTILINE)) == 4  # one line a rank
+
+
+def test_text_plan_has_a_legend_of_every_code(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, *LARGE)
+    grid, legend = out.split("\nlegend: ", 1)
+    codes = set(re.findall(r"\b([A-Z]+)\d*\.", grid))  # F3.0, LO3.0, UN.s2, ...
+    assert {"F", "B", "SF", "RF", "SB", "RB", "LO", "WO", "LL", "WL", "UN", "RE"} <= codes
+    explained = {line.split()[0] for line in legend.splitlines() if line.startswith("  ")}
+    assert codes <= explained
+    assert "SWAP_WAIT_LOAD" in legend and "micro-batch" in legend
+
+
+@pytest.mark.parametrize("width", ["-1", "49"])
+def test_bad_width_exits_2(capsys: pytest.CaptureFixture[str], width: str) -> None:
+    status, out, err = run(capsys, "plan", "--schedule", "gpipe", "--pp", "2", "--micro", "2",
+                           "--width", width)  # fmt: skip
+    assert status == 2 and out == ""
+    assert f"width must be 0 (one line per rank) or an int >= 50, got {width}" in err
+
+
+def test_json_plan_is_unchanged_by_the_text_options(capsys: pytest.CaptureFixture[str]) -> None:
+    _, document, _ = run(capsys, *LARGE, "--format", "json")
+    _, narrow, _ = run(capsys, *LARGE, "--format", "json", "--width", "60")
+    config = ScheduleConfig(
+        schedule="interleaved_1f1b", pp=4, vpp=2, micro=16, swap=True, fsdp=True
+    )
+    assert json.loads(document) == json.loads(narrow) == plan_payload(config)
+
+
+def test_interleaved_vpp_defaults_to_2(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(
+        capsys, "plan", "--schedule", "interleaved_1f1b", "--pp", "2", "--micro", "4",
+        "--format", "json",
+    )  # fmt: skip
+    assert status == 0 and json.loads(out)["vpp"] == 2
+    status, _, err = run(
+        capsys, "plan", "--schedule", "interleaved_1f1b", "--pp", "2", "--micro", "4",
+        "--vpp", "1",
+    )  # fmt: skip
+    assert status == 2 and "vpp must be >= 2 for interleaved_1f1b, got 1" in err
