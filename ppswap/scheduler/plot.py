@@ -3,22 +3,22 @@
 Only the CLI's ``plot`` command imports this module (matplotlib is an optional extra,
 ``ppswap[plot]``); ``ppswap.scheduler`` itself never imports it.
 
-What is drawn, for the orders lowered with ``swap=True``:
+What is drawn, for the orders lowered from the config (with ``config.swap`` or without):
 
 - top panel, one lane per rank: each compute slot as a cell in its column (see
   ``simulate.build_timeline``): ``C·F`` a FWD that collects an eligible chunk, ``W·B`` /
   ``W·dx`` a BWD / BWD_INPUT preceded by its SWAP_WAIT_LOAD, plain ``F``, ``B``, ``dx``,
   ``dw`` otherwise, the micro-batch under it (``3v1``: micro 3 of the rank's virtual stage
   1; later virtual stages are drawn darker). A composite (OVERLAP_B_F / OVERLAP_F_B) is
-  one split cell, its two leaves one above the other. Under each lane two thin rows: the
-  offload windows (SWAP_LAUNCH_OFFLOAD to SWAP_WAIT_OFFLOAD) and the load windows
+  one split cell, its two leaves one above the other. With swap, under each lane two thin
+  rows: the offload windows (SWAP_LAUNCH_OFFLOAD to SWAP_WAIT_OFFLOAD) and the load windows
   (SWAP_LAUNCH_LOAD to SWAP_WAIT_LOAD) of ``simulate.copy_windows``, labelled with their
   micro-batch; windows that overlap in time are stacked on separate tracks, and a launch
   directly followed by its wait is a short tick. Both rows share ONE copy stream at run
   time; they are split only to be readable. Columns where a rank runs no compute
   (bubbles) are hatched grey. P2P and FSDP steps are not drawn.
-- bottom panel: resident activation chunks per rank over the same columns, with swap
-  (solid) against the same order without swap (dashed).
+- bottom panel: resident activation chunks per rank over the same columns; with swap
+  (solid) against the same order without swap (dashed), or without swap alone (solid).
 
 A column is a logical compute slot, not measured time; the windows are the static
 launch-to-wait windows of the plan.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.axes import Axes
@@ -48,7 +48,7 @@ from ppswap.scheduler.simulate import (
 from ppswap.scheduler.steps import COMPUTE_KINDS, MetaStep, Order, StepKind, iter_leaves
 from ppswap.scheduler.swap_plan import eligible_chunks
 
-__all__ = ["PLOT_SUFFIXES", "cell_label", "pack_windows", "plot_schedule"]
+__all__ = ["PLOT_SUFFIXES", "cell_label", "pack_windows", "plot_schedule", "schedule_figure"]
 
 PLOT_SUFFIXES = (".png", ".svg")
 
@@ -113,7 +113,8 @@ def pack_windows(windows: Sequence[CopyWindow]) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
-    """Vertical layout shared by all ranks (same row heights for every lane)."""
+    """Vertical layout shared by all ranks (same row heights for every lane); no offload
+    or load rows at all (0 tracks) without swap."""
 
     offload_tracks: int
     load_tracks: int
@@ -199,6 +200,8 @@ def _draw_rank(
         ("offload", _OFFLOAD_COLOR, layout.offload_tracks),
         ("load", _LOAD_COLOR, layout.load_tracks),
     ):
+        if tracks == 0:
+            continue
         chosen = [w for w in windows if w.kind == kind]
         bottom = layout.row_bottom(rank, kind)
         for window, track in zip(chosen, pack_windows(chosen), strict=True):
@@ -224,11 +227,16 @@ def _draw_rank(
     ax.text(-0.3, lane_y + _LANE / 2, f"rank {rank}", ha="right", va="center", fontsize=9)
 
 
-def _draw_memory(ax: Axes, timeline: Timeline, orders: Sequence[Order], columns: int) -> None:
+def _draw_memory(
+    ax: Axes, timeline: Timeline, orders: Sequence[Order], columns: int, swap: bool
+) -> None:
+    """Resident chunks per rank: with ``swap``, swap (solid) against no swap (dashed);
+    without, the no-swap line alone (solid)."""
     xs = list(range(columns + 1))
+    styles = ((False, "--"), (True, "-")) if swap else ((False, "-"),)
     for rank, order in enumerate(orders):
         color = _RANK_COLORS[rank % len(_RANK_COLORS)]
-        for with_swap, style in ((False, "--"), (True, "-")):
+        for with_swap, style in styles:
             values = list(resident_by_column(timeline, rank, order, with_swap=with_swap))
             values += [values[-1] if values else 0] * (columns + 1 - len(values))
             ax.step(xs, values, where="post", color=color, linestyle=style, lw=1.3)
@@ -240,10 +248,13 @@ def _draw_memory(ax: Axes, timeline: Timeline, orders: Sequence[Order], columns:
         Line2D([], [], color=_RANK_COLORS[r % len(_RANK_COLORS)], lw=2, label=f"rank {r}")
         for r in range(len(orders))
     ]
-    handles += [
-        Line2D([], [], color="black", lw=1.3, label="swap"),
-        Line2D([], [], color="black", lw=1.3, linestyle="--", label="no swap"),
-    ]
+    if swap:
+        handles += [
+            Line2D([], [], color="black", lw=1.3, label="swap"),
+            Line2D([], [], color="black", lw=1.3, linestyle="--", label="no swap"),
+        ]
+    else:
+        handles.append(Line2D([], [], color="black", lw=1.3, label="no swap"))
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))
 
 
@@ -260,17 +271,89 @@ def _title(config: ScheduleConfig) -> str:
         if on:
             parts.append(name)
     parts.append(f"p2p={config.p2p}")
-    parts.append(f"swap (min gap {config.min_swap_gap})")
+    parts.append(f"swap (min gap {config.min_swap_gap})" if config.swap else "no swap")
     return "   ".join(parts)
 
 
-def plot_schedule(config: ScheduleConfig, path: str | os.PathLike[str]) -> Path:
-    """Draw the swap schedule of ``config`` to ``path`` (``.png`` or ``.svg``).
+def _tracks(windows: Sequence[Sequence[CopyWindow]], kind: str) -> int:
+    """The tracks the busiest rank needs for its ``kind`` windows (at least one)."""
+    return max(
+        [1]
+        + [max(pack_windows([w for w in ws if w.kind == kind]), default=0) + 1 for ws in windows]
+    )
 
-    The orders are lowered with ``swap=True`` whatever ``config.swap`` says: the diagram
-    shows the swap plan, and its memory panel compares it with the same orders without
-    swap steps. Creates missing parent folders; returns the path written. Raises
-    ValueError for another suffix (before anything is built).
+
+def _layout(config: ScheduleConfig, windows: Sequence[Sequence[CopyWindow]]) -> _Layout:
+    """Enough offload and load tracks for the busiest rank; none without swap."""
+    if not config.swap:
+        return _Layout(offload_tracks=0, load_tracks=0)
+    return _Layout(offload_tracks=_tracks(windows, "offload"), load_tracks=_tracks(windows, "load"))
+
+
+def _legend_handles(config: ScheduleConfig) -> list[Patch]:
+    """The schedule panel's legend: bubbles, and the swap marks only with swap."""
+    bubble = Patch(facecolor=_BUBBLE_FACE, edgecolor=_BUBBLE_EDGE, hatch="////", label="bubble")
+    if not config.swap:
+        return [bubble]
+    return [
+        Patch(facecolor=_OFFLOAD_COLOR, label="offload window (LAUNCH → WAIT)"),
+        Patch(facecolor=_LOAD_COLOR, label="load window (LAUNCH → WAIT)"),
+        bubble,
+        Patch(facecolor="none", edgecolor="none", label="C·F: collect   W·B/W·dx: wait load"),
+    ]
+
+
+def schedule_figure(config: ScheduleConfig) -> Figure:
+    """The schedule diagram of ``config`` as a matplotlib Figure (not saved).
+
+    The orders are lowered as ``config`` says: with ``config.swap`` the diagram shows the
+    swap steps' effects (C·F / W·B cells, offload and load windows) and its memory panel
+    compares the orders with and without swap; without, it shows no swap at all (plain
+    cells, no window rows, the no-swap memory line alone).
+    """
+    if not isinstance(config, ScheduleConfig):
+        raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
+    orders = build_all_orders(config)
+    timeline = build_timeline(config, orders)
+    windows = [copy_windows(timeline, rank, order) for rank, order in enumerate(orders)]
+    layout = _layout(config, windows)
+    columns = max(timeline.num_columns, 1)
+    lanes_height = config.pp * layout.pitch
+    figure = Figure(figsize=(max(9.0, 0.42 * columns + 2.6), 1.05 * lanes_height + 3.6))
+    schedule_ax, memory_ax = figure.subplots(
+        2, 1, sharex=True, gridspec_kw={"height_ratios": [lanes_height, 2.4]}
+    )
+    for rank, order in enumerate(orders):
+        _draw_rank(schedule_ax, config, timeline, layout, rank, order)
+    schedule_ax.set_xlim(-0.1, columns + 0.1)
+    schedule_ax.set_ylim(layout.row_bottom(config.pp - 1, "load") - 0.1, 0.1)
+    schedule_ax.set_yticks([])
+    for side in ("left", "right", "top"):
+        schedule_ax.spines[side].set_visible(False)
+    schedule_ax.set_title(_title(config), fontsize=10, pad=22)
+    handles = _legend_handles(config)
+    schedule_ax.legend(
+        handles=handles,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        ncol=len(handles),
+        fontsize=7,
+        frameon=False,
+    )
+    _draw_memory(memory_ax, timeline, orders, columns, config.swap)
+    memory_ax.set_xticks(range(0, columns + 1, 2 if columns > 30 else 1))
+    memory_ax.tick_params(axis="x", labelsize=7)
+    figure.tight_layout()
+    return figure
+
+
+def plot_schedule(config: ScheduleConfig, path: str | os.PathLike[str]) -> Path:
+    """Draw the schedule diagram of ``config`` (``schedule_figure``) to ``path`` (``.png``
+    or ``.svg``): with swap when ``config.swap`` is set, without otherwise.
+
+    Creates missing parent folders; returns the path written. Raises TypeError for a
+    config that is not a ScheduleConfig and ValueError for another suffix (both before
+    anything is built).
     """
     if not isinstance(config, ScheduleConfig):
         raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
@@ -280,57 +363,7 @@ def plot_schedule(config: ScheduleConfig, path: str | os.PathLike[str]) -> Path:
             f"path must end in {' or '.join(PLOT_SUFFIXES)}, got {str(path)!r} "
             f"(suffix {target.suffix!r})"
         )
-    swap_config = replace(config, swap=True)
-    orders = build_all_orders(swap_config)
-    timeline = build_timeline(swap_config, orders)
-    windows = [copy_windows(timeline, rank, order) for rank, order in enumerate(orders)]
-    layout = _Layout(
-        offload_tracks=max(
-            [1]
-            + [
-                max(pack_windows([w for w in ws if w.kind == "offload"]), default=0) + 1
-                for ws in windows
-            ]
-        ),
-        load_tracks=max(
-            [1]
-            + [
-                max(pack_windows([w for w in ws if w.kind == "load"]), default=0) + 1
-                for ws in windows
-            ]
-        ),
-    )
-    columns = max(timeline.num_columns, 1)
-    lanes_height = config.pp * layout.pitch
-    figure = Figure(figsize=(max(9.0, 0.42 * columns + 2.6), 1.05 * lanes_height + 3.6))
-    schedule_ax, memory_ax = figure.subplots(
-        2, 1, sharex=True, gridspec_kw={"height_ratios": [lanes_height, 2.4]}
-    )
-    for rank, order in enumerate(orders):
-        _draw_rank(schedule_ax, swap_config, timeline, layout, rank, order)
-    schedule_ax.set_xlim(-0.1, columns + 0.1)
-    schedule_ax.set_ylim(layout.row_bottom(config.pp - 1, "load") - 0.1, 0.1)
-    schedule_ax.set_yticks([])
-    for side in ("left", "right", "top"):
-        schedule_ax.spines[side].set_visible(False)
-    schedule_ax.set_title(_title(swap_config), fontsize=10, pad=22)
-    schedule_ax.legend(
-        handles=[
-            Patch(facecolor=_OFFLOAD_COLOR, label="offload window (LAUNCH → WAIT)"),
-            Patch(facecolor=_LOAD_COLOR, label="load window (LAUNCH → WAIT)"),
-            Patch(facecolor=_BUBBLE_FACE, edgecolor=_BUBBLE_EDGE, hatch="////", label="bubble"),
-            Patch(facecolor="none", edgecolor="none", label="C·F: collect   W·B/W·dx: wait load"),
-        ],
-        loc="lower center",
-        bbox_to_anchor=(0.5, 1.0),
-        ncol=4,
-        fontsize=7,
-        frameon=False,
-    )
-    _draw_memory(memory_ax, timeline, orders, columns)
-    memory_ax.set_xticks(range(0, columns + 1, 2 if columns > 30 else 1))
-    memory_ax.tick_params(axis="x", labelsize=7)
-    figure.tight_layout()
+    figure = schedule_figure(config)
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, dpi=130)
     return target

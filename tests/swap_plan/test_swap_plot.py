@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ppswap import cli
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.plot import cell_label, pack_windows, plot_schedule
+from ppswap.scheduler.plot import cell_label, pack_windows, plot_schedule, schedule_figure
 from ppswap.scheduler.simulate import CopyWindow
 from ppswap.scheduler.steps import MetaStep, StepKind
 
@@ -95,3 +96,57 @@ def test_pure_modules_import_no_runtime_or_plotting(module: str) -> None:
         if isinstance(node, ast.ImportFrom)
     }
     assert imported.isdisjoint({"mindspore", "anyio", "matplotlib", "numpy"})
+
+
+def _texts(config: ScheduleConfig) -> list[str]:
+    """Every text drawn on the schedule and memory panels, legends and title included."""
+    figure = schedule_figure(config)
+    texts: list[str] = []
+    for ax in figure.axes:
+        texts += [text.get_text() for text in ax.texts]
+        texts.append(ax.get_title())
+        legend = ax.get_legend()
+        if legend is not None:
+            texts += [text.get_text() for text in legend.get_texts()]
+    return texts
+
+
+def test_without_swap_nothing_of_swap_is_drawn() -> None:
+    config = ScheduleConfig(schedule="1f1b", pp=2, micro=6)
+    texts = _texts(config)
+    assert not {"offload", "load", "swap"} & set(texts)
+    assert not any("·" in text or "window" in text for text in texts)  # no C·F, W·B
+    assert any(text.endswith("no swap") for text in texts)  # title and memory legend
+
+
+def test_with_swap_windows_and_marks_are_drawn() -> None:
+    texts = _texts(ScheduleConfig(schedule="1f1b", pp=2, micro=6, swap=True))
+    assert {"offload", "load", "swap", "no swap"} <= set(texts)
+    assert any(text.startswith("C·F") for text in texts)
+    assert any("offload window" in text for text in texts)
+
+
+@pytest.mark.parametrize(("flags", "swap"), [((), False), (("--swap",), True)])
+def test_cli_plot_swap_flag_reaches_the_diagram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: tuple[str, ...], swap: bool
+) -> None:
+    drawn: list[ScheduleConfig] = []
+
+    def fake_plot(config: ScheduleConfig, path: str) -> Path:
+        drawn.append(config)
+        return Path(path)
+
+    monkeypatch.setattr(cli, "plot_schedule", fake_plot)
+    argv = [
+        "plot",
+        "--schedule",
+        "gpipe",
+        "--pp",
+        "2",
+        "--micro",
+        "4",
+        "-o",
+        str(tmp_path / "p.png"),
+    ]
+    assert cli.main([*argv, *flags]) == 0
+    assert [config.swap for config in drawn] == [swap]
