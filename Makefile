@@ -8,10 +8,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo check lint typecheck test bench plan clean
 
+# The editable install keeps setuptools' default (lenient) mode, so modules added to ppswap/
+# are importable without reinstalling; that mode always ends with an informational
+# "Editable installation." warning box, which the warnings filter below silences (and only
+# it). editable_mode=strict prints a box of its own and misses new files; compat is
+# deprecated and prints a deprecation box.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
