@@ -7,7 +7,7 @@ order (with or without swap steps), in seconds, from a few measured numbers. The
 The simulation
     Each rank walks its order. A compute slot (a leaf, or a composite holding two) is
     requested when the rank has reached it and every leaf it depends on has finished (the
-    dependencies of ``simulate.build_timeline``: FWD after the previous stage's FWD;
+    dependency rule of ``ppswap.scheduler.analysis``: FWD after the previous stage's FWD;
     BWD / BWD_INPUT after the next stage's backward consumer, or after its own FWD on the
     last stage; BWD_WEIGHT after its BWD_INPUT). It runs for the ``CostModel.leaf_time``
     of each of its leaves on the rank's own device, or, with ``shared_compute``, on the one
@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ppswap.scheduler.analysis import check_orders, compute_slots, slot_dependencies
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import Order, StepKind
-from ppswap.scheduler.swap_plan import CONSUMER_KINDS, compute_slots
 
 __all__ = ["DEFAULT_COST_BUDGET", "CostModel", "RunEstimate", "Simulator", "simulate_run"]
 
@@ -53,7 +53,6 @@ _LAUNCH_OF_WAIT = {
     StepKind.SWAP_WAIT_OFFLOAD: StepKind.SWAP_LAUNCH_OFFLOAD,
     StepKind.SWAP_WAIT_LOAD: StepKind.SWAP_LAUNCH_LOAD,
 }
-_Leaf = tuple[StepKind, int, int]
 
 
 def _check_number(name: str, value: Any, *, allow_inf: bool, allow_zero: bool) -> float:
@@ -212,69 +211,32 @@ class Simulator:
     (their compute slots must be those it was built from)."""
 
     def __init__(self, config: ScheduleConfig, orders: Sequence[Order], cost: CostModel) -> None:
-        if not isinstance(config, ScheduleConfig):
-            raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
+        check_orders(config, orders)
         if not isinstance(cost, CostModel):
             raise TypeError(f"cost must be a CostModel, got {type(cost).__name__}")
-        if len(orders) != config.pp:
-            raise ValueError(
-                f"orders must hold one order per rank (pp={config.pp}), got {len(orders)}"
-            )
         cost.check_for(config)
         self.config = config
         self.cost = cost
         slots = [compute_slots(order) for order in orders]
         self.slot_ids: list[list[int]] = []
         self.slot_s: list[float] = []  # compute time of every slot, by slot id
-        owner: dict[_Leaf, int] = {}
-        rank_of_slot: list[int] = []
-        for rank, rank_slots in enumerate(slots):
-            ids = []
-            for slot in rank_slots:
-                ids.append(len(self.slot_s))
-                for leaf in slot.leaves:
-                    owner[(leaf.kind, leaf.stage, leaf.micro)] = len(self.slot_s)
-                self.slot_s.append(sum(cost.leaf_time(leaf.kind) for leaf in slot.leaves))
-                rank_of_slot.append(rank)
-            self.slot_ids.append(ids)
-        consumer = {
-            leaf.chunk: leaf.kind
-            for rank_slots in slots
-            for slot in rank_slots
-            for leaf in slot.leaves
-            if leaf.kind in CONSUMER_KINDS
-        }
-        last = config.num_stages - 1
+        for rank_slots in slots:
+            first = len(self.slot_s)
+            self.slot_ids.append(list(range(first, first + len(rank_slots))))
+            self.slot_s.extend(
+                sum(cost.leaf_time(leaf.kind) for leaf in slot.leaves) for slot in rank_slots
+            )
         latency = cost.p2p_latency_s
         # per slot: (slot it waits for, delay after that slot ends: p2p_latency_s when the
         # result comes from another rank)
-        self.deps: list[tuple[tuple[int, float], ...]] = []
-        for rank, rank_slots in enumerate(slots):
-            for slot in rank_slots:
-                needed: list[_Leaf] = []
-                for leaf in slot.leaves:
-                    stage, micro = leaf.stage, leaf.micro
-                    if leaf.kind is StepKind.FWD and stage > 0:
-                        needed.append((StepKind.FWD, stage - 1, micro))
-                    elif leaf.kind in CONSUMER_KINDS and stage == last:
-                        needed.append((StepKind.FWD, stage, micro))
-                    elif leaf.kind in CONSUMER_KINDS:
-                        upstream = consumer.get((stage + 1, micro), StepKind.BWD)
-                        needed.append((upstream, stage + 1, micro))
-                    elif leaf.kind is StepKind.BWD_WEIGHT:
-                        needed.append((StepKind.BWD_INPUT, stage, micro))
-                for dep in needed:
-                    if dep not in owner:
-                        raise ValueError(
-                            f"{slot.step.short()} of rank {rank} waits for {dep[0].value}"
-                            f"(stage={dep[1]}, micro={dep[2]}), which no rank runs"
-                        )
-                self.deps.append(
-                    tuple(
-                        (owner[dep], 0.0 if rank_of_slot[owner[dep]] == rank else latency)
-                        for dep in needed
-                    )
-                )
+        self.deps: list[tuple[tuple[int, float], ...]] = [
+            tuple(
+                (self.slot_ids[other][slot], 0.0 if other == rank else latency)
+                for other, slot in needed
+            )
+            for rank, rank_deps in enumerate(slot_dependencies(config, slots))
+            for needed in rank_deps
+        ]
 
     def program(self, rank: int, order: Order) -> tuple[_Op, ...]:
         """Rank ``rank``'s ``order`` (with its swap steps) as the simulator runs it."""

@@ -2,19 +2,15 @@
 
 Timeline
     Every compute slot (a top-level compute leaf or a composite, see
-    ``swap_plan.compute_slots``) of every rank gets a global *column*: the earliest logical
+    ``analysis.compute_slots``) of every rank gets a global *column*: the earliest logical
     time its data dependencies allow, one compute slot per column per rank, each rank
-    running its slots in its own order. The dependencies between compute leaves are:
-
-    - ``FWD(s, i)`` after ``FWD(s - 1, i)`` (stage 0 has none);
-    - ``BWD(s, i)`` / ``BWD_INPUT(s, i)`` after the backward consumer of ``(s + 1, i)``
-      (BWD or BWD_INPUT), and on the last stage after ``FWD(s, i)``;
-    - ``BWD_WEIGHT(s, i)`` after ``BWD_INPUT(s, i)``.
-
-    A composite depends on what both its leaves depend on. ``column = max(previous slot of
-    the rank + 1, every dependency's column + 1)``. A column is a logical compute slot,
-    not wall-clock time. A *bubble* is a column in ``0 .. num_columns - 1`` where a rank runs
-    no compute.
+    running its slots in its own order. The dependencies between compute leaves are the
+    dependency rule of ``ppswap.scheduler.analysis`` (FWD after the previous stage's FWD,
+    a backward after the next stage's backward or, on the last stage, its own FWD,
+    BWD_WEIGHT after its BWD_INPUT); a composite depends on what both its leaves depend on.
+    ``column = max(previous slot of the rank + 1, every dependency's column + 1)``. A
+    column is a logical compute slot, not wall-clock time. A *bubble* is a column in
+    ``0 .. num_columns - 1`` where a rank runs no compute.
 
 Memory model (unit: one activation chunk ``(stage, micro)``)
     Walking one rank's order: +1 when a FWD runs; with swap, -1 at SWAP_WAIT_OFFLOAD (the
@@ -31,15 +27,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ppswap.scheduler.analysis import (
+    CONSUMER_KINDS,
+    ComputeSlot,
+    check_orders,
+    compute_slots,
+    slot_dependencies,
+)
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
-from ppswap.scheduler.swap_plan import (
-    CONSUMER_KINDS,
-    ComputeSlot,
-    compute_slots,
-    eligible_chunks,
-)
+from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.scheduler.validate import ScheduleDeadlockError
 
 __all__ = [
@@ -54,7 +52,6 @@ __all__ = [
     "step_columns",
 ]
 
-_Leaf = tuple[StepKind, int, int]
 _LAUNCH_KINDS = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
 _WAIT_OF: dict[StepKind, tuple[StepKind, str]] = {
     StepKind.SWAP_WAIT_OFFLOAD: (StepKind.SWAP_LAUNCH_OFFLOAD, "offload"),
@@ -94,29 +91,6 @@ class Timeline:
         return frozenset(cell.column for cell in self.cells[rank])
 
 
-def _leaf_deps(
-    leaf: MetaStep, last_stage: int, consumer_kind: dict[tuple[int, int], StepKind]
-) -> list[_Leaf]:
-    stage, micro = leaf.stage, leaf.micro
-    if leaf.kind is StepKind.FWD:
-        return [(StepKind.FWD, stage - 1, micro)] if stage > 0 else []
-    if leaf.kind in CONSUMER_KINDS:
-        if stage == last_stage:
-            return [(StepKind.FWD, stage, micro)]
-        upstream = consumer_kind.get((stage + 1, micro), StepKind.BWD)
-        return [(upstream, stage + 1, micro)]
-    if leaf.kind is StepKind.BWD_WEIGHT:
-        return [(StepKind.BWD_INPUT, stage, micro)]
-    return []
-
-
-def _check_orders(config: ScheduleConfig, orders: Sequence[Order]) -> None:
-    if not isinstance(config, ScheduleConfig):
-        raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
-    if len(orders) != config.pp:
-        raise ValueError(f"orders must hold one order per rank (pp={config.pp}), got {len(orders)}")
-
-
 def build_timeline(config: ScheduleConfig, orders: Sequence[Order]) -> Timeline:
     """Place every rank's compute slots on the global logical timeline.
 
@@ -126,49 +100,23 @@ def build_timeline(config: ScheduleConfig, orders: Sequence[Order]) -> Timeline:
     (their compute slots wait on each other in a cycle); its ``stuck`` maps each stuck rank
     to the top-level index of the slot it cannot run.
     """
-    _check_orders(config, orders)
+    check_orders(config, orders)
     slots = [compute_slots(order) for order in orders]
-    last_stage = config.num_stages - 1
-    consumer_kind: dict[tuple[int, int], StepKind] = {}
-    present: set[_Leaf] = set()
-    for rank_slots in slots:
-        for slot in rank_slots:
-            for leaf in slot.leaves:
-                present.add((leaf.kind, leaf.stage, leaf.micro))
-                if leaf.kind in CONSUMER_KINDS:
-                    consumer_kind[leaf.chunk] = leaf.kind
-    deps: list[list[list[_Leaf]]] = []
-    for rank_slots in slots:
-        rank_deps: list[list[_Leaf]] = []
-        for slot in rank_slots:
-            slot_deps = [
-                d for leaf in slot.leaves for d in _leaf_deps(leaf, last_stage, consumer_kind)
-            ]
-            for dep in slot_deps:
-                if dep not in present:
-                    raise ValueError(
-                        f"{slot.step.short()} depends on {dep[0].value}(stage={dep[1]}, "
-                        f"micro={dep[2]}), which no rank's order runs"
-                    )
-            rank_deps.append(slot_deps)
-        deps.append(rank_deps)
-    done: dict[_Leaf, int] = {}
+    deps = slot_dependencies(config, slots)
     columns: list[list[int]] = [[] for _ in orders]
     progress = True
     while progress:
         progress = False
         for rank, rank_slots in enumerate(slots):
-            while len(columns[rank]) < len(rank_slots):
-                slot = rank_slots[len(columns[rank])]
-                needed = deps[rank][slot.slot]
-                if any(dep not in done for dep in needed):
+            placed = columns[rank]
+            while len(placed) < len(rank_slots):
+                needed = deps[rank][len(placed)]
+                if any(slot >= len(columns[other]) for other, slot in needed):
                     break
-                column = max([done[dep] + 1 for dep in needed], default=0)
-                if columns[rank]:
-                    column = max(column, columns[rank][-1] + 1)
-                columns[rank].append(column)
-                for leaf in slot.leaves:
-                    done[(leaf.kind, leaf.stage, leaf.micro)] = column
+                column = placed[-1] + 1 if placed else 0
+                for other, slot in needed:
+                    column = max(column, columns[other][slot] + 1)
+                placed.append(column)
                 progress = True
     stuck = {
         rank: rank_slots[len(columns[rank])].index

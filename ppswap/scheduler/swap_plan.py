@@ -10,7 +10,7 @@ Leaves and compute slots (RFC 6.4.1)
     compute slot; an OVERLAP_B_F / OVERLAP_F_B composite is expanded to pair its leaves but
     counts as ONE compute slot (two concurrent leaves do not hide a window). Slots are
     numbered 0, 1, 2 ... in order; communication steps (P2P, BATCH_SEND_RECV, FSDP) are not
-    slots.
+    slots (``analysis.compute_slots``; re-exported here).
 
 Pairing and eligibility (RFC 6.4.2)
     Each FWD(s, i) is paired with its activation consumer: BWD(s, i), or BWD_INPUT(s, i)
@@ -78,9 +78,9 @@ from bisect import bisect_right
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
+from ppswap.scheduler.analysis import CONSUMER_KINDS, ComputeSlot, compute_slots
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import (
-    COMPOSITE_KINDS,
     COMPUTE_KINDS,
     FSDP_KINDS,
     MetaStep,
@@ -103,9 +103,6 @@ __all__ = [
     "strip_swap_steps",
 ]
 
-CONSUMER_KINDS = frozenset({StepKind.BWD, StepKind.BWD_INPUT})
-"""The activation's first consumer: BWD, or BWD_INPUT with the dx/dw split."""
-
 SWAP_KIND_ORDER: tuple[StepKind, ...] = (
     StepKind.SWAP_LAUNCH_OFFLOAD,
     StepKind.SWAP_WAIT_OFFLOAD,
@@ -117,20 +114,6 @@ SWAP_KIND_ORDER: tuple[StepKind, ...] = (
 _KIND_RANK = {kind: rank for rank, kind in enumerate(SWAP_KIND_ORDER)}
 _RECV_KINDS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
 _SEND_KINDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
-
-
-@dataclass(frozen=True, slots=True)
-class ComputeSlot:
-    """One compute slot of an order: a top-level compute leaf or a composite.
-
-    ``slot`` numbers the compute slots 0, 1, ...; ``index`` is the step's top-level index in
-    the order; ``leaves`` are the compute leaves it runs (one, or two for a composite).
-    """
-
-    slot: int
-    index: int
-    step: MetaStep
-    leaves: tuple[MetaStep, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,25 +147,6 @@ def _check_config(config: object) -> ScheduleConfig:
     if not isinstance(config, ScheduleConfig):
         raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
     return config
-
-
-def compute_slots(order: Order) -> tuple[ComputeSlot, ...]:
-    """Leaf extraction: every compute slot of ``order`` with its compute leaves.
-
-    Top-level FWD/BWD/BWD_INPUT/BWD_WEIGHT steps are one slot each; an OVERLAP_B_F /
-    OVERLAP_F_B composite is one slot whose leaves are its sub-steps.
-    """
-    _check_order(order)
-    slots: list[ComputeSlot] = []
-    for index, step in enumerate(order):
-        if step.kind in COMPUTE_KINDS:
-            leaves: tuple[MetaStep, ...] = (step,)
-        elif step.kind in COMPOSITE_KINDS:
-            leaves = tuple(leaf for leaf in iter_leaves((step,)) if leaf.kind in COMPUTE_KINDS)
-        else:
-            continue
-        slots.append(ComputeSlot(slot=len(slots), index=index, step=step, leaves=leaves))
-    return tuple(slots)
 
 
 def plan_swap(order: Order, config: ScheduleConfig) -> tuple[SwapChunkPlan, ...]:

@@ -8,7 +8,8 @@
     earlier one than its BWD_WEIGHT; composites are ``OVERLAP_B_F(BWD|BWD_INPUT, FWD)``
     and exist only with ``overlap_b_f``. With ``lowered=True`` (the default: a finalized
     order) also: the P2P steps between two compute slots are exactly the sends of the
-    earlier slot and the recvs of the later one (``lowering.p2p_for_slot``); in batch
+    earlier slot and the recvs of the later one, derived from the compute slots and the
+    stage -> rank placement (``analysis.expected_p2p``, not lowering's code); in batch
     mode consecutive P2P steps are fused into one BATCH_SEND_RECV (two or more steps; a
     lone step is bare), in the other modes there is no BATCH_SEND_RECV; FSDP steps only with
     ``fsdp``, and every compute leaf runs while its stage is unsharded (UNSHARD and
@@ -38,8 +39,15 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
+from ppswap.scheduler.analysis import (
+    MessageKey,
+    check_orders,
+    compute_slots,
+    expected_p2p,
+    message_key,
+    p2p_partner_stage,
+)
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.lowering import p2p_for_slot
 from ppswap.scheduler.render import format_grid
 from ppswap.scheduler.schedules import check_rank
 from ppswap.scheduler.steps import (
@@ -74,9 +82,6 @@ _RECV_B = StepKind.RECV_B
 _BACKWARD_CONSUMERS = frozenset({_BWD, _BWD_INPUT})
 _SENDS = frozenset({_SEND_F, _SEND_B})
 
-# A message key: (src rank, dst rank, direction "F"/"B", receiving stage, micro).
-_MessageKey = tuple[int, int, str, int, int]
-
 _DEADLOCK_WINDOW = 6
 
 
@@ -93,10 +98,6 @@ class ScheduleDeadlockError(ScheduleValidationError):
     def __init__(self, message: str, stuck: dict[int, int]) -> None:
         super().__init__(message)
         self.stuck = stuck
-
-
-def _is_slot(step: MetaStep) -> bool:
-    return step.kind in COMPUTE_KINDS or step.kind in COMPOSITE_KINDS
 
 
 def _leaves(step: MetaStep) -> tuple[MetaStep, ...]:
@@ -180,20 +181,16 @@ def _check_chunks(config: ScheduleConfig, rank: int, order: Order) -> None:
         _BWD_INPUT: {},
         _BWD_WEIGHT: {},
     }
-    slot_index = 0
-    for step in order:
-        if not _is_slot(step):
-            continue
-        for leaf in _leaves(step):
+    for slot in compute_slots(order):
+        for leaf in slot.leaves:
             seen = slots[leaf.kind]
             if leaf.chunk in seen:
                 raise ScheduleValidationError(
                     f"rank {rank}: {leaf.kind.value} of chunk (stage {leaf.stage}, micro "
                     f"{leaf.micro}) appears twice (compute slots {seen[leaf.chunk]} and "
-                    f"{slot_index})"
+                    f"{slot.slot})"
                 )
-            seen[leaf.chunk] = slot_index
-        slot_index += 1
+            seen[leaf.chunk] = slot.slot
     split_seen = slots[_BWD_INPUT] or slots[_BWD_WEIGHT]
     if config.forward_only and (slots[_BWD] or split_seen):
         raise ScheduleValidationError(f"rank {rank}: a forward-only order has FWDs only")
@@ -244,24 +241,23 @@ def _gap_p2p(gap: Iterable[MetaStep]) -> Counter[MetaStep]:
 
 
 def _check_p2p_gaps(config: ScheduleConfig, rank: int, order: Order) -> None:
-    """The P2P steps of each gap are the previous slot's sends and the next slot's recvs."""
-    gap: list[MetaStep] = []
+    """The P2P steps of each gap are the previous slot's sends and the next slot's recvs,
+    as the data dependencies and the stage placement imply (``analysis.expected_p2p``)."""
     previous_sends: tuple[MetaStep, ...] = ()
     previous = "the start"
-    for step in order:
-        if not _is_slot(step):
-            gap.append(step)
-            continue
-        recvs, sends = p2p_for_slot(step, config)
-        _compare_gap(rank, gap, previous_sends + recvs, previous, step.short())
-        gap = []
+    gap_start = 0
+    for slot in compute_slots(order):
+        recvs, sends = expected_p2p(slot.leaves, config)
+        gap = order[gap_start : slot.index]
+        _compare_gap(rank, gap, previous_sends + recvs, previous, slot.step.short())
+        gap_start = slot.index + 1
         previous_sends = sends
-        previous = step.short()
-    _compare_gap(rank, gap, previous_sends, previous, "the end")
+        previous = slot.step.short()
+    _compare_gap(rank, order[gap_start:], previous_sends, previous, "the end")
 
 
 def _compare_gap(
-    rank: int, gap: list[MetaStep], expected: tuple[MetaStep, ...], after: str, before: str
+    rank: int, gap: Sequence[MetaStep], expected: tuple[MetaStep, ...], after: str, before: str
 ) -> None:
     found = _gap_p2p(gap)
     wanted = Counter(expected)
@@ -307,7 +303,7 @@ def _check_fsdp_states(rank: int, order: Order) -> None:
                     "it is sharded"
                 )
             unsharded.discard(step.stage)
-        elif _is_slot(step):
+        elif step.is_compute:
             for leaf in _leaves(step):
                 if leaf.stage not in unsharded:
                     raise ScheduleValidationError(
@@ -344,26 +340,7 @@ def validate_order(
 
 
 # -- across ranks -----------------------------------------------------------------------------
-def _check_orders(config: ScheduleConfig, orders: Sequence[Order]) -> None:
-    if len(orders) != config.pp:
-        raise ValueError(f"orders must hold one order per rank ({config.pp}), got {len(orders)}")
-
-
-def _message_key(rank: int, step: MetaStep) -> _MessageKey:
-    """The key shared by a SEND and its RECV (``peer`` is assumed valid here)."""
-    peer = step.peer
-    assert peer is not None
-    kind = step.kind
-    if kind is _SEND_F:
-        return (rank, peer, "F", step.stage + 1, step.micro)
-    if kind is _SEND_B:
-        return (rank, peer, "B", step.stage - 1, step.micro)
-    if kind is _RECV_F:
-        return (peer, rank, "F", step.stage, step.micro)
-    return (peer, rank, "B", step.stage, step.micro)
-
-
-def _describe_key(key: _MessageKey) -> str:
+def _describe_key(key: MessageKey) -> str:
     src, dst, direction, stage, micro = key
     sender_stage = stage - 1 if direction == "F" else stage + 1
     return f"SEND_{direction}(stage {sender_stage}, micro {micro}) from rank {src} to rank {dst}"
@@ -379,19 +356,19 @@ def _p2p_leaves(order: Order) -> Iterable[MetaStep]:
 
 def validate_p2p_pairs(config: ScheduleConfig, orders: Sequence[Order]) -> None:
     """Check that sends and receives pair up across ranks, in order, per channel."""
-    _check_orders(config, orders)
+    check_orders(config, orders)
     num_stages = config.num_stages
-    sent: dict[tuple[int, int, str], list[_MessageKey]] = {}
-    received: dict[tuple[int, int, str], list[_MessageKey]] = {}
+    sent: dict[tuple[int, int, str], list[MessageKey]] = {}
+    received: dict[tuple[int, int, str], list[MessageKey]] = {}
     for rank, order in enumerate(orders):
         for step in _p2p_leaves(order):
-            partner = step.stage + (1 if step.kind in (_SEND_F, _RECV_B) else -1)
+            partner = p2p_partner_stage(step)
             if not 0 <= partner < num_stages or step.peer != config.rank_of(partner):
                 raise ScheduleValidationError(
                     f"rank {rank}: {step.short()} (peer {step.peer}) has no partner stage: "
                     f"stage {partner} is not in 0..{num_stages - 1} or not on rank {step.peer}"
                 )
-            key = _message_key(rank, step)
+            key = message_key(rank, step)
             book = sent if step.kind in _SENDS else received
             book.setdefault(key[:3], []).append(key)
     for channel in sorted(set(sent) | set(received)):
@@ -411,16 +388,16 @@ def validate_p2p_pairs(config: ScheduleConfig, orders: Sequence[Order]) -> None:
 
 def simulate_progress(config: ScheduleConfig, orders: Sequence[Order]) -> None:
     """Play all ranks; raise ScheduleDeadlockError if they stop before the end."""
-    _check_orders(config, orders)
+    check_orders(config, orders)
     pp = config.pp
-    delivered: set[_MessageKey] = set()
-    waiting: dict[_MessageKey, list[int]] = {}
+    delivered: set[MessageKey] = set()
+    waiting: dict[MessageKey, list[int]] = {}
     positions = [0] * pp
     batch_posted = [False] * pp
-    blocked_on: dict[int, _MessageKey] = {}
+    blocked_on: dict[int, MessageKey] = {}
     ready: deque[int] = deque(range(pp))
 
-    def deliver(key: _MessageKey) -> None:
+    def deliver(key: MessageKey) -> None:
         delivered.add(key)
         for waiter in waiting.pop(key, ()):
             blocked_on.pop(waiter, None)
@@ -434,11 +411,11 @@ def simulate_progress(config: ScheduleConfig, orders: Sequence[Order]) -> None:
         while position < end:
             step = order[position]
             kind = step.kind
-            missing: _MessageKey | None = None
+            missing: MessageKey | None = None
             if kind is _SEND_F or kind is _SEND_B:
-                deliver(_message_key(rank, step))
+                deliver(message_key(rank, step))
             elif kind is _RECV_F or kind is _RECV_B:
-                key = _message_key(rank, step)
+                key = message_key(rank, step)
                 if key not in delivered:
                     missing = key
             elif kind is _BATCH:
@@ -446,10 +423,10 @@ def simulate_progress(config: ScheduleConfig, orders: Sequence[Order]) -> None:
                     batch_posted[rank] = True
                     for sub in step.sub_steps:
                         if sub.kind in _SENDS:
-                            deliver(_message_key(rank, sub))
+                            deliver(message_key(rank, sub))
                 for sub in step.sub_steps:
                     if sub.kind not in _SENDS:
-                        key = _message_key(rank, sub)
+                        key = message_key(rank, sub)
                         if key not in delivered:
                             missing = key
                             break
@@ -466,10 +443,10 @@ def simulate_progress(config: ScheduleConfig, orders: Sequence[Order]) -> None:
 
 
 def _deadlock(
-    orders: Sequence[Order], positions: list[int], blocked_on: dict[int, _MessageKey]
+    orders: Sequence[Order], positions: list[int], blocked_on: dict[int, MessageKey]
 ) -> ScheduleDeadlockError:
     sent_anywhere = {
-        _message_key(rank, step)
+        message_key(rank, step)
         for rank, order in enumerate(orders)
         for step in _p2p_leaves(order)
         if step.kind in _SENDS
@@ -493,7 +470,7 @@ def _deadlock(
 
 def validate_all(config: ScheduleConfig, orders: Sequence[Order]) -> None:
     """Every per-rank check, the cross-rank pairing and the progress simulation."""
-    _check_orders(config, orders)
+    check_orders(config, orders)
     for rank, order in enumerate(orders):
         validate_order(config, rank, order)
     validate_p2p_pairs(config, orders)
