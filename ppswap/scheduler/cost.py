@@ -14,44 +14,58 @@ Prediction: ``cost_model.simulate_run`` simulates the step event by event from a
 :class:`~ppswap.scheduler.cost_model.CostModel` (bytes per chunk, copy bandwidths,
 compute time per leaf, per-copy overhead, one device per rank or one shared compute
 thread). The step time is that of the orders without swap; each rank's budget is
-``budget * step time``.
+``budget * headroom * step time``.
+
+Memory without re-planning (``cost_memory``)
+    The peak of a rank's profile is always reached at a compute slot, and a swapped chunk
+    lowers the profile by one exactly over its *window*: the compute slots from the second
+    after its FWD up to the one its SWAP_LAUNCH_LOAD precedes. The anchors do not depend
+    on which other chunks move (at slot granularity), so each candidate's window is read
+    once from the fixed rule's order, and the effect of adding or removing a chunk on its
+    rank's (peak, compute slots at the peak) is computed without building an order.
 
 Selection (candidates: the fixed rule's chunks, of every rank)
     1. If the fixed rule's whole set fits the budget on every rank, take it: with free or
        fast copies the policy is the fixed rule, chunk for chunk.
-    2. Otherwise a greedy on memory benefit, starting from no chunk. Each round adds every
-       remaining candidate in turn to the current selection and simulates the step;
-       candidates that break some rank's budget are dropped for good (on the copy stream
-       of its rank a chunk only adds work, so a chunk that does not fit rarely fits
-       later: dropping it is the greedy's approximation). Among the others, those that
-       lower their rank's profile (its peak, or the number of steps at that peak) compete;
-       the winner is the one whose rank has the highest peak (ranks are visited by peak,
-       and the round ends at the first peak level with such a candidate), then the lowest
-       new peak, the fewest steps at it, the least worst-rank exposed wait, the longest
-       gap, the earliest FWD, the lowest rank. The greedy stops when no candidate lowers
-       its rank's profile: no remaining chunk is off device at a peak step of its rank, so
-       more copies would only spend bandwidth.
+    2. Otherwise a greedy on memory benefit, starting from no chunk. In each round the
+       ranks are visited by their current peak, highest first. At a peak level, the
+       remaining candidates of those ranks that lower their rank's profile (its peak, or
+       the number of compute slots at it: a window that covers a peak slot) are ranked by
+       the new peak, the fewest slots at it, the longest gap, the earliest FWD, the lowest
+       rank; candidates whose window covers no peak slot are not simulated. In that order
+       each one is simulated with the current selection: the first that keeps every
+       rank's budget is added and the round ends; one that breaks a budget is dropped for
+       good (on the copy stream of its rank a chunk only adds work, so a chunk that does
+       not fit rarely fits later: dropping it is the greedy's approximation). When no
+       candidate of a level fits, the next level is tried. The greedy stops when no
+       remaining candidate lowers its rank's profile: more copies would only spend
+       bandwidth.
     3. Also the other way round: from the fixed rule's set, remove one chunk at a time
-       until every rank fits: the chunk whose removal cuts the exposed wait beyond the
-       budgets most, then raises its rank's profile least, then has the shortest gap.
-       (Ranks interact through the shared compute thread and the dependencies, so adding
-       up and removing down can end at different selections.)
+       until every rank fits, always from the rank whose exposed wait is furthest over
+       the budget (only its own copies make it wait): the chunk whose removal raises that
+       rank's (peak, slots at the peak) least, then has the shortest gap, then the latest
+       FWD. (Ranks interact through the shared compute thread and the dependencies, so
+       adding up and removing down can end at different selections.)
     4. Both results are pruned, last chosen first: a chunk whose removal keeps every
        budget and leaves its rank's peak where it is, is dropped (the policy moves no
        bytes that do not lower a peak). The better of the two is taken: lower peaks,
        largest rank first, then fewer chunks.
     Why a greedy suffices: a swapped chunk lowers its rank's profile by one exactly over
-    its off-device window, so a peak drops only when every peak step is covered; the greedy
-    covers peak steps one at a time with the chunk that costs least, and the budget check
-    is the simulation's. The candidates are the fixed rule's chunks only, so the policy
-    refines the default and never moves more: chunks with gap 2 or 3 would free nothing
-    anyway without FSDP (their load is launched where their offload is waited).
+    its window, so a peak drops only when every peak slot is covered; the greedy covers
+    peak slots one at a time with the chunk that covers most, and the budget check is the
+    simulation's. The candidates are the fixed rule's chunks only, so the policy refines
+    the default and never moves more: chunks with gap 2 or 3 would free nothing anyway
+    without FSDP (their load is launched where their offload is waited).
     Behaviour: with one device per rank, slower copies or a smaller budget never give a
     lower peak on any rank (tested on every schedule family); with a shared compute thread
     the ranks compete for it and the selection may trade one rank's peak for another's.
-    Cost of planning: one simulation per candidate and round (quadratic in the chunks
-    when the budget binds; milliseconds to a second at pp4 m8, see bench_scale.py). The
-    runtime plans once per run.
+    Cost of planning: each simulation adds a chunk, drops one for good, removes one or
+    prunes one, so there are at most a few per candidate chunk, and each is linear in the
+    steps: quadratic in the chunks overall, with memory effects computed, not simulated.
+    GPipe pp4 with copies of 3 compute leaves on a compute thread shared by the ranks
+    (the budget binds): about 0.03 s at m8, 0.1 s at m16, 0.3-0.4 s at m32 and 1-1.4 s at
+    m64 on this project's 2-core machine (``benchmarks/bench_plan.py``). The runtime plans
+    once per run.
 
 Nothing here imports MindSpore or anyio; every function is pure. The policy is not a step
 of ``lowering.build_exec_order`` because the memory model (``simulate``) imports lowering:
@@ -62,20 +76,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.cost_memory import Candidate, RankMemory, candidates_of
 from ppswap.scheduler.cost_model import (
     DEFAULT_COST_BUDGET,
     CostModel,
+    Program,
     RunEstimate,
     Simulator,
     simulate_run,
 )
 from ppswap.scheduler.lowering import build_all_orders
-from ppswap.scheduler.simulate import memory_profile
 from ppswap.scheduler.steps import Order
-from ppswap.scheduler.swap_plan import inject_swap_steps, plan_swap
+from ppswap.scheduler.swap_plan import inject_swap_steps
 
 __all__ = [
     "DEFAULT_COST_BUDGET",
@@ -96,6 +111,7 @@ SwapPolicy = Literal["gap", "cost"]
 SWAP_POLICIES: tuple[str, ...] = get_args(SwapPolicy)
 _TOLERANCE_S = 1e-12
 Chunk = tuple[int, int]
+Selection = tuple[frozenset[Chunk], ...]
 
 
 def check_swap_policy(swap_policy: object, cost_model: object) -> None:
@@ -171,183 +187,180 @@ class CostPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class _Candidate:
-    rank: int
-    chunk: Chunk
-    gap: int
-    fwd_slot: int
+class _Outcome:
+    """A selection with its memory (per rank) and its simulated step."""
 
-
-@dataclass(frozen=True, slots=True)
-class _Evaluation:
-    selection: tuple[frozenset[Chunk], ...]
-    peaks: tuple[tuple[int, int], ...]  # per rank: (peak, steps at the peak)
+    selection: Selection
+    memory: tuple[RankMemory, ...]
     estimate: RunEstimate
 
 
 class _Planner:
-    """Evaluates selections (one chunk set per rank) of one schedule, with a cache of each
-    rank's swapped order and profile (a helper of ``plan_cost_aware``)."""
+    """Simulates selections (one chunk set per rank) of one schedule, with a cache of each
+    rank's program per chunk set (a helper of ``plan_cost_aware``)."""
 
     def __init__(self, config: ScheduleConfig, plain: Sequence[Order], cost: CostModel) -> None:
         self.config = replace(config, swap=True)
         self.plain = plain
         self.simulator = Simulator(config, plain, cost)
-        self._ranks: dict[tuple[int, frozenset[Chunk]], tuple[Any, tuple[int, int]]] = {}
+        self._programs: dict[tuple[int, frozenset[Chunk]], Program] = {}
 
-    def _rank(self, rank: int, chunks: frozenset[Chunk]) -> tuple[Any, tuple[int, int]]:
-        """Rank ``rank`` swapping ``chunks``: its simulator program and (peak, steps at it)."""
+    def _program(self, rank: int, chunks: frozenset[Chunk]) -> Program:
         key = (rank, chunks)
-        if key not in self._ranks:
+        program = self._programs.get(key)
+        if program is None:
             order = inject_swap_steps(self.plain[rank], self.config, rank, chunks=chunks)
-            profile = memory_profile(order)
-            peak = max(profile, default=0)
             program = self.simulator.program(rank, order)
-            self._ranks[key] = (program, (peak, profile.count(peak)))
-        return self._ranks[key]
+            self._programs[key] = program
+        return program
 
-    def evaluate(self, selection: tuple[frozenset[Chunk], ...]) -> _Evaluation:
-        ranks = [self._rank(rank, chunks) for rank, chunks in enumerate(selection)]
-        estimate = self.simulator.run([program for program, _ in ranks])
-        return _Evaluation(selection, tuple(peak for _, peak in ranks), estimate)
+    def run(self, selection: Selection) -> RunEstimate:
+        return self.simulator.run(
+            [self._program(rank, chunks) for rank, chunks in enumerate(selection)]
+        )
+
+    def outcome(self, selection: Selection, memory: tuple[RankMemory, ...]) -> _Outcome:
+        return _Outcome(selection, memory, self.run(selection))
 
 
-def _fits(evaluation: _Evaluation, budget_s: float) -> bool:
-    return max(evaluation.estimate.exposed_s, default=0.0) <= budget_s + _TOLERANCE_S
-
-
-def _with(
-    selection: tuple[frozenset[Chunk], ...], rank: int, chunks: frozenset[Chunk]
-) -> tuple[frozenset[Chunk], ...]:
+def _toggled(selection: Selection, candidate: Candidate, add: bool) -> Selection:
+    """``selection`` with ``candidate``'s chunk added to or removed from its rank's set."""
+    rank = candidate.rank
+    chunks = selection[rank]
+    chunks = chunks | {candidate.chunk} if add else chunks - {candidate.chunk}
     return (*selection[:rank], chunks, *selection[rank + 1 :])
 
 
-def _greedy(planner: _Planner, candidates: Sequence[_Candidate], budget_s: float) -> _Evaluation:
+def _trial(planner: _Planner, outcome: _Outcome, candidate: Candidate, add: bool) -> RunEstimate:
+    """The simulated step of ``outcome``'s selection with ``candidate`` added or removed."""
+    return planner.run(_toggled(outcome.selection, candidate, add))
+
+
+def _change(outcome: _Outcome, candidate: Candidate, add: bool, estimate: RunEstimate) -> _Outcome:
+    """``outcome`` with ``candidate`` added or removed (``estimate``: its ``_trial``)."""
+    rank = candidate.rank
+    memory = outcome.memory[rank].changed(candidate, -1 if add else 1)
+    return _Outcome(
+        _toggled(outcome.selection, candidate, add),
+        (*outcome.memory[:rank], memory, *outcome.memory[rank + 1 :]),
+        estimate,
+    )
+
+
+def _fits(estimate: RunEstimate, budget_s: float) -> bool:
+    return max(estimate.exposed_s, default=0.0) <= budget_s + _TOLERANCE_S
+
+
+def _greedy(
+    planner: _Planner,
+    candidates: Sequence[Sequence[Candidate]],
+    empty: _Outcome,
+    budget_s: float,
+) -> _Outcome:
     """Step 2 of the selection, then the pruning (module docstring)."""
-    current = planner.evaluate(tuple(frozenset() for _ in planner.plain))
-    remaining = list(candidates)
-    added: list[_Candidate] = []
-    while remaining:
-        best: tuple[tuple[float, ...], _Evaluation, _Candidate] | None = None
-        dropped: set[_Candidate] = set()
-        # The winner comes from the ranks with the highest current peak that have an
-        # improving candidate: visit the ranks by peak, stop at the first level that has one.
-        for level in sorted({current.peaks[c.rank][0] for c in remaining}, reverse=True):
-            for candidate in remaining:
-                rank = candidate.rank
-                if current.peaks[rank][0] != level:
+    current = empty
+    remaining = [list(rank_candidates) for rank_candidates in candidates]
+    added: list[Candidate] = []
+    while True:
+        picked: tuple[Candidate, RunEstimate] | None = None
+        levels = {current.memory[rank].peak for rank, left in enumerate(remaining) if left}
+        for level in sorted(levels, reverse=True):
+            pool: list[tuple[tuple[int, int, int, int, int, Chunk], Candidate]] = []
+            for rank, left in enumerate(remaining):
+                memory = current.memory[rank]
+                if memory.peak != level:
                     continue
-                trial = planner.evaluate(
-                    _with(current.selection, rank, current.selection[rank] | {candidate.chunk})
-                )
-                if not _fits(trial, budget_s):
-                    dropped.add(candidate)
-                    continue
-                if trial.peaks[rank] >= current.peaks[rank]:
-                    continue
-                key = (
-                    *trial.peaks[rank],
-                    max(trial.estimate.exposed_s),
-                    -candidate.gap,
-                    candidate.fwd_slot,
-                    rank,
-                )
-                if best is None or key < best[0]:
-                    best = (key, trial, candidate)
-            if best is not None:
+                for candidate in left:
+                    peak, count = memory.with_chunk(candidate)
+                    if (peak, count) < (memory.peak, memory.count):
+                        key = (peak, count, -candidate.gap, candidate.fwd_slot, rank)
+                        pool.append(((*key, candidate.chunk), candidate))
+            pool.sort(key=lambda item: item[0])
+            for _, candidate in pool:
+                estimate = _trial(planner, current, candidate, add=True)
+                remaining[candidate.rank].remove(candidate)  # chosen, or dropped for good
+                if _fits(estimate, budget_s):
+                    picked = (candidate, estimate)
+                    break
+            if picked is not None:
                 break
-        if best is None:
+        if picked is None:
             break
-        _, current, chosen = best
-        added.append(chosen)
-        remaining = [c for c in remaining if c != chosen and c not in dropped]
+        candidate, estimate = picked
+        current = _change(current, candidate, True, estimate)
+        added.append(candidate)
     return _prune(planner, current, added, budget_s)
 
 
 def _prune(
-    planner: _Planner, current: _Evaluation, chosen: Sequence[_Candidate], budget_s: float
-) -> _Evaluation:
+    planner: _Planner, current: _Outcome, chosen: Sequence[Candidate], budget_s: float
+) -> _Outcome:
     """Step 4: drop, last chosen first, every chunk whose removal keeps every budget and
     its rank's peak."""
     for candidate in reversed(chosen):
-        rank = candidate.rank
-        trial = planner.evaluate(
-            _with(current.selection, rank, current.selection[rank] - {candidate.chunk})
-        )
-        if _fits(trial, budget_s) and trial.peaks[rank][0] <= current.peaks[rank][0]:
-            current = trial
+        memory = current.memory[candidate.rank]
+        if memory.without_chunk(candidate)[0] > memory.peak:
+            continue  # it holds its rank's peak down
+        estimate = _trial(planner, current, candidate, add=False)
+        if _fits(estimate, budget_s):
+            current = _change(current, candidate, False, estimate)
     return current
 
 
-def _excess(evaluation: _Evaluation, budget_s: float) -> float:
-    return sum(max(0.0, exposed - budget_s) for exposed in evaluation.estimate.exposed_s)
-
-
 def _removal(
-    planner: _Planner, candidates: Sequence[_Candidate], full: _Evaluation, budget_s: float
-) -> _Evaluation:
-    """Step 3: from the fixed rule's set, remove one chunk at a time until every rank fits:
-    the one whose removal cuts the exposed wait beyond the budgets most, then raises its
-    rank's (peak, steps at peak) least, then has the shortest gap."""
+    planner: _Planner,
+    candidates: Sequence[Sequence[Candidate]],
+    full: _Outcome,
+    budget_s: float,
+) -> _Outcome:
+    """Step 3: from the fixed rule's set, remove one chunk at a time until every rank fits
+    (module docstring)."""
     current = full
-    remaining = list(candidates)
-    while remaining and not _fits(current, budget_s):
-        best: tuple[tuple[float, ...], _Evaluation, _Candidate] | None = None
-        for candidate in remaining:
-            rank = candidate.rank
-            trial = planner.evaluate(
-                _with(current.selection, rank, current.selection[rank] - {candidate.chunk})
-            )
-            key = (
-                _excess(trial, budget_s),
-                *trial.peaks[rank],
-                candidate.gap,
-                -candidate.fwd_slot,
-                rank,
-            )
-            if best is None or key < best[0]:
-                best = (key, trial, candidate)
-        assert best is not None
-        _, current, removed = best
-        remaining.remove(removed)
-    kept = [candidate for candidate in candidates if candidate in remaining]
+    while not _fits(current.estimate, budget_s):
+        exposed = current.estimate.exposed_s
+        rank = max(range(len(exposed)), key=exposed.__getitem__)
+        memory = current.memory[rank]
+        chosen = current.selection[rank]
+        removed = min(
+            (c for c in candidates[rank] if c.chunk in chosen),
+            key=lambda c: (*memory.without_chunk(c), c.gap, -c.fwd_slot, c.chunk),
+        )
+        current = _change(current, removed, False, _trial(planner, current, removed, False))
+    kept = [c for rank_candidates in candidates for c in rank_candidates]
+    kept = [c for c in kept if c.chunk in current.selection[c.rank]]
     return _prune(planner, current, kept, budget_s)
 
 
-def _better(first: _Evaluation, second: _Evaluation) -> _Evaluation:
+def _better(first: _Outcome, second: _Outcome) -> _Outcome:
     """The selection with the lower peaks (largest rank first), then fewer chunks."""
 
-    def rank_key(evaluation: _Evaluation) -> tuple[list[int], int]:
-        peaks = sorted((peak for peak, _ in evaluation.peaks), reverse=True)
-        return peaks, sum(len(chunks) for chunks in evaluation.selection)
+    def rank_key(outcome: _Outcome) -> tuple[list[int], int]:
+        peaks = sorted((memory.peak for memory in outcome.memory), reverse=True)
+        return peaks, sum(len(chunks) for chunks in outcome.selection)
 
     return second if rank_key(second) < rank_key(first) else first
 
 
-def plan_cost_aware(config: ScheduleConfig, cost: CostModel) -> CostPlan:
-    """Choose every rank's chunks under ``cost`` (module docstring); ``config.swap`` is
-    treated as True. Raises TypeError/ValueError for bad inputs."""
-    config, cost = _check_inputs(config, cost)
-    plain = build_all_orders(replace(config, swap=False))
+def _plan(config: ScheduleConfig, cost: CostModel, plain: Sequence[Order]) -> CostPlan:
+    """``plan_cost_aware`` on the swap-free orders ``plain`` (one per rank)."""
     planner = _Planner(config, plain, cost)
-    none = planner.evaluate(tuple(frozenset() for _ in plain))
-    step_s = none.estimate.step_s
+    found = [candidates_of(planner.config, rank, order) for rank, order in enumerate(plain)]
+    candidates = [rank_candidates for rank_candidates, _ in found]
+    base = tuple(memory for _, memory in found)
+    empty = planner.outcome(tuple(frozenset() for _ in plain), base)
+    step_s = empty.estimate.step_s
     budget_s = cost.budget * cost.headroom * step_s
-    candidates = [
-        _Candidate(rank, plan.chunk, plan.gap, plan.fwd_slot)
-        for rank, order in enumerate(plain)
-        for plan in plan_swap(order, planner.config)
-        if plan.eligible
-    ]
-    fixed = tuple(
-        frozenset(c.chunk for c in candidates if c.rank == rank) for rank in range(config.pp)
+    fixed = tuple(frozenset(c.chunk for c in rank_candidates) for rank_candidates in candidates)
+    full_memory = tuple(
+        memory.changed_by(rank_candidates, -1)
+        for memory, rank_candidates in zip(base, candidates, strict=True)
     )
-    full = planner.evaluate(fixed)
-    if _fits(full, budget_s):
+    full = planner.outcome(fixed, full_memory)
+    if _fits(full.estimate, budget_s):
         chosen = full
     else:
         chosen = _better(
-            _greedy(planner, candidates, budget_s),
+            _greedy(planner, candidates, empty, budget_s),
             _removal(planner, candidates, full, budget_s),
         )
     return CostPlan(
@@ -356,9 +369,9 @@ def plan_cost_aware(config: ScheduleConfig, cost: CostModel) -> CostPlan:
                 rank=rank,
                 chunks=chosen.selection[rank],
                 candidates=fixed[rank],
-                peak_chunks=chosen.peaks[rank][0],
-                peak_chunks_gap=full.peaks[rank][0],
-                peak_chunks_no_swap=none.peaks[rank][0],
+                peak_chunks=chosen.memory[rank].peak,
+                peak_chunks_gap=full.memory[rank].peak,
+                peak_chunks_no_swap=base[rank].peak,
                 exposed_s=chosen.estimate.exposed_s[rank],
                 exposed_s_gap=full.estimate.exposed_s[rank],
                 copy_busy_s=chosen.estimate.copy_busy_s[rank],
@@ -370,14 +383,22 @@ def plan_cost_aware(config: ScheduleConfig, cost: CostModel) -> CostPlan:
     )
 
 
+def plan_cost_aware(config: ScheduleConfig, cost: CostModel) -> CostPlan:
+    """Choose every rank's chunks under ``cost`` (module docstring); ``config.swap`` is
+    treated as True. Raises TypeError/ValueError for bad inputs."""
+    config, cost = _check_inputs(config, cost)
+    return _plan(config, cost, build_all_orders(replace(config, swap=False)))
+
+
 def build_cost_aware_orders(config: ScheduleConfig, cost: CostModel) -> tuple[Order, ...]:
     """Every rank's finalized order with the cost policy's swap steps (identity in effect
-    when ``config.swap`` is False: then no order has swap steps)."""
+    when ``config.swap`` is False: then no order has swap steps). The swap-free orders are
+    lowered once, for the plan and for the result."""
     config, cost = _check_inputs(config, cost)
     if not config.swap:
         return build_all_orders(config)
-    chunks = plan_cost_aware(config, cost).chunks
     plain = build_all_orders(replace(config, swap=False))
+    chunks = _plan(config, cost, plain).chunks
     return tuple(
         inject_swap_steps(order, config, rank, chunks=chunks) for rank, order in enumerate(plain)
     )

@@ -43,7 +43,14 @@ from ppswap.scheduler.analysis import check_orders, compute_slots, slot_dependen
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import Order, StepKind
 
-__all__ = ["DEFAULT_COST_BUDGET", "CostModel", "RunEstimate", "Simulator", "simulate_run"]
+__all__ = [
+    "DEFAULT_COST_BUDGET",
+    "CostModel",
+    "Program",
+    "RunEstimate",
+    "Simulator",
+    "simulate_run",
+]
 
 DEFAULT_COST_BUDGET = 0.02
 """The default exposed-wait budget: 2% of the step time, per rank."""
@@ -202,6 +209,8 @@ _COMPUTE, _LAUNCH, _WAIT = 0, 1, 2
 _Op = tuple[int, int | tuple[bool, int, int], float]
 """A step of a rank's program: (COMPUTE, slot id, 0), (LAUNCH, copy key, seconds) or
 (WAIT, copy key, 0); P2P and FSDP steps are left out (they take no time)."""
+Program = tuple[_Op, ...]
+"""A rank's order as the simulator runs it (``Simulator.program``)."""
 
 
 class Simulator:
@@ -238,7 +247,7 @@ class Simulator:
             for needed in rank_deps
         ]
 
-    def program(self, rank: int, order: Order) -> tuple[_Op, ...]:
+    def program(self, rank: int, order: Order) -> Program:
         """Rank ``rank``'s ``order`` (with its swap steps) as the simulator runs it."""
         ids = iter(self.slot_ids[rank])
         ops: list[_Op] = []
@@ -259,30 +268,45 @@ class Simulator:
         return tuple(ops)
 
     def run(self, programs: Sequence[Sequence[_Op]]) -> RunEstimate:
-        """Simulate one step of every rank's program (see the module docstring)."""
+        """Simulate one step of every rank's program (see the module docstring).
+
+        Each rank's next request is served in order of the time it can start: the earliest
+        first (ties: the lower rank); with ``shared_compute``, a swap job that can start by
+        the time the thread is free goes ahead of a compute slot (the urgent lane). A
+        rank's start time is computed when its request or one of its inputs changes, not
+        at every event.
+        """
         state = _RunState(self, programs)
-        pp = self.config.pp
+        ready_at = state.ready_at
+        request = state.request
+        shared = state.shared
+        ranks = range(self.config.pp)
         while True:
             chosen = -1
             chosen_ready = 0.0
-            readies = [state.ready(rank) for rank in range(pp)]
-            for rank, ready in enumerate(readies):
+            for rank in ranks:
+                ready = ready_at[rank]
                 if ready is not None and (chosen < 0 or ready < chosen_ready):
                     chosen, chosen_ready = rank, ready
-            if chosen >= 0 and state.shared and state.request[chosen] != _JOB:
+            if chosen >= 0 and shared and request[chosen] != _JOB:
                 # the urgent lane: a swap job requested by the time the thread takes its
-                # next request goes first
+                # next request goes first (the earliest; ties: the lower rank)
                 free_at = max(chosen_ready, state.shared_free)
-                for rank, ready in enumerate(readies):
+                job = -1
+                job_ready = 0.0
+                for rank in ranks:
+                    ready = ready_at[rank]
                     if (
                         ready is not None
-                        and state.request[rank] == _JOB
+                        and request[rank] == _JOB
                         and ready <= free_at
-                        and (state.request[chosen] != _JOB or ready < chosen_ready)
+                        and (job < 0 or ready < job_ready)
                     ):
-                        chosen, chosen_ready = rank, ready
+                        job, job_ready = rank, ready
+                if job >= 0:
+                    chosen, chosen_ready = job, job_ready
             if chosen < 0:
-                stuck = [rank for rank in range(self.config.pp) if state.request[rank] != _DONE]
+                stuck = [rank for rank in ranks if request[rank] != _DONE]
                 if not stuck:
                     break
                 raise ValueError(f"the orders of ranks {stuck} wait on each other: no rank can run")
@@ -300,11 +324,16 @@ _DONE, _SLOT, _JOB = -1, 0, 1  # what a rank asks for next: nothing, its compute
 
 class _RunState:
     """The mutable state of one ``Simulator.run``: per rank its position in its program,
-    clock, copy stream and pending request; the shared compute thread's clock."""
+    clock, copy stream, pending request and when that request can start (None: nothing
+    to run, or an input is missing; the rank is then listed under that input's slot in
+    ``blocked``); the shared compute thread's clock."""
 
     def __init__(self, simulator: Simulator, programs: Sequence[Sequence[_Op]]) -> None:
         pp = simulator.config.pp
         self.sim = simulator
+        self.deps = simulator.deps
+        self.slot_s = simulator.slot_s
+        self.swap_step_s = simulator.cost.swap_step_s
         self.programs = programs
         self.shared = simulator.cost.shared_compute
         self.finished = [-1.0] * len(simulator.slot_s)
@@ -316,14 +345,18 @@ class _RunState:
         self.copies: list[dict[object, float]] = [{} for _ in range(pp)]
         self.index = [0] * pp
         self.request = [_DONE] * pp
+        self.ready_at: list[float | None] = [None] * pp
+        self.blocked: dict[int, list[int]] = {}  # slot id -> ranks waiting for it to finish
         self.job_done = [False] * pp  # the current swap step's compute-thread job has run
         self.waited = [False] * pp  # the current SWAP_WAIT's copy has been waited for
         self.shared_free = 0.0
         for rank in range(pp):
             self.advance(rank)
+            self.ready_at[rank] = self.ready(rank)
 
     def ready(self, rank: int) -> float | None:
-        """When rank ``rank``'s request can start (None: nothing to run, or inputs missing)."""
+        """When rank ``rank``'s request can start (None: nothing to run, or inputs missing:
+        then the rank waits in ``blocked`` for the first missing input)."""
         kind = self.request[rank]
         if kind == _DONE:
             return None
@@ -331,29 +364,35 @@ class _RunState:
         if kind == _JOB:
             return ready
         slot_id = self.programs[rank][self.index[rank]][1]
-        for dep, delay in self.sim.deps[slot_id]:  # type: ignore[index]
-            done = self.finished[dep]
+        finished = self.finished
+        for dep, delay in self.deps[slot_id]:  # type: ignore[index]
+            done = finished[dep]
             if done < 0:
+                self.blocked.setdefault(dep, []).append(rank)
                 return None
-            ready = max(ready, done + delay)
+            if done + delay > ready:
+                ready = done + delay
         return ready
 
     def serve(self, rank: int, ready: float) -> None:
         """Run rank ``rank``'s request (on its device or the shared thread), then advance."""
         start = max(ready, self.shared_free) if self.shared else ready
         if self.request[rank] == _JOB:
-            end = start + self.sim.cost.swap_step_s
+            end = start + self.swap_step_s
             self.job_done[rank] = True
         else:
             slot_id = self.programs[rank][self.index[rank]][1]
-            end = start + self.sim.slot_s[slot_id]  # type: ignore[index]
+            end = start + self.slot_s[slot_id]  # type: ignore[index]
             self.finished[slot_id] = end  # type: ignore[index]
             self.times[rank].append((start, end))
             self.index[rank] += 1
+            for waiter in self.blocked.pop(slot_id, ()):  # type: ignore[arg-type]
+                self.ready_at[waiter] = self.ready(waiter)
         if self.shared:
             self.shared_free = end
         self.now[rank] = end
         self.advance(rank)
+        self.ready_at[rank] = self.ready(rank)
 
     def advance(self, rank: int) -> None:
         """Run rank ``rank``'s program up to its next request: a compute slot, or (shared

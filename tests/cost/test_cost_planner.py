@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ppswap.scheduler.analysis import compute_slots
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost import (
     CostModel,
@@ -22,6 +23,7 @@ from ppswap.scheduler.cost import (
     plan_cost_aware,
     simulate_run,
 )
+from ppswap.scheduler.cost_memory import candidates_of
 from ppswap.scheduler.lowering import build_all_orders, build_exec_order
 from ppswap.scheduler.simulate import memory_profile
 from ppswap.scheduler.steps import StepKind
@@ -129,6 +131,37 @@ def test_slot_times_refuse_orders_that_cannot_finish() -> None:
         simulate_run(config, (swapped, rank1), model(1.0))
     with pytest.raises(TypeError, match="cost must be a CostModel"):
         simulate_run(config, (rank0, rank1), 1.0)  # type: ignore[arg-type]
+
+
+# -- the memory model without re-planning ----------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(config=st.sampled_from(CONFIGS), data=st.data())
+def test_windows_predict_the_memory_of_any_selection(
+    config: ScheduleConfig, data: st.DataObject
+) -> None:
+    """``cost_memory``: a selection's (peak, compute slots at the peak) from the windows
+    equals that of the order it gives, and adding or removing one chunk is predicted."""
+    plain = build_all_orders(replace(config, swap=False))
+    rank = data.draw(st.integers(0, config.pp - 1))
+    candidates, memory = candidates_of(config, rank, plain[rank])
+    chosen = data.draw(st.lists(st.sampled_from(candidates), unique=True)) if candidates else []
+    memory = memory.changed_by(chosen, -1)
+
+    def measured(chunks: set[tuple[int, int]]) -> tuple[int, int]:
+        order = inject_swap_steps(plain[rank], config, rank, chunks=chunks)
+        profile = memory_profile(order)
+        at_slots = [profile[slot.index] for slot in compute_slots(order)]
+        peak = max(profile, default=0)
+        assert max(at_slots, default=0) == peak  # the peak is reached at a compute slot
+        return peak, at_slots.count(peak)
+
+    selected = {c.chunk for c in chosen}
+    assert (memory.peak, memory.count) == measured(selected)
+    for candidate in candidates:
+        if candidate.chunk in selected:
+            assert memory.without_chunk(candidate) == measured(selected - {candidate.chunk})
+        else:
+            assert memory.with_chunk(candidate) == measured(selected | {candidate.chunk})
 
 
 # -- selection -------------------------------------------------------------------------------
