@@ -1,19 +1,41 @@
-"""Time to lower every rank of a large schedule (issue 2's planner benchmark).
+"""Planner time: ppswap's lowering beside torch.distributed.pipelining's compute order.
 
-Run ``python benchmarks/bench_plan.py``. It times ``build_all_orders`` (compute order ->
-FSDP -> P2P for all 32 ranks) for interleaved 1F1B with pp=32, vpp=4, FSDP and batch
-P2P: first micro=256 (the target: well under 0.5 s), then micro 64/128/256/512 to show
-that the time grows linearly in the number of micro-batches.
+    python benchmarks/bench_plan.py [--repeats N] [--json PATH]
 
-Each configuration is lowered ``--repeats`` times (best and median wall time, CPU time
-of the best run); then once more per repeat with the objects that existed before the
-measurement frozen (``gc.freeze()``), and one rank alone. Why the frozen column:
-``import ppswap`` currently imports MindSpore (``ppswap/__init__.py`` pulls in the
-runtime), which leaves ~170k GC-tracked objects in the process, and every full
-collection the ~300k new MetaSteps trigger rescans them. The frozen time is what lowering
-costs in a process without that baggage; the difference is garbage-collector time spent
-on unrelated import state, not on the orders. The per-rank passes are linear in micro
-(the one-rank column doubles when micro doubles). ``--json PATH`` writes the raw numbers.
+The schedule is interleaved 1F1B with pp=32, vpp=4 and 256 micro-batches. What is timed:
+
+ppswap
+    ``lowering.build_all_orders`` for all 32 ranks with FSDP, ``p2p="batch"`` and swap:
+    compute order, FSDP unshard/reshard steps, P2P steps fused into batches and the four
+    swap steps of every eligible chunk (about 391k top-level MetaSteps). The row without
+    swap is the same lowering with ``swap=False``.
+torch, compute order only
+    ``torch.distributed.pipelining.schedules.ScheduleInterleaved1F1B`` fills its
+    ``pipeline_order`` (every rank's list of forward/backward actions and empty slots,
+    about 70k entries) in its constructor with the loop
+    ``for rank in range(pp_group_size): _calculate_single_rank_operations(rank)``. The
+    schedule is built once with stand-in stage objects (only ``stage_index``,
+    ``num_stages``, ``group_size`` and ``group_rank`` are read; no process group is needed)
+    and that same loop is timed on it: torch's own code, nothing else.
+torch, whole constructor
+    For reference: the compute order plus torch's own lowering of it for every rank
+    (unshard/reshard, reduce-grad and send/recv actions), the counterpart of ppswap's
+    lowering without swap.
+
+Both sides are measured alike: each run starts with ``gc.collect()`` and ``gc.freeze()``,
+so objects alive before it (imports, earlier results) are not rescanned by the collector
+and the figure is the code's own, whatever the process imported; the collector still runs
+on what the run allocates. Wall time, best and median of ``--repeats`` runs, the sides
+alternating. The target is ppswap / torch compute order <= 0.5. torch is an optional
+dependency: without it only ppswap's rows are printed.
+
+Then: the growth of both in the number of micro-batches (linear when the time ratio over
+the micro ratio stays near 1). ppswap's passes are linear; with the collector running, its
+full collections rescan the growing heap of MetaSteps (which holds no cycles to free), so
+the time per step grows with micro: the column with the collector paused shows the
+passes alone. Last, the planning time of the cost-aware swap policy
+(``swap_policy="cost"``) on GPipe pp4 with copies of 3 compute leaves on a compute thread
+shared by the ranks, where the budget binds. ``--json PATH`` writes the raw numbers.
 """
 
 from __future__ import annotations
@@ -25,84 +47,245 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from types import ModuleType
+from typing import Any, TypeVar, cast
 
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.lowering import build_all_orders, build_exec_order
+from ppswap.scheduler.cost import CostModel, plan_cost_aware
+from ppswap.scheduler.lowering import build_all_orders
 
+torch_schedules: ModuleType | None
+try:
+    import torch.distributed.pipelining.schedules as torch_schedules
+except ImportError:  # torch is an optional benchmark dependency
+    torch_schedules = None
+
+PP = 32
+VPP = 4
 HEADLINE_MICRO = 256
 GROWTH_MICROS = (64, 128, 256, 512)
-TARGET_S = 0.5
-ONE_RANK = 5
-
-
-def bench_config(micro: int) -> ScheduleConfig:
-    return ScheduleConfig(
-        schedule="interleaved_1f1b", pp=32, vpp=4, micro=micro, fsdp=True, p2p="batch"
-    )
-
+TARGET_RATIO = 0.5
+COST_MICROS = (8, 16, 32, 64)
+COST_MODEL = CostModel(
+    chunk_bytes=1000, d2h_gbps=1000 / 3e9, h2d_gbps=1000 / 3e9, leaf_s=1.0, shared_compute=True
+)
 
 _Result = TypeVar("_Result")
 
 
-def _timed(work: Callable[[], _Result], *, freeze: bool) -> tuple[float, float, _Result]:
+def lowering_config(micro: int, *, swap: bool = True) -> ScheduleConfig:
+    return ScheduleConfig(
+        schedule="interleaved_1f1b",
+        pp=PP,
+        vpp=VPP,
+        micro=micro,
+        fsdp=True,
+        p2p="batch",
+        swap=swap,
+    )
+
+
+def timed(work: Callable[[], _Result], *, collector: bool = True) -> tuple[float, _Result]:
+    """Wall seconds of ``work()``, the objects alive before it frozen for the collector;
+    with ``collector=False`` the collector is paused for the run."""
     gc.collect()
-    if freeze:
-        gc.freeze()
+    gc.freeze()
+    if not collector:
+        gc.disable()
     try:
-        wall_start = time.perf_counter()
-        cpu_start = time.process_time()
+        started = time.perf_counter()
         result = work()
-        cpu = time.process_time() - cpu_start
-        wall = time.perf_counter() - wall_start
+        return time.perf_counter() - started, result
     finally:
-        if freeze:
-            gc.unfreeze()
-    return wall, cpu, result
+        gc.enable()
+        gc.unfreeze()
 
 
-def measure(config: ScheduleConfig, repeats: int) -> dict[str, Any]:
-    """Lower all ranks ``repeats`` times in each condition; return the timings."""
-    walls: list[float] = []
-    cpus: list[float] = []
-    frozen: list[float] = []
-    one_rank: list[float] = []
-    steps = 0
-    for _ in range(repeats):
-        wall, cpu, orders = _timed(lambda: build_all_orders(config), freeze=False)
-        walls.append(wall)
-        cpus.append(cpu)
-        steps = sum(len(order) for order in orders)
-        del orders
-        wall, _, orders = _timed(lambda: build_all_orders(config), freeze=True)
-        frozen.append(wall)
-        del orders
-        wall, _, _ = _timed(lambda: build_exec_order(config, ONE_RANK), freeze=False)
-        one_rank.append(wall)
-    best = min(range(repeats), key=walls.__getitem__)
+@dataclass
+class StandInStage:
+    """The attributes torch's multi-stage schedules read from a pipeline stage to build
+    their orders (``stage_index_to_group_rank`` is written by the constructor)."""
+
+    stage_index: int
+    num_stages: int
+    group_size: int
+    group_rank: int
+    stage_index_to_group_rank: dict[int, int] | None = None
+
+
+def torch_schedule(micro: int) -> Any:
+    """torch's ScheduleInterleaved1F1B for rank 0 of pp x vpp stages (built once)."""
+    assert torch_schedules is not None
+    stages = [StandInStage(v * PP, PP * VPP, PP, 0) for v in range(VPP)]
+    return torch_schedules.ScheduleInterleaved1F1B(cast(Any, stages), micro)
+
+
+def torch_compute_orders(schedule: Any) -> dict[int, list[Any]]:
+    """The constructor's own loop that fills ``pipeline_order`` for every rank."""
     return {
-        "micro": config.micro,
-        "steps": steps,
-        "best_s": walls[best],
-        "median_s": statistics.median(walls),
-        "cpu_best_s": cpus[best],
-        "frozen_best_s": min(frozen),
-        "one_rank_best_s": min(one_rank),
+        rank: schedule._calculate_single_rank_operations(rank)
+        for rank in range(schedule.pp_group_size)
     }
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+@dataclass
+class Samples:
+    """Wall times of one measurement, and the size of what it built."""
+
+    seconds: list[float]
+    entries: int = 0
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def measure_headline(repeats: int) -> dict[str, Samples]:
+    """Every row of the headline table, ``repeats`` runs each, the rows alternating."""
+    rows = {"ppswap": Samples([]), "ppswap_no_swap": Samples([])}
+    schedule = None
+    if torch_schedules is not None:
+        schedule = torch_schedule(HEADLINE_MICRO)
+        rows["torch_compute"] = Samples([])
+        rows["torch_constructor"] = Samples([])
+    for _ in range(repeats):
+        for key, swap in (("ppswap", True), ("ppswap_no_swap", False)):
+            config = lowering_config(HEADLINE_MICRO, swap=swap)
+            seconds, orders = timed(partial(build_all_orders, config))
+            rows[key].seconds.append(seconds)
+            rows[key].entries = sum(len(order) for order in orders)
+            del orders
+        if schedule is not None:
+            seconds, actions = timed(partial(torch_compute_orders, schedule))
+            rows["torch_compute"].seconds.append(seconds)
+            rows["torch_compute"].entries = sum(len(ops) for ops in actions.values())
+            del actions
+            seconds, built = timed(partial(torch_schedule, HEADLINE_MICRO))
+            rows["torch_constructor"].seconds.append(seconds)
+            rows["torch_constructor"].entries = sum(
+                len(ops) for ops in built.pipeline_order_with_comms.values()
+            )
+            del built
+    return rows
+
+
+HEADLINE_LABELS = {
+    "ppswap": "ppswap `build_all_orders`: FSDP, batch P2P, swap",
+    "ppswap_no_swap": "ppswap `build_all_orders`: FSDP, batch P2P, no swap",
+    "torch_compute": "torch `ScheduleInterleaved1F1B`: compute order (`pipeline_order`)",
+    "torch_constructor": "torch `ScheduleInterleaved1F1B` constructor: compute order + comms",
+}
+
+
+def headline_table(rows: dict[str, Samples]) -> str:
     lines = [
-        "| micro | top-level steps | best s | median s | cpu s (best) | best s, import "
-        f"state frozen | rank {ONE_RANK} alone ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"| all {PP} ranks, interleaved pp{PP} vpp{VPP} m{HEADLINE_MICRO} | entries built "
+        "| best s | median s |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, samples in rows.items():
+        lines.append(
+            f"| {HEADLINE_LABELS[key]} | {samples.entries} | {samples.best:.3f} | "
+            f"{samples.median:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def measure_growth(repeats: int) -> list[dict[str, Any]]:
+    """ppswap's lowering (with swap; also with the collector paused) and torch's compute
+    order at each growth micro."""
+    rows = []
+    for micro in GROWTH_MICROS:
+        config = lowering_config(micro)
+        ours = Samples([])
+        paused = Samples([])
+        theirs = Samples([])
+        schedule = torch_schedule(micro) if torch_schedules is not None else None
+        for _ in range(repeats):
+            seconds, orders = timed(partial(build_all_orders, config))
+            ours.seconds.append(seconds)
+            ours.entries = sum(len(order) for order in orders)
+            del orders
+            seconds, _ = timed(partial(build_all_orders, config), collector=False)
+            paused.seconds.append(seconds)
+            if schedule is not None:
+                seconds, _ = timed(partial(torch_compute_orders, schedule))
+                theirs.seconds.append(seconds)
+        rows.append(
+            {
+                "micro": micro,
+                "steps": ours.entries,
+                "ppswap_s": ours.best,
+                "ppswap_paused_s": paused.best,
+                "torch_compute_s": theirs.best if theirs.seconds else None,
+            }
+        )
+    return rows
+
+
+def growth_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| micro | ppswap top-level steps | ppswap s | ppswap s, collector paused "
+        "| torch compute order s | ratio |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
+        torch_s = row["torch_compute_s"]
+        theirs = "-" if torch_s is None else f"{torch_s:.3f}"
+        ratio = "-" if torch_s is None else f"{row['ppswap_s'] / torch_s:.1f}"
         lines.append(
-            f"| {row['micro']} | {row['steps']} | {row['best_s']:.3f} | "
-            f"{row['median_s']:.3f} | {row['cpu_best_s']:.3f} | {row['frozen_best_s']:.3f} | "
-            f"{row['one_rank_best_s'] * 1e3:.1f} |"
+            f"| {row['micro']} | {row['steps']} | {row['ppswap_s']:.3f} | "
+            f"{row['ppswap_paused_s']:.3f} | {theirs} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def linearity(rows: list[dict[str, Any]], key: str) -> float:
+    """Time ratio over micro ratio from the first growth point to the last (1.00: linear)."""
+    first, last = rows[0], rows[-1]
+    return float((last[key] / first[key]) / (last["micro"] / first["micro"]))
+
+
+def measure_cost_policy(repeats: int) -> list[dict[str, Any]]:
+    """plan_cost_aware on GPipe pp4 at each of COST_MICROS (best of up to 3 runs)."""
+    rows = []
+    for micro in COST_MICROS:
+        config = ScheduleConfig(schedule="gpipe", pp=4, micro=micro, swap=True)
+        seconds = []
+        for _ in range(min(repeats, 3)):
+            elapsed, plan = timed(partial(plan_cost_aware, config, COST_MODEL))
+            seconds.append(elapsed)
+        rows.append(
+            {
+                "micro": micro,
+                "plan_s": min(seconds),
+                "chunks": len(plan.chunks),
+                "candidates": sum(len(rank.candidates) for rank in plan.ranks),
+                "peaks": [rank.peak_chunks for rank in plan.ranks],
+                "peaks_gap": [rank.peak_chunks_gap for rank in plan.ranks],
+            }
+        )
+    return rows
+
+
+def cost_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| GPipe pp4 | plan s | chunks chosen / fixed rule's | peak chunks per rank (fixed rule) |",
+        "|---|---:|---:|---|",
+    ]
+    for row in rows:
+        peaks = " ".join(str(p) for p in row["peaks"])
+        gap = " ".join(str(p) for p in row["peaks_gap"])
+        lines.append(
+            f"| m{row['micro']} | {row['plan_s']:.3f} | {row['chunks']} / {row['candidates']} | "
+            f"{peaks} ({gap}) |"
         )
     return "\n".join(lines)
 
@@ -115,28 +298,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
 
-    headline = measure(bench_config(HEADLINE_MICRO), args.repeats)
-    print(
-        "build_all_orders, interleaved_1f1b pp=32 vpp=4 micro=256, fsdp, p2p=batch, "
-        f"{headline['steps']} top-level steps over {args.repeats} runs:\n"
-        f"  best {headline['best_s']:.3f} s, median {headline['median_s']:.3f} s; "
-        f"with the import-time objects frozen {headline['frozen_best_s']:.3f} s "
-        f"(target: well under {TARGET_S} s)"
-    )
-    print()
-    growth = [measure(bench_config(micro), args.repeats) for micro in GROWTH_MICROS]
-    print("Growth in micro (pp=32, vpp=4, fsdp, batch):")
-    print(format_table(growth))
-    first, last = growth[0], growth[-1]
-    micro_ratio = last["micro"] / first["micro"]
-    for label, key in (("all ranks", "best_s"), ("import state frozen", "frozen_best_s")):
-        ratio = (last[key] / first[key]) / micro_ratio
+    headline = measure_headline(args.repeats)
+    print(f"Lowering every rank, best and median of {args.repeats} runs:\n")
+    print(headline_table(headline))
+    ratio = None
+    if "torch_compute" in headline:
+        ratio = headline["ppswap"].best / headline["torch_compute"].best
+        whole = headline["ppswap"].best / headline["torch_constructor"].best
+        verdict = "met" if ratio <= TARGET_RATIO else "not met"
         print(
-            f"{label}: time ratio / micro ratio from micro={first['micro']} to "
-            f"{last['micro']} = {ratio:.2f} (1.00 = linear)"
+            f"\nppswap (with swap) / torch's compute order: {ratio:.2f} "
+            f"(target <= {TARGET_RATIO}: {verdict}); / torch's whole constructor: {whole:.2f}"
         )
+    else:
+        print("\ntorch is not installed: no comparison (pip install torch to get one)")
+
+    growth = measure_growth(args.repeats)
+    print(f"\nGrowth in micro (pp={PP}, vpp={VPP}, FSDP, batch P2P, swap), best runs:\n")
+    print(growth_table(growth))
+    print(
+        f"\nTime ratio / micro ratio from micro={growth[0]['micro']} to "
+        f"{growth[-1]['micro']} (1.00 = linear): ppswap {linearity(growth, 'ppswap_s'):.2f}, "
+        f"with the collector paused {linearity(growth, 'ppswap_paused_s'):.2f}"
+    )
+    if growth[0]["torch_compute_s"] is not None:
+        print(f"torch compute order: {linearity(growth, 'torch_compute_s'):.2f}")
+
+    costs = measure_cost_policy(args.repeats)
+    print(
+        '\nCost-aware policy (`swap_policy="cost"`), copies of 3 compute leaves, one compute '
+        "thread for all ranks (the budget binds):\n"
+    )
+    print(cost_table(costs))
     if args.json is not None:
-        args.json.write_text(json.dumps({"headline": headline, "growth": growth}, indent=2))
+        payload = {
+            "headline": {key: vars(samples) for key, samples in headline.items()},
+            "ratio_to_torch_compute": ratio,
+            "growth": growth,
+            "cost_policy": costs,
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
     return 0
 
 

@@ -12,17 +12,17 @@ lowered with ``swap=True`` (plain P2P, no FSDP, ``min_swap_gap`` 4) and
   timeline; the bubble share is the idle columns of the busiest-idle rank over all columns;
 - time: wall seconds of lowering every rank (``build_all_orders``: compute order -> P2P ->
   swap steps), of the timeline and of the memory profiles, with the objects alive before
-  the measurement frozen (``gc.freeze()``: MindSpore's import state would otherwise be
-  rescanned by every full collection the millions of new MetaSteps trigger; see
-  ``bench_plan.py``).
+  the measurement frozen (``gc.freeze()``: whatever the process imported is not rescanned
+  by the full collections the millions of new MetaSteps trigger, so the figure is the
+  planner's own).
 
 The growth table doubles micro at pp=64 for the largest family (interleaved, vpp=4): the
 time per top-level step stays flat when planning is linear, and the "one rank" column (one
 rank's lowering alone) doubles with micro. What grows faster than linear in the all-ranks
 columns is the garbage collector's full collections over the growing heap of MetaSteps,
-not the passes. A last table times the cost-aware policy (``swap_policy="cost"``), whose
-greedy re-plans a rank once per candidate and round (quadratic in the chunks of a rank
-when the budget binds).
+not the passes (``bench_plan.py`` shows the passes alone, with the collector paused). A
+last table times the cost-aware policy (``swap_policy="cost"``), which simulates the step
+a few times per candidate chunk, each simulation linear in the steps.
 ``--quick`` drops the two largest growth points (for a fast check).
 """
 
