@@ -1,26 +1,32 @@
-"""ppswap: pipeline-parallel activation swap on MindSpore, as an asyncio actor runtime.
+"""ppswap: pipeline-parallel activation swap, as an asyncio actor runtime.
 
 Users mark what may move (``ppswap.swap.swap_wrapper`` / ``swap_tensor_wrapper``); the
-pipeline scheduler decides when it moves (``swap=True``).
+pipeline scheduler decides when it moves (``swap=True``). Stages are MindSpore cells or
+torch modules (``ppswap.backends``); importing ppswap imports neither framework.
 """
 
-from ppswap.actors.runtime import RankStats, RunResult, run_schedule
+from ppswap.actors.runtime import run_schedule
+from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.errors import PipelineError, PipelineHangError, PipelineInputError
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.logs import configure_logging
+from ppswap.options import RunOptions
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from ppswap.results import RankStats, RunResult
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage
 
 __all__ = [
     "DeviceMesh",
+    "EmulatedDevice",
     "MetaStep",
     "PipelineError",
     "PipelineHangError",
     "PipelineInputError",
     "PipelineStage",
     "RankStats",
+    "RunOptions",
     "RunResult",
     "Schedule1F1B",
     "ScheduleConfig",

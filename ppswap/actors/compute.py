@@ -1,22 +1,33 @@
-"""The compute actor: walks one rank's finalized order, step by step.
+"""The compute actor: walks one rank's finalized order.
 
-- Compute leaves (FWD, BWD, BWD_INPUT, BWD_WEIGHT) run on the process's compute thread
-  (one hop per leaf: the receive conversion, the stage call and the send conversion
-  travel together).
+Batches (the hot path). The actor scans its order from the current step and hands each
+run of consecutive *local* steps that are ready (FWD, BWD, BWD_INPUT, BWD_WEIGHT and the
+four swap steps) to the compute thread as one job (``ppswap.actors.batch``): one thread
+hop for, say, ``SWAP_WAIT_LOAD -> BWD`` or ``FWD -> SWAP_LAUNCH_OFFLOAD``. A RECV_* met on
+the way is posted and does not end the batch; a SEND_* ends it (its payload is made by
+the batch and must leave at once: a rank of its own would otherwise sit idle), as do a
+BATCH_SEND_RECV, a composite and an FSDP step. A local step is ready when its inputs
+are: a FWD/BWD's received payload has arrived, a SWAP_WAIT's copy has completed. When the
+first local step is not ready the actor waits for it (with the step deadline); the time
+blocked at a SWAP_WAIT_* is the *exposed* copy wait. A batch that starts with a swap step
+goes on the thread's urgent lane (``DedicatedThread.run_urgent``): in-process ranks share
+the compute thread, and a copy must not start late because other ranks' leaves are
+queued, as it would not on a device of its own.
+
+- SWAP_LAUNCH_* prepares the copy on the compute thread and launches it on the rank's copy
+  stream (``CopyStream.launch``) right there; SWAP_WAIT_* awaits its completion event,
+  then finishes the state change on the compute thread.
+- RECV_* / SEND_* are posted to the P2P actor (``send_nowait``: the channel holds every
+  P2P request of the order, so posting never blocks); a receive's payload resolves a
+  reply future the consuming leaf reads; a send's future is awaited at the end.
 - A composite (OVERLAP_B_F / OVERLAP_F_B) runs its two leaves as tasks of a nested task
   group and returns when both are done: a leaf waiting for its receive does not hold up
   the other.
-- RECV_* registers a receive with the P2P actor and keeps the reply future; the consuming
-  leaf awaits it. SEND_* hands the payload its producer left behind to the P2P actor.
-  BATCH_SEND_RECV does the same for each of its sub-steps, in order.
-- SWAP_LAUNCH_* prepares the copy on the compute thread and queues it on the rank's copy
-  stream, keeping the reply future; SWAP_WAIT_* awaits it (the time spent blocked there is
-  the *exposed* copy wait), then finishes the state change on the compute thread. Both
-  jobs go on the thread's urgent lane (``DedicatedThread.run_urgent``), ahead of leaves.
-- FSDP_* steps are handed to the optional FSDP driver, which also gets a call before
-  every compute leaf (``before_compute``: an all-gather issued by FSDP_UNSHARD is awaited
-  and installed there, so it overlaps the compute in between) and one after the last step
-  (``finish``: the gradient reduce-scatters are awaited and installed).
+- FSDP_* steps are handed to the optional FSDP driver, which also gets a call before every
+  compute leaf (``before_compute``: an all-gather issued by FSDP_UNSHARD is awaited and
+  installed there, so it overlaps the compute in between) and one after the last step
+  (``finish``: the gradient reduce-scatters are awaited and installed). With FSDP a batch
+  holds at most one leaf, its first.
 
 Every wait has a deadline (``timeout_s``); a missed deadline raises PipelineHangError with
 the flight recorder's dump. Any other failure raises PipelineError naming this rank, the
@@ -25,28 +36,32 @@ actor and the step.
 Forward-only runs (``config.forward_only``) run each FWD without recording a graph (no
 backward will come) and copy every output before it is sent.
 
-Fault injection (tests): with a ``FaultPlan`` the actor consults it before every step it
-runs (top-level or a composite's leaf); ``faults=None`` costs one ``is None`` test.
+Fault injection (tests): with a ``FaultPlan`` the actor runs every step on its own, and
+consults the plan before it (top-level or a composite's leaf); ``faults=None`` costs one
+``is None`` test.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import anyio
 import structlog
-from anyio.abc import ObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
-from ppswap.actors.executor import DedicatedThread
-from ppswap.actors.faults import FaultAction, FaultPlan, FaultSite
-from ppswap.actors.messages import (
-    CopyJobLike,
-    CopyRequest,
+from ppswap.actors.batch import JOB_KINDS, SWAP_JOB_KINDS, BatchOutcome, StepJob, run_batch
+from ppswap.actors.copy_stream import CopyCompletion, CopyStream
+from ppswap.actors.trace import FlightRecorder
+from ppswap.core.executor import DedicatedThread
+from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
+from ppswap.core.messages import (
     FutureTimeoutError,
     HostArray,
     MessageKey,
@@ -54,14 +69,14 @@ from ppswap.actors.messages import (
     ReplyFuture,
     SendRequest,
 )
-from ppswap.actors.trace import FlightRecorder
 from ppswap.errors import PipelineError, PipelineHangError, first_pipeline_error
 from ppswap.logs import log_step
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
 from ppswap.stage import PipelineStage, StageCollector
+from ppswap.swap.jobs import CopyJob
 
-__all__ = ["ComputeActor", "ComputeStats", "FsdpDriver", "SwapDriver"]
+__all__ = ["JOB_KINDS", "ComputeActor", "ComputeStats", "FsdpDriver", "RankInputs", "SwapDriver"]
 
 T = TypeVar("T")
 
@@ -69,9 +84,9 @@ T = TypeVar("T")
 class SwapDriver(StageCollector, Protocol):
     """The swap session operations the compute actor drives (compute-thread calls)."""
 
-    def prepare_offload(self, stage: int, micro: int) -> CopyJobLike: ...
+    def prepare_offload(self, stage: int, micro: int) -> CopyJob: ...
     def finish_offload(self, stage: int, micro: int) -> int: ...
-    def prepare_load(self, stage: int, micro: int) -> CopyJobLike: ...
+    def prepare_load(self, stage: int, micro: int) -> CopyJob: ...
     def finish_load(self, stage: int, micro: int) -> int: ...
     def release_chunk(self, stage: int, micro: int) -> None: ...
 
@@ -86,31 +101,15 @@ class FsdpDriver(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ComputeStats:
-    """``job_s`` / ``jobs``: seconds and count of the compute-thread jobs by kind
-    (``JOB_KINDS``), timed on the thread itself, so waiting for the thread is not in them."""
+    """``job_s`` / ``jobs``: seconds and count of the compute-thread work by kind
+    (``JOB_KINDS``), timed on the thread itself, so waiting for the thread is not in
+    them; ``batches``: compute-thread jobs (hops) the actor made."""
 
     steps_executed: int
     exposed_copy_wait_s: float
     job_s: Mapping[str, float]
     jobs: Mapping[str, int]
-
-
-JOB_KINDS = (
-    "forward",
-    "backward",
-    "backward_input",
-    "backward_weight",
-    "swap_prepare",
-    "swap_finish",
-)
-_JOB_OF_BACKWARD = {False: "backward", True: "backward_input"}
-
-
-def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
-    """``fn(*args)`` and the seconds it took (run on the compute thread)."""
-    started = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - started
+    batches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +118,25 @@ class RankInputs:
 
     inputs: Sequence[HostArray]
     targets: Sequence[HostArray] | None
+
+
+_LEAVES = frozenset({StepKind.FWD, StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT})
+_LAUNCHES = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
+_WAITS = {
+    StepKind.SWAP_WAIT_OFFLOAD: StepKind.SWAP_LAUNCH_OFFLOAD,
+    StepKind.SWAP_WAIT_LOAD: StepKind.SWAP_LAUNCH_LOAD,
+}
+_LOCAL = _LEAVES | _LAUNCHES | frozenset(_WAITS)
+_RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
+_POSTS = _RECVS | frozenset({StepKind.SEND_F, StepKind.SEND_B, StepKind.BATCH_SEND_RECV})
+_JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_input"}
+
+CopyKey = tuple[StepKind, int, int]
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class ComputeActor:
@@ -133,8 +151,8 @@ class ComputeActor:
         stages: Mapping[int, PipelineStage],
         compute: DedicatedThread,
         session: SwapDriver,
-        p2p: ObjectSendStream[SendRequest | RecvRequest],
-        copy: ObjectSendStream[CopyRequest],
+        p2p: MemoryObjectSendStream[Any],
+        copies: CopyStream,
         recorder: FlightRecorder,
         data: RankInputs,
         generation: int,
@@ -150,7 +168,7 @@ class ComputeActor:
         self._compute = compute
         self._session = session
         self._p2p = p2p
-        self._copy = copy
+        self._copy_stream = copies
         self._recorder = recorder
         self._data = data
         self._generation = generation
@@ -165,14 +183,16 @@ class ComputeActor:
         self._recvs: dict[MessageKey, ReplyFuture[HostArray]] = {}
         self._outbox: dict[MessageKey, HostArray] = {}
         self._sends: list[ReplyFuture[None]] = []
-        self._copies: dict[tuple[StepKind, int, int], ReplyFuture[int]] = {}
+        self._copies: dict[CopyKey, CopyCompletion] = {}
+        self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
         self.losses: dict[int, float] = {}
         self._steps_executed = 0
+        self._batches = 0
         self._exposed_wait_s = 0.0
         self._job_s = dict.fromkeys(JOB_KINDS, 0.0)
         self._jobs = dict.fromkeys(JOB_KINDS, 0)
-        self._current: str | None = None
-        self._waiting: dict[int, str] = {}  # id(future) -> what waits for what (dumps)
+        self._current: MetaStep | str | None = None
+        self._waiting: dict[int, str] = {}  # id(what is awaited) -> who waits for what
         recorder.register_pending(rank, self.actor_name, self._pending)
 
     def stats(self) -> ComputeStats:
@@ -181,31 +201,33 @@ class ComputeActor:
             self._exposed_wait_s,
             dict(self._job_s),
             dict(self._jobs),
+            self._batches,
         )
 
     def _pending(self) -> list[str]:
-        items = [f"at {self._current}"] if self._current else []
+        current = self._current
+        items = [f"at {current.short() if isinstance(current, MetaStep) else current}"]
+        items = items if current is not None else []
         items.append(f"{self._steps_executed} of {len(self._order)} steps done")
         items += sorted(self._waiting.values())
         items += [f"recv {f.label}" for f in self._recvs.values() if not f.done]
-        items += [f"copy {f.label}" for f in self._copies.values() if not f.done]
+        items += [c.label for c in self._copies.values() if not c.is_set()]
         items += [f"send {f.label}" for f in self._sends if not f.done]
         return items
 
     # -- the walk -----------------------------------------------------------------------
     async def run(self) -> None:
-        """Execute the order, then wait for the sends still in flight; close the channels."""
-        async with self._p2p, self._copy:
-            for step in self._order:
-                self._current = step.short()
-                await self._run_step(step)
-                self._steps_executed += 1
+        """Execute the order, then wait for the sends still in flight; close the P2P
+        channel and the copy stream."""
+        async with self._p2p:
+            await self._walk()
             if self._fsdp is not None:
                 await self._finish_fsdp(self._fsdp)
             self._current = "final sends"
             for future in self._sends:
                 await self._wait(future, MetaStep(StepKind.SEND_F, -1, -1, peer=self.rank))
             self._current = None
+        self._copy_stream.close()
         if self._recvs or self._copies or self._outbox:
             raise PipelineError(
                 f"order ended with unconsumed receives {sorted(map(str, self._recvs))}, "
@@ -216,6 +238,308 @@ class ComputeActor:
                 step="end",
             )
 
+    async def _walk(self) -> None:
+        order, index = self._order, 0
+        fast = self._faults is None
+        while index < len(order):
+            step = order[index]
+            self._current = step
+            if fast and step.kind in _POSTS:
+                self._post_now(step)
+                index += 1
+            elif fast and step.kind in _LOCAL:
+                index = await self._run_local(index)
+            else:
+                await self._run_step(step)
+                self._steps_executed += 1
+                index += 1
+
+    def _post_now(self, step: MetaStep, *, span: bool = True) -> None:
+        """A top-level send or receive step, posted (it counts as executed at once).
+        ``span=False``: its trace span is added later, by the batch it was posted ahead of
+        (the trace shows the order, not the early post)."""
+        started = self._recorder.now_us()
+        self._post(step)
+        self._done(step)
+        if span and self._recorder.keeps_spans:
+            self._recorder.add_span(self.rank, self.actor_name, step.short(), started)
+
+    def _done(self, step: MetaStep) -> None:
+        self._steps_executed += 1
+        if self._log_steps:
+            log_step(self._log, "step", step, self._generation)
+
+    async def _run_local(self, index: int) -> int:
+        """Run the ready local steps from ``index`` as one batch (or wait for the first
+        one); return the index of the next step to look at."""
+        order = self._order
+        jobs: list[StepJob] = []
+        launched: set[CopyKey] = set()
+        posted: list[tuple[int, MetaStep]] = []  # receives posted after the n-th job
+        while index < len(order):
+            step = order[index]
+            if step.kind in _RECVS:
+                self._post_now(step, span=not jobs)
+                if jobs:
+                    posted.append((len(jobs), step))
+                index += 1
+                continue
+            if step.kind not in _LOCAL or (
+                jobs and self._fsdp is not None and step.kind in _LEAVES
+            ):
+                break
+            job = self._job_if_ready(step, launched)
+            if job is None:
+                break
+            jobs.append(job)
+            index += 1
+        if not jobs:
+            if index < len(order) and order[index].kind in _LOCAL:
+                self._current = order[index]
+                await self._until_ready(order[index])
+            return index
+        if self._fsdp is not None and jobs[0].step.kind in _LEAVES:
+            await self._fsdp.before_compute(jobs[0].step)
+        await self._execute(jobs, posted)
+        return index
+
+    # -- local steps --------------------------------------------------------------------
+    def _job_if_ready(self, step: MetaStep, launched: set[CopyKey]) -> StepJob | None:
+        """The compute-thread job of a local step, or None while its inputs are not
+        there (``launched``: copies launched earlier in the batch being built)."""
+        kind = step.kind
+        if kind is StepKind.FWD:
+            return self._fwd_job_if_ready(step)
+        if kind is StepKind.BWD or kind is StepKind.BWD_INPUT:
+            return self._bwd_job_if_ready(step)
+        if kind is StepKind.BWD_WEIGHT:
+            backward_weight = self._stages[step.stage].backward_weight
+            return StepJob(step, "backward_weight", partial(backward_weight, step.micro))
+        if kind in _LAUNCHES:
+            launched.add((kind, step.stage, step.micro))
+            prepare = (
+                self._session.prepare_offload
+                if kind is StepKind.SWAP_LAUNCH_OFFLOAD
+                else self._session.prepare_load
+            )
+            return StepJob(step, "swap_prepare", partial(self._launch, step, prepare))
+        launch_key = (_WAITS[kind], step.stage, step.micro)
+        completion = self._copies.get(launch_key)
+        if completion is None:
+            if launch_key in launched:
+                return None
+            raise self._failure(step, f"{step.short()} waits for a copy that was never launched")
+        if not completion.is_set():
+            return None
+        if completion.error is not None:
+            raise completion.error
+        del self._copies[launch_key]
+        finish = (
+            self._session.finish_offload
+            if kind is StepKind.SWAP_WAIT_OFFLOAD
+            else self._session.finish_load
+        )
+        return StepJob(step, "swap_finish", partial(finish, step.stage, step.micro))
+
+    def _received(self, key: MessageKey, step: MetaStep) -> ReplyFuture[HostArray]:
+        future = self._recvs.get(key)
+        if future is None:
+            raise self._failure(step, f"{step.short()} consumes {key} but no RECV was posted")
+        return future
+
+    def _fwd_job_if_ready(self, step: MetaStep) -> StepJob | None:
+        stage = self._stages[step.stage]
+        if stage.is_first:
+            payload = self._data.inputs[step.micro]
+        else:
+            key = MessageKey("F", step.stage, step.micro)
+            future = self._received(key, step)
+            if not future.done:
+                return None
+            payload = future.result()
+            del self._recvs[key]
+        target = None
+        if stage.is_last:
+            assert self._data.targets is not None
+            target = self._data.targets[step.micro]
+        return StepJob(step, "forward", partial(self._forward, stage, step.micro, payload, target))
+
+    def _bwd_job_if_ready(self, step: MetaStep) -> StepJob | None:
+        stage = self._stages[step.stage]
+        grad: HostArray | None = None
+        if not stage.is_last:
+            key = MessageKey("B", step.stage, step.micro)
+            future = self._received(key, step)
+            if not future.done:
+                return None
+            grad = future.result()
+            del self._recvs[key]
+        split = step.kind is StepKind.BWD_INPUT
+        return StepJob(
+            step,
+            _JOB_OF_BACKWARD[step.kind],
+            partial(self._backward, stage, step.micro, grad, split),
+        )
+
+    async def _until_ready(self, step: MetaStep) -> None:
+        """Wait for what the local ``step`` needs (a received payload, a copy)."""
+        kind = step.kind
+        if kind in _WAITS:
+            completion = self._copies.get((_WAITS[kind], step.stage, step.micro))
+            if completion is not None:
+                await self._wait_copy(completion, step)
+            return
+        direction = "F" if kind is StepKind.FWD else "B"
+        future = self._recvs.get(MessageKey(direction, step.stage, step.micro))
+        if future is not None:
+            await self._wait(future, step)
+
+    async def _wait_copy(self, completion: CopyCompletion, step: MetaStep) -> None:
+        """Wait (deadline) for a launched copy: the exposed copy wait."""
+        started = time.perf_counter()
+        if not completion.is_set():
+            loop = asyncio.get_running_loop()
+            woken: asyncio.Future[None] = loop.create_future()
+
+            def wake() -> None:  # on the copy thread
+                loop.call_soon_threadsafe(_wake, woken)
+
+            completion.on_set(wake)
+            self._waiting[id(completion)] = f"{step.short()} waits for {completion.label}"
+            with anyio.move_on_after(self._timeout_s):
+                await woken
+            if not completion.is_set():
+                raise self._hang(step, f"{completion.label} not done within {self._timeout_s}s")
+            del self._waiting[id(completion)]
+        waited = time.perf_counter() - started
+        self._exposed_wait_s += waited
+        self._waited_s[step] = waited
+        if completion.error is not None:
+            raise completion.error
+
+    async def _execute(
+        self, jobs: list[StepJob], posted: Sequence[tuple[int, MetaStep]] = ()
+    ) -> None:
+        """Run ``jobs`` as one compute-thread batch and apply their results in order
+        (``posted``: receives posted after the n-th job, traced after it)."""
+        urgent = jobs[0].kind in SWAP_JOB_KINDS
+        recorder, rank = self._recorder, self.rank
+        recorder.note(rank, self.actor_name, "begin", jobs[0].step, len(jobs))
+        outcome: BatchOutcome = await self._call(run_batch, jobs, urgent=urgent)
+        self._batches += 1
+        for job, result, seconds in zip(jobs, outcome.results, outcome.seconds, strict=False):
+            self._job_s[job.kind] += seconds
+            self._jobs[job.kind] += 1
+            self._apply(job.step, result)
+            self._done(job.step)
+        if recorder.keeps_spans:
+            self._trace_batch(jobs, outcome, posted)
+        if outcome.error is not None:
+            failed = jobs[len(outcome.results)].step
+            self._current = failed
+            recorder.note(rank, self.actor_name, "FAILED", failed, type(outcome.error).__name__)
+            raise self._named(failed, outcome.error)
+        recorder.note(rank, self.actor_name, "end", jobs[-1].step)
+
+    def _trace_batch(
+        self, jobs: list[StepJob], outcome: BatchOutcome, posted: Sequence[tuple[int, MetaStep]]
+    ) -> None:
+        """Spans of a batch's steps as the compute thread timed them; a receive posted
+        ahead of the batch is drawn in the gap after the job it follows in the order."""
+        recorder, rank, actor = self._recorder, self.rank, self.actor_name
+        finished = list(zip(jobs, outcome.started, outcome.seconds, strict=False))
+        for count, (job, started, seconds) in enumerate(finished, 1):
+            recorder.add_timed_span(rank, actor, job.step.short(), started, seconds)
+            steps = [step for after, step in posted if after == count]
+            if not steps:
+                continue
+            # A margin of 2 ns on each side: the trace rounds times to 1 ns.
+            gap_start = started + seconds + 2e-9
+            gap_end = outcome.started[count] if count < len(finished) else time.perf_counter()
+            share = max(0.0, gap_end - 2e-9 - gap_start) / len(steps)
+            for index, step in enumerate(steps):
+                recorder.add_timed_span(rank, actor, step.short(), gap_start + index * share, share)
+
+    def _apply(self, step: MetaStep, result: Any) -> None:
+        """Loop side of a finished local step: where its result goes."""
+        kind = step.kind
+        if kind is StepKind.FWD:
+            if self._stages[step.stage].is_last:
+                self.losses[step.micro] = float(result)
+            else:
+                self._outbox[MessageKey("F", step.stage + 1, step.micro)] = result
+        elif kind is StepKind.BWD or kind is StepKind.BWD_INPUT:
+            if result is not None:
+                self._outbox[MessageKey("B", step.stage - 1, step.micro)] = result
+        elif kind in _LAUNCHES:
+            self._copies[(kind, step.stage, step.micro)] = result
+        elif kind in _WAITS:
+            waited = self._waited_s.pop(step, 0.0)
+            if self._log_steps:
+                log_step(
+                    self._log, "swap_wait", step, self._generation, bytes=result, waited_s=waited
+                )
+
+    # -- compute-thread bodies ------------------------------------------------------------
+    def _forward(
+        self, stage: PipelineStage, micro: int, payload: HostArray, target: HostArray | None
+    ) -> HostArray:
+        backend = stage.backend
+        inputs = backend.from_host(payload)
+        target_tensor = None if target is None else backend.from_host(target)
+        out = stage.forward(
+            micro,
+            inputs,
+            target_tensor,
+            self._session,
+            keep_output=self._zero_copy_sends,
+            record=self._record,
+        )
+        # Copy unless the boundary mode hands the output over as is (then the stage keeps
+        # `out` alive until its BWD).
+        return backend.to_host(out, copy=not self._zero_copy_sends)
+
+    def _backward(
+        self, stage: PipelineStage, micro: int, grad: HostArray | None, split: bool
+    ) -> HostArray | None:
+        grad_tensor = None if grad is None else stage.backend.from_host(grad)
+        dx = stage.backward(micro, grad_tensor, split=split)
+        self._session.release_chunk(stage.stage_index, micro)
+        return None if dx is None else stage.backend.to_host(dx, copy=True)
+
+    def _launch(self, step: MetaStep, prepare: Callable[[int, int], CopyJob]) -> CopyCompletion:
+        return self._copy_stream.launch(step, prepare(step.stage, step.micro))
+
+    # -- P2P ---------------------------------------------------------------------------
+    def _post(self, step: MetaStep) -> None:
+        """Hand a send or receive (or each of a BATCH_SEND_RECV's) to the P2P actor."""
+        kind = step.kind
+        if kind is StepKind.BATCH_SEND_RECV:
+            for sub in step.sub_steps:
+                self._post(sub)
+            return
+        assert step.peer is not None
+        request: SendRequest | RecvRequest
+        if kind in _RECVS:
+            direction = "F" if kind is StepKind.RECV_F else "B"
+            key = MessageKey(direction, step.stage, step.micro)
+            future: ReplyFuture[Any] = ReplyFuture(f"{direction}{step.micro}.s{step.stage}")
+            self._recvs[key] = future
+            request = RecvRequest(step, key, step.peer, future)
+        else:
+            if kind is StepKind.SEND_F:
+                key = MessageKey("F", step.stage + 1, step.micro)
+            else:
+                key = MessageKey("B", step.stage - 1, step.micro)
+            payload = self._outbox.pop(key, None)
+            if payload is None:
+                raise self._failure(step, f"{step.short()} sends {key} before its producer ran")
+            future = ReplyFuture(f"{key.direction}{key.micro}.s{key.stage}")
+            self._sends.append(future)
+            request = SendRequest(step, key, step.peer, payload, future)
+        self._p2p.send_nowait(request)
+
+    # -- one step at a time (fault plans, composites, FSDP steps) -------------------------
     async def _run_step(self, step: MetaStep) -> None:
         """Run one step (top-level or a composite's leaf); failures name this step."""
         with self._failures_named(step.short()):
@@ -223,7 +547,119 @@ class ComputeActor:
                 log_step(self._log, "step", step, self._generation)
             if self._faults is not None:
                 await self._inject(self._faults, step)
-            await self._dispatch(step)
+            handler = self._handlers.get(step.kind)
+            if handler is None:
+                raise self._failure(step, f"no handler for {step.kind.value}")
+            await handler(self, step)
+
+    async def _local_step(self, step: MetaStep) -> None:
+        job = self._job_if_ready(step, set())
+        while job is None:
+            await self._until_ready(step)
+            job = self._job_if_ready(step, set())
+        if self._fsdp is not None and step.kind in _LEAVES:
+            await self._fsdp.before_compute(step)
+        await self._execute([job])
+
+    async def _post_step(self, step: MetaStep) -> None:
+        self._post(step)
+
+    async def _composite(self, step: MetaStep) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                for leaf in step.sub_steps:
+                    tg.start_soon(self._run_step, leaf)
+        except BaseExceptionGroup as group:
+            # Report the leaf that failed first, not the composite around it.
+            raise first_pipeline_error(group) from group
+
+    async def _fsdp_step(self, step: MetaStep) -> None:
+        if self._fsdp is None:
+            raise self._failure(
+                step, "the order has FSDP steps but no stage of this rank is fully_shard()-ed"
+            )
+        await self._fsdp.run_step(step)
+
+    async def _finish_fsdp(self, fsdp: FsdpDriver) -> None:
+        """After the order: the gradient reduce-scatters (errors named like a step's)."""
+        label = "fsdp finish"
+        self._current = label
+        with self._failures_named(label):
+            await fsdp.finish()
+
+    async def _inject(self, faults: FaultPlan, step: MetaStep) -> None:
+        """Apply the plan's compute rule for ``step``: raise or stall on the compute thread
+        (the path a framework failure or a stuck kernel takes), or run a callback here."""
+        rule = faults.match(FaultSite.COMPUTE, self.rank, step)
+        if rule is None:
+            return
+        self._recorder.note(self.rank, self.actor_name, rule.describe(self.rank, step))
+        if rule.action is FaultAction.RAISE:
+            await self._call(rule.raise_fault, self.rank, step)
+        elif rule.action is FaultAction.DELAY:
+            await self._call(time.sleep, rule.delay_s)
+        elif rule.callback is not None:
+            rule.callback()
+
+    _handlers: ClassVar[dict[StepKind, Callable[[ComputeActor, MetaStep], Awaitable[None]]]] = {
+        **dict.fromkeys(_LOCAL, _local_step),
+        **dict.fromkeys(_POSTS, _post_step),
+        StepKind.OVERLAP_B_F: _composite,
+        StepKind.OVERLAP_F_B: _composite,
+        StepKind.FSDP_UNSHARD: _fsdp_step,
+        StepKind.FSDP_RESHARD: _fsdp_step,
+    }
+
+    # -- deadlines and failures ----------------------------------------------------------
+    async def _wait(self, future: ReplyFuture[T], step: MetaStep) -> T:
+        if future.done:
+            return future.result()
+        self._waiting[id(future)] = f"{step.short()} waits for {future.label}"
+        try:
+            result = await future.wait(self._timeout_s)
+        except FutureTimeoutError as exc:
+            raise self._hang(step, str(exc)) from exc
+        # Only on success: a wait that failed stays listed for the hang dump.
+        del self._waiting[id(future)]
+        return result
+
+    async def _call(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
+        """Run on the compute thread with the step deadline (the job itself cannot be
+        interrupted: on a missed deadline the run fails and teardown waits for it).
+        ``urgent``: on the thread's urgent lane, ahead of the leaves queued there."""
+        submit = self._compute.run_urgent if urgent else self._compute.run
+        with anyio.move_on_after(self._timeout_s) as scope:
+            return await submit(fn, *args)
+        assert scope.cancelled_caught
+        name = getattr(fn, "__qualname__", repr(fn))
+        current = self._current
+        step = current.short() if isinstance(current, MetaStep) else str(current)
+        raise PipelineHangError(
+            f"compute job {name} still running after {self._timeout_s}s",
+            rank=self.rank,
+            actor=self.actor_name,
+            step=step,
+            dump=self._recorder.dump(),
+        )
+
+    def _failure(self, step: MetaStep, message: str) -> PipelineError:
+        return PipelineError(message, rank=self.rank, actor=self.actor_name, step=step.short())
+
+    def _hang(self, step: MetaStep, message: str) -> PipelineHangError:
+        return PipelineHangError(
+            message,
+            rank=self.rank,
+            actor=self.actor_name,
+            step=step.short(),
+            dump=self._recorder.dump(),
+        )
+
+    def _named(self, step: MetaStep, error: Exception) -> PipelineError:
+        if isinstance(error, PipelineError):
+            return error
+        named = self._failure(step, f"{type(error).__name__}: {error}")
+        named.__cause__ = error
+        return named
 
     @contextmanager
     def _failures_named(self, label: str) -> Iterator[None]:
@@ -247,251 +683,3 @@ class ComputeActor:
             raise PipelineError(
                 f"{type(exc).__name__}: {exc}", rank=self.rank, actor=self.actor_name, step=label
             ) from exc
-
-    async def _dispatch(self, step: MetaStep) -> None:
-        kind = step.kind
-        handler = self._handlers.get(kind)
-        if handler is None:
-            raise PipelineError(
-                f"no handler for {kind.value}",
-                rank=self.rank,
-                actor=self.actor_name,
-                step=step.short(),
-            )
-        await handler(self, step)
-
-    async def _inject(self, faults: FaultPlan, step: MetaStep) -> None:
-        """Apply the plan's compute rule for ``step``: raise or stall on the compute thread
-        (the path a MindSpore failure or a stuck kernel takes), or run a callback here."""
-        rule = faults.match(FaultSite.COMPUTE, self.rank, step)
-        if rule is None:
-            return
-        self._recorder.note(self.rank, self.actor_name, rule.describe(self.rank, step))
-        if rule.action is FaultAction.RAISE:
-            await self._call(rule.raise_fault, self.rank, step)
-        elif rule.action is FaultAction.DELAY:
-            await self._call(time.sleep, rule.delay_s)
-        elif rule.callback is not None:
-            rule.callback()
-
-    # -- deadlines ---------------------------------------------------------------------
-    async def _wait(self, future: ReplyFuture[T], step: MetaStep) -> T:
-        self._waiting[id(future)] = f"{step.short()} waits for {future.label}"
-        result = await future.wait(self._timeout_s)
-        # Only on success: a wait that failed stays listed for the hang dump.
-        del self._waiting[id(future)]
-        return result
-
-    async def _call(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
-        """Run on the compute thread with the step deadline (the job itself cannot be
-        interrupted: on a missed deadline the run fails and teardown waits for it).
-        ``urgent``: on the thread's urgent lane, ahead of the leaves queued there."""
-        submit = self._compute.run_urgent if urgent else self._compute.run
-        with anyio.move_on_after(self._timeout_s) as scope:
-            return await submit(fn, *args)
-        assert scope.cancelled_caught
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise FutureTimeoutError(f"compute job {name} still running after {self._timeout_s}s")
-
-    async def _call_timed(
-        self, job: str, fn: Callable[..., T], *args: Any, urgent: bool = False
-    ) -> T:
-        """``_call``, timing the job on the compute thread into ``stats().job_s[job]``."""
-        timed: tuple[T, float] = await self._call(_timed, fn, *args, urgent=urgent)
-        result, seconds = timed
-        self._job_s[job] += seconds
-        self._jobs[job] += 1
-        return result
-
-    # -- compute leaves ----------------------------------------------------------------
-    async def _fwd(self, step: MetaStep) -> None:
-        stage = self._stages[step.stage]
-        payload: HostArray
-        if stage.is_first:
-            payload = self._data.inputs[step.micro]
-        else:
-            payload = await self._take_recv(MessageKey("F", step.stage, step.micro), step)
-        target = None
-        if stage.is_last:
-            assert self._data.targets is not None
-            target = self._data.targets[step.micro]
-        if self._fsdp is not None:
-            await self._fsdp.before_compute(step)
-        result = await self._call_timed(
-            "forward", self._fwd_job, stage, step.micro, payload, target
-        )
-        if stage.is_last:
-            self.losses[step.micro] = float(result)
-        else:
-            self._outbox[MessageKey("F", step.stage + 1, step.micro)] = result
-
-    def _fwd_job(
-        self, stage: PipelineStage, micro: int, payload: HostArray, target: HostArray | None
-    ) -> HostArray:
-        backend = stage.backend
-        inputs = backend.from_host(payload)
-        target_tensor = None if target is None else backend.from_host(target)
-        out = stage.forward(
-            micro,
-            inputs,
-            target_tensor,
-            self._session,
-            keep_output=self._zero_copy_sends,
-            record=self._record,
-        )
-        # Copy unless the boundary mode hands the output over as is (then the stage keeps
-        # `out` alive until its BWD).
-        return backend.to_host(out, copy=not self._zero_copy_sends)
-
-    async def _bwd(self, step: MetaStep) -> None:
-        stage = self._stages[step.stage]
-        grad: HostArray | None = None
-        if not stage.is_last:
-            grad = await self._take_recv(MessageKey("B", step.stage, step.micro), step)
-        split = step.kind is StepKind.BWD_INPUT
-        if self._fsdp is not None:
-            await self._fsdp.before_compute(step)
-        dx = await self._call_timed(
-            _JOB_OF_BACKWARD[split], self._bwd_job, stage, step.micro, grad, split
-        )
-        if dx is not None:
-            self._outbox[MessageKey("B", step.stage - 1, step.micro)] = dx
-
-    def _bwd_job(
-        self, stage: PipelineStage, micro: int, grad: HostArray | None, split: bool
-    ) -> HostArray | None:
-        grad_tensor = None if grad is None else stage.backend.from_host(grad)
-        dx = stage.backward(micro, grad_tensor, split=split)
-        self._session.release_chunk(stage.stage_index, micro)
-        return None if dx is None else stage.backend.to_host(dx, copy=True)
-
-    async def _bwd_weight(self, step: MetaStep) -> None:
-        if self._fsdp is not None:
-            await self._fsdp.before_compute(step)
-        backward_weight = self._stages[step.stage].backward_weight
-        await self._call_timed("backward_weight", backward_weight, step.micro)
-
-    async def _composite(self, step: MetaStep) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                for leaf in step.sub_steps:
-                    tg.start_soon(self._run_step, leaf)
-        except BaseExceptionGroup as group:
-            # Report the leaf that failed first, not the composite around it.
-            raise first_pipeline_error(group) from group
-
-    # -- P2P -----------------------------------------------------------------------------
-    async def _recv(self, step: MetaStep) -> None:
-        direction = "F" if step.kind is StepKind.RECV_F else "B"
-        key = MessageKey(direction, step.stage, step.micro)
-        assert step.peer is not None
-        future: ReplyFuture[HostArray] = ReplyFuture(f"{direction}{step.micro}.s{step.stage}")
-        self._recvs[key] = future
-        await self._p2p.send(RecvRequest(step, key, step.peer, future))
-
-    async def _take_recv(self, key: MessageKey, step: MetaStep) -> HostArray:
-        future = self._recvs.pop(key, None)
-        if future is None:
-            raise PipelineError(
-                f"{step.short()} consumes {key} but no RECV was posted for it",
-                rank=self.rank,
-                actor=self.actor_name,
-                step=step.short(),
-            )
-        return await self._wait(future, step)
-
-    async def _send(self, step: MetaStep) -> None:
-        if step.kind is StepKind.SEND_F:
-            key = MessageKey("F", step.stage + 1, step.micro)
-        else:
-            key = MessageKey("B", step.stage - 1, step.micro)
-        payload = self._outbox.pop(key, None)
-        if payload is None:
-            raise PipelineError(
-                f"{step.short()} sends {key} before its producer ran",
-                rank=self.rank,
-                actor=self.actor_name,
-                step=step.short(),
-            )
-        assert step.peer is not None
-        future: ReplyFuture[None] = ReplyFuture(f"{key.direction}{key.micro}.s{key.stage}")
-        self._sends.append(future)
-        await self._p2p.send(SendRequest(step, key, step.peer, payload, future))
-
-    async def _batch(self, step: MetaStep) -> None:
-        for sub in step.sub_steps:
-            await self._dispatch(sub)
-
-    # -- FSDP ----------------------------------------------------------------------------
-    async def _fsdp_step(self, step: MetaStep) -> None:
-        if self._fsdp is None:
-            raise PipelineError(
-                "the order has FSDP steps but no stage of this rank is fully_shard()-ed",
-                rank=self.rank,
-                actor=self.actor_name,
-                step=step.short(),
-            )
-        await self._fsdp.run_step(step)
-
-    async def _finish_fsdp(self, fsdp: FsdpDriver) -> None:
-        """After the order: the gradient reduce-scatters (errors named like a step's)."""
-        label = "fsdp finish"
-        self._current = label
-        with self._failures_named(label):
-            await fsdp.finish()
-
-    # -- swap ----------------------------------------------------------------------------
-    async def _launch_copy(self, step: MetaStep) -> None:
-        prepare = (
-            self._session.prepare_offload
-            if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD
-            else self._session.prepare_load
-        )
-        # Urgent: a swap step only starts a copy; with ranks sharing the compute thread it
-        # must not wait behind other ranks' leaves (it would not on a device of its own),
-        # or its copy starts late and the rank falls behind.
-        job = await self._call_timed("swap_prepare", prepare, step.stage, step.micro, urgent=True)
-        future: ReplyFuture[int] = ReplyFuture(f"{step.kind.value} s{step.stage} m{step.micro}")
-        self._copies[(step.kind, step.stage, step.micro)] = future
-        await self._copy.send(CopyRequest(step, job, future))
-
-    async def _wait_copy(self, step: MetaStep) -> None:
-        if step.kind is StepKind.SWAP_WAIT_OFFLOAD:
-            launch, finish = StepKind.SWAP_LAUNCH_OFFLOAD, self._session.finish_offload
-        else:
-            launch, finish = StepKind.SWAP_LAUNCH_LOAD, self._session.finish_load
-        future = self._copies.pop((launch, step.stage, step.micro), None)
-        if future is None:
-            raise PipelineError(
-                f"{step.short()} waits for a copy that was never launched",
-                rank=self.rank,
-                actor=self.actor_name,
-                step=step.short(),
-            )
-        started = time.perf_counter()
-        moved = await self._wait(future, step)
-        waited = time.perf_counter() - started
-        self._exposed_wait_s += waited
-        await self._call_timed("swap_finish", finish, step.stage, step.micro, urgent=True)
-        if self._log_steps:
-            log_step(self._log, "swap_wait", step, self._generation, bytes=moved, waited_s=waited)
-
-    _handlers: ClassVar[dict[StepKind, Callable[[ComputeActor, MetaStep], Awaitable[None]]]] = {
-        StepKind.FWD: _fwd,
-        StepKind.BWD: _bwd,
-        StepKind.BWD_INPUT: _bwd,
-        StepKind.BWD_WEIGHT: _bwd_weight,
-        StepKind.OVERLAP_B_F: _composite,
-        StepKind.OVERLAP_F_B: _composite,
-        StepKind.RECV_F: _recv,
-        StepKind.RECV_B: _recv,
-        StepKind.SEND_F: _send,
-        StepKind.SEND_B: _send,
-        StepKind.BATCH_SEND_RECV: _batch,
-        StepKind.FSDP_UNSHARD: _fsdp_step,
-        StepKind.FSDP_RESHARD: _fsdp_step,
-        StepKind.SWAP_LAUNCH_OFFLOAD: _launch_copy,
-        StepKind.SWAP_LAUNCH_LOAD: _launch_copy,
-        StepKind.SWAP_WAIT_OFFLOAD: _wait_copy,
-        StepKind.SWAP_WAIT_LOAD: _wait_copy,
-    }

@@ -1,36 +1,46 @@
 """The copy-stream actor: one FIFO copy stream per rank.
 
-Copies are served strictly in arrival order, one at a time, on the rank's own copy thread
-(never the compute thread, never the event loop): offload and load never run in parallel,
-as on a single device copy stream. Each request's reply future resolves with the bytes
-moved, or with the copy's error (the same ``PipelineError`` this actor raises, so the
-run reports the copy, not the compute step that waited for it).
+A rank's offloads and loads are *launched* onto its copy stream by the compute thread
+(``CopyStream.launch(step, job)``, inside the job of the swap step: no event-loop round
+trip) and *run* strictly in launch order, one at a time, on the stream's own thread (never
+the compute thread, never the event loop): offload and load never run in parallel, as on
+a single device copy stream. ``launch`` returns the job's :class:`CopyCompletion`, which
+SWAP_WAIT_* awaits; a failed copy sets it with the ``PipelineError`` this actor reports
+(naming the rank, ``copy`` and the launch step), so the run reports the copy, not the
+compute step that waited for it.
 
-A copy handed to the thread is waited for even when the run is cancelled (shielded), so
-no copy is in flight once this actor has exited; that wait is bounded by ``timeout_s``
-(then the actor raises ``PipelineHangError``). A ``FaultPlan`` (tests) can fail or delay
-a copy before it starts.
+The actor owns the stream's lifecycle: ``run()`` starts its thread and returns when the
+compute actor has closed the stream (``close()``, after its last step) and every launched
+copy has run; a copy that fails ends the run at once. On cancellation or failure the
+copies still queued are cancelled (``CopyJob.cancel``: their buffers go back to the pool)
+and the copy in flight is waited for (shielded, bounded by ``timeout_s``, then
+``PipelineHangError``), so no copy is in flight once this actor has exited. A
+``FaultPlan`` (tests) can fail or delay a copy before it starts; a delay is a wait that
+cancellation interrupts.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import anyio
 import structlog
-from anyio.abc import ObjectReceiveStream
 
-from ppswap.actors.executor import DedicatedThread
-from ppswap.actors.faults import FaultAction, FaultPlan, FaultSite
-from ppswap.actors.messages import CopyRequest
 from ppswap.actors.trace import FlightRecorder
+from ppswap.backends.base import CopyEvent
+from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.errors import PipelineError, PipelineHangError
 from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
+from ppswap.swap.jobs import CopyJob
 
-__all__ = ["CopyStats", "CopyStreamActor"]
+__all__ = ["CopyCompletion", "CopyStats", "CopyStream", "CopyStreamActor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,105 +50,255 @@ class CopyStats:
     busy_s: float
 
 
-class CopyStreamActor:
-    """Serves CopyRequests FIFO on a dedicated copy thread."""
+class CopyCompletion(CopyEvent):
+    """A launched copy's completion: set when it ran (``moved`` bytes) or failed
+    (``error``, a ``PipelineError`` naming the copy), or when it was cancelled unrun."""
 
-    actor_name = "copy"
+    __slots__ = ("error", "label", "moved")
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+        self.moved = 0
+        self.error: PipelineError | None = None
+
+
+@dataclass(slots=True)
+class _Launch:
+    step: MetaStep
+    job: CopyJob
+    completion: CopyCompletion
+
+
+_CLOSE = object()
+
+
+class CopyStream:
+    """The FIFO of one rank's copies and the thread that runs them (module docstring).
+
+    ``launch`` may be called from any thread; everything else from the event loop.
+    """
 
     def __init__(
         self,
         rank: int,
-        thread: DedicatedThread,
-        requests: ObjectReceiveStream[CopyRequest],
         recorder: FlightRecorder,
         *,
+        faults: FaultPlan | None = None,
         generation: int = 0,
         log_steps: bool = False,
-        timeout_s: float = math.inf,
-        faults: FaultPlan | None = None,
     ) -> None:
         self.rank = rank
-        self._timeout_s = timeout_s
+        self._recorder = recorder
         self._faults = faults
         self._generation = generation
         self._log_steps = log_steps
-        self._log = structlog.get_logger("ppswap").bind(rank=rank, actor=self.actor_name)
-        self.thread = thread
-        self._requests = requests
-        self._recorder = recorder
+        self._log = structlog.get_logger("ppswap").bind(rank=rank, actor="copy")
+        self._ready = threading.Condition()
+        self._queue: deque[_Launch | object] = deque()
+        self._interrupt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._settled: anyio.Event | None = None  # a copy failed, or the thread exited
+        self._drained: anyio.Event | None = None  # the thread exited
+        self.failure: PipelineError | None = None
+        self.current: str | None = None
         self._copies = 0
         self._bytes = 0
         self._busy_s = 0.0
-        self._queued: list[str] = []
-        recorder.register_pending(rank, self.actor_name, lambda: list(self._queued))
 
     def stats(self) -> CopyStats:
         return CopyStats(self._copies, self._bytes, self._busy_s)
 
-    async def run(self) -> None:
-        async with self._requests:
-            async for request in self._requests:
-                await self._serve(request)
+    def pending(self) -> list[str]:
+        """What is queued or running, for hang dumps (labels like ``copy LO0.0 320B``)."""
+        with self._ready:
+            queued = [item.completion.label for item in self._queue if isinstance(item, _Launch)]
+        return ([self.current] if self.current else []) + queued
 
-    async def _serve(self, request: CopyRequest) -> None:
-        step = request.step
-        label = f"copy {step.short()} {request.job.nbytes}B"
-        self._queued.append(label)
-        started = time.perf_counter()
+    # -- any thread ---------------------------------------------------------------------
+    def launch(self, step: MetaStep, job: CopyJob) -> CopyCompletion:
+        """Queue ``job`` (prepared for ``step``) behind the stream's earlier copies."""
+        completion = CopyCompletion(f"copy {step.short()} {job.nbytes}B")
+        with self._ready:
+            if self.failure is not None:
+                raise self.failure
+            if self._thread is None or self._interrupt.is_set():
+                raise RuntimeError(f"copy stream of rank {self.rank} is not running")
+            self._queue.append(_Launch(step, job, completion))
+            self._ready.notify()
+        return completion
+
+    # -- event loop: lifecycle ------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._settled = anyio.Event()
+        self._drained = anyio.Event()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"ppswap-copy-{self.rank}", daemon=False
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """No more launches: the thread runs what is queued, then exits."""
+        with self._ready:
+            self._queue.append(_CLOSE)
+            self._ready.notify()
+
+    def interrupt(self) -> None:
+        """Cancel every queued copy and cut a fault-injected delay short (teardown)."""
+        with self._ready:
+            dropped = [item for item in self._queue if isinstance(item, _Launch)]
+            self._queue.clear()
+            self._queue.append(_CLOSE)
+            self._interrupt.set()
+            self._ready.notify()
+        for item in dropped:
+            item.job.cancel()
+            item.completion.set()
+
+    async def finished(self) -> None:
+        """Return when the thread exited after ``close``; raise the first copy failure
+        as soon as it happens."""
+        assert self._settled is not None
+        await self._settled.wait()
+        if self.failure is not None:
+            raise self.failure
+
+    async def join(self, timeout_s: float) -> None:
+        """Wait (shielded, bounded) for the thread to exit; the copy in flight runs to its
+        end. ``PipelineHangError`` if it is still running after ``timeout_s``."""
+        thread = self._thread
+        if thread is None:
+            return
+        with anyio.CancelScope(shield=True):
+            assert self._drained is not None
+            with anyio.move_on_after(timeout_s):
+                await self._drained.wait()
+            if not self._drained.is_set():
+                raise PipelineHangError(
+                    f"copy still running after {timeout_s}s",
+                    rank=self.rank,
+                    actor="copy",
+                    step=self.current,
+                    dump=self._recorder.dump(),
+                )
+            thread.join()
+
+    # -- the stream's thread --------------------------------------------------------------
+    def _next(self) -> _Launch | object:
+        with self._ready:
+            while not self._queue:
+                self._ready.wait()
+            return self._queue.popleft()
+
+    def _serve(self) -> None:
         try:
-            with self._recorder.span(
-                self.rank,
-                self.actor_name,
-                step.kind.value,
-                chunk=step.short(),
-                bytes=request.job.nbytes,
-            ):
-                if self._faults is not None:
-                    await self._inject(self._faults, step)
-                # Shielded: a copy already handed to the thread runs to completion anyway;
-                # waiting for it keeps "no copy in flight" true once this actor has exited.
-                with anyio.CancelScope(shield=True) as shield:
-                    shield.deadline = anyio.current_time() + self._timeout_s
-                    moved = await self.thread.run(request.job.run)
-                if shield.cancelled_caught:
-                    raise PipelineHangError(
-                        f"copy still running after {self._timeout_s}s",
-                        rank=self.rank,
-                        actor=self.actor_name,
-                        step=step.short(),
-                        dump=self._recorder.dump(),
-                    )
-        except PipelineError as failure:
-            if not request.reply.done:
-                request.reply.set_exception(failure)
-            raise
-        except Exception as exc:
-            error = PipelineError(
-                f"copy failed: {exc!r}",
-                rank=self.rank,
-                actor=self.actor_name,
-                step=step.short(),
-            )
-            if not request.reply.done:
-                request.reply.set_exception(error)
-            raise error from exc
+            while True:
+                item = self._next()
+                if not isinstance(item, _Launch):
+                    return
+                if self.failure is not None:
+                    item.job.cancel()
+                    item.completion.set()
+                    continue
+                self._run(item)
         finally:
-            self._queued.remove(label)
-        self._busy_s += time.perf_counter() - started
-        self._copies += 1
-        self._bytes += moved
-        request.reply.set_result(moved)
-        if self._log_steps:
-            seconds = time.perf_counter() - started
-            log_step(self._log, "copy", step, self._generation, bytes=moved, seconds=seconds)
+            self._notify(self._drained)
+            self._notify(self._settled)
 
-    async def _inject(self, faults: FaultPlan, step: MetaStep) -> None:
-        """Apply the plan's copy rule for ``step``: fail the copy, or hold the stream."""
+    def _run(self, item: _Launch) -> None:
+        step, job, completion = item.step, item.job, item.completion
+        self.current = completion.label
+        started = time.perf_counter()
+        start_us = self._recorder.now_us()
+        self._recorder.note(self.rank, "copy", "begin", step)
+        try:
+            if self._faults is not None:
+                self._inject(self._faults, step)
+            completion.moved = job.run()
+        except BaseException as exc:
+            completion.error = self._failed_copy(step, exc)
+            self.failure = self.failure or completion.error
+            self._recorder.note(self.rank, "copy", "FAILED", step, type(exc).__name__)
+            self._notify(self._settled)
+        else:
+            seconds = time.perf_counter() - started
+            self._busy_s += seconds
+            self._copies += 1
+            self._bytes += completion.moved
+            self._recorder.note(self.rank, "copy", "end", step)
+            self._recorder.add_span(
+                self.rank, "copy", step.kind.value, start_us, chunk=step.short(), bytes=job.nbytes
+            )
+            if self._log_steps:
+                log_step(
+                    self._log,
+                    "copy",
+                    step,
+                    self._generation,
+                    bytes=completion.moved,
+                    seconds=seconds,
+                )
+        finally:
+            self.current = None
+            completion.set()
+
+    def _failed_copy(self, step: MetaStep, exc: BaseException) -> PipelineError:
+        if isinstance(exc, PipelineError):
+            return exc
+        error = PipelineError(
+            f"copy failed: {exc!r}", rank=self.rank, actor="copy", step=step.short()
+        )
+        error.__cause__ = exc
+        return error
+
+    def _inject(self, faults: FaultPlan, step: MetaStep) -> None:
+        """Apply the plan's copy rule: fail the copy, or hold the stream (interruptibly)."""
         rule = faults.match(FaultSite.COPY, self.rank, step)
         if rule is None:
             return
-        self._recorder.note(self.rank, self.actor_name, rule.describe(self.rank, step))
+        self._recorder.note(self.rank, "copy", rule.describe(self.rank, step))
         if rule.action is FaultAction.DELAY:
-            await anyio.sleep(rule.delay_s)
+            if self._interrupt.wait(rule.delay_s):
+                raise PipelineError(
+                    "copy cancelled during an injected delay",
+                    rank=self.rank,
+                    actor="copy",
+                    step=step.short(),
+                )
         else:
             rule.raise_fault(self.rank, step)
+
+    def _notify(self, event: anyio.Event | None) -> None:
+        loop = self._loop
+        if loop is None or event is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(event.set)
+
+
+class CopyStreamActor:
+    """Owns one rank's :class:`CopyStream`: starts it, reports its failure, and on the
+    way out waits for the copy in flight (module docstring)."""
+
+    actor_name = "copy"
+
+    def __init__(self, stream: CopyStream, *, timeout_s: float = math.inf) -> None:
+        self.stream = stream
+        self.rank = stream.rank
+        self._timeout_s = timeout_s
+
+    def stats(self) -> CopyStats:
+        return self.stream.stats()
+
+    async def run(self) -> None:
+        """Serve the stream until the compute actor closed it and it drained."""
+        stream = self.stream
+        try:
+            await stream.finished()
+        except BaseException:
+            stream.interrupt()
+            await stream.join(self._timeout_s)
+            raise
+        await stream.join(self._timeout_s)

@@ -18,11 +18,12 @@ import dataclasses
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
-from ppswap.actors.messages import HostArray
+from ppswap.core.transport import DistributedTransport
+from ppswap.results import RankStats
 
 __all__ = [
     "DistributedTransport",
@@ -33,23 +34,6 @@ __all__ = [
 ]
 
 _RESULT_KEY = "ppswap.run_result"
-
-
-@runtime_checkable
-class DistributedTransport(Protocol):
-    """A transport whose ranks are separate processes (MPITransport)."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    def configure(self, num_stages: int, micro_count: int) -> None: ...
-
-    async def all_gather(
-        self, rank: int, group: tuple[int, ...], key: str, array: HostArray
-    ) -> list[HostArray]: ...
 
 
 def is_distributed(transport: object) -> bool:
@@ -64,10 +48,10 @@ def configure_transport(transport: object, num_stages: int, micro_count: int) ->
 
 async def gather_results(
     transport: DistributedTransport,
-    stats: Any,
+    stats: RankStats,
     losses: list[float],
     micro_count: int,
-) -> tuple[list[float], list[Any]]:
+) -> tuple[list[float], list[RankStats]]:
     """All-gather every rank's stats and the last stage's losses.
 
     ``stats`` is this rank's RankStats: a dataclass of numbers and of mappings of numbers
@@ -83,7 +67,7 @@ async def gather_results(
         record[len(fields) :] = losses
     group = tuple(range(transport.world_size))
     records = await transport.all_gather(transport.rank, group, _RESULT_KEY, record)
-    everyone = [type(stats)(*_unflatten(template, r[: len(fields)].tolist())) for r in records]
+    everyone = [RankStats(*_unflatten(template, r[: len(fields)].tolist())) for r in records]
     gathered_losses: list[float] = []
     for r in records:
         tail = r[len(fields) :]

@@ -45,7 +45,6 @@ import numpy as np
 import numpy.typing as npt
 from mpi4py import MPI
 
-from ppswap.actors.messages import MessageKey
 from ppswap.actors.mpi_requests import InFlightRequests
 from ppswap.actors.mpi_wire import (
     HEADER_MAX_BYTES,
@@ -58,7 +57,8 @@ from ppswap.actors.mpi_wire import (
     p2p_identity,
     wire_array,
 )
-from ppswap.actors.p2p import TransportStats
+from ppswap.core.messages import MessageKey
+from ppswap.core.transport import TransportStats
 
 __all__ = ["MPITransport"]
 

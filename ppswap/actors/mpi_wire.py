@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ppswap.actors.messages import MessageKey
+from ppswap.core.messages import MessageKey
 
 __all__ = [
     "HEADER_MAX_BYTES",

@@ -2,7 +2,12 @@
 
 ``P2PActor`` serves the sends and receives of one rank. Each request is served by its own
 task in the actor's task group, so a receive waiting for a slow peer never holds up a send
-or another receive; the result (or the error) resolves the request's reply future.
+or another receive; the result (or the error) resolves the request's reply future. A
+transport that can match a message at once (``ImmediateTransport``: the in-process one)
+is served without a task: a send is delivered and a receive registered on the spot, its
+future resolved when the payload is there (not with a fault plan: faults take the task
+path, where they can wait). The actor drains its channel without a loop iteration per
+request.
 
 ``Transport`` is the seam to the outside world: ``InProcessTransport`` (every rank in this
 process and event loop, the embedded default) and ``MPITransport`` (``ppswap.actors.mpi``:
@@ -27,76 +32,35 @@ delay or drop (sends only) a message before it reaches the transport.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import anyio
 import numpy as np
 import structlog
-from anyio.abc import ObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
-from ppswap.actors.faults import FaultAction, FaultPlan, FaultSite
-from ppswap.actors.messages import (
+from ppswap.actors.trace import FlightRecorder
+from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
+from ppswap.core.messages import (
     CollectiveRequest,
     HostArray,
     MessageKey,
     P2PRequest,
+    RecvRequest,
     SendRequest,
 )
-from ppswap.actors.trace import FlightRecorder
+from ppswap.core.transport import (
+    CollectiveTransport,
+    ImmediateTransport,
+    Transport,
+    TransportStats,
+)
 from ppswap.errors import PipelineError
 from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
 
-__all__ = [
-    "CollectiveTransport",
-    "InProcessTransport",
-    "P2PActor",
-    "Transport",
-    "TransportStats",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class TransportStats:
-    messages_sent: int
-    messages_received: int
-    bytes_sent: int
-    undelivered: int
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """Moves host arrays between ranks. Both calls may be awaited concurrently."""
-
-    async def send(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
-        """Deliver ``payload``; returns once the payload buffer may be reused."""
-        ...
-
-    async def recv(self, dst: int, src: int, key: MessageKey) -> HostArray:
-        """Wait for the message ``key`` from ``src`` and return its payload."""
-        ...
-
-    def stats(self) -> TransportStats: ...
-
-
-@runtime_checkable
-class CollectiveTransport(Protocol):
-    """Collectives over a group of ranks (FSDP), for the calling rank. Every member passes
-    the same ``group`` tuple and ``key``, and makes the same calls in the same order."""
-
-    async def all_gather(
-        self, rank: int, group: tuple[int, ...], key: str, array: HostArray
-    ) -> list[HostArray]:
-        """Every member's ``array``, in ``group`` order (``rank`` is the caller)."""
-        ...
-
-    async def reduce_scatter_sum(
-        self, rank: int, group: tuple[int, ...], key: str, arrays: list[HostArray]
-    ) -> HostArray:
-        """The sum over members of what they sent to ``rank`` (``arrays[j]`` goes to
-        ``group[j]``), a left fold in ``group`` order."""
-        ...
+__all__ = ["InProcessTransport", "P2PActor"]
 
 
 @dataclass(slots=True)
@@ -109,15 +73,18 @@ class _Rendezvous:
 
 @dataclass(slots=True)
 class _Mailbox:
-    arrived: anyio.Event = field(default_factory=anyio.Event)
     payload: HostArray | None = None
+    arrived: bool = False
+    on_arrival: Callable[[HostArray], None] | None = None
+    waiter: anyio.Event | None = None
 
 
 class InProcessTransport:
     """All ranks in one process and one event loop: a mailbox per message.
 
     A send never blocks (the payload is parked in the mailbox until its receiver takes
-    it), which is the buffered-send semantics the schedule validator assumes.
+    it), which is the buffered-send semantics the schedule validator assumes. Both the
+    awaitable ``send``/``recv`` and the immediate ``deliver``/``expect`` are served.
     """
 
     def __init__(self) -> None:
@@ -134,25 +101,52 @@ class InProcessTransport:
             box = self._mailboxes[(src, dst, key)] = _Mailbox()
         return box
 
-    async def send(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
+    def deliver(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
         box = self._box(src, dst, key)
-        if box.arrived.is_set():
+        if box.arrived:
             raise RuntimeError(f"message {key} from rank {src} to rank {dst} sent twice")
-        box.payload = payload
-        box.arrived.set()
         self._sent += 1
         self._bytes_sent += payload.nbytes
+        if box.on_arrival is not None:
+            del self._mailboxes[(src, dst, key)]
+            self._received += 1
+            box.on_arrival(payload)
+            return
+        box.payload, box.arrived = payload, True
+        if box.waiter is not None:
+            box.waiter.set()
+
+    def expect(
+        self, dst: int, src: int, key: MessageKey, on_arrival: Callable[[HostArray], None]
+    ) -> None:
+        box = self._box(src, dst, key)
+        if box.on_arrival is not None or box.waiter is not None:
+            raise RuntimeError(f"message {key} from rank {src} to rank {dst} received twice")
+        if box.arrived:
+            del self._mailboxes[(src, dst, key)]
+            self._received += 1
+            assert box.payload is not None
+            on_arrival(box.payload)
+            return
+        box.on_arrival = on_arrival
+
+    async def send(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
+        self.deliver(src, dst, key, payload)
 
     async def recv(self, dst: int, src: int, key: MessageKey) -> HostArray:
         box = self._box(src, dst, key)
-        await box.arrived.wait()
+        if not box.arrived:
+            if box.on_arrival is not None or box.waiter is not None:
+                raise RuntimeError(f"message {key} from rank {src} to rank {dst} received twice")
+            box.waiter = anyio.Event()
+            await box.waiter.wait()
         del self._mailboxes[(src, dst, key)]
         self._received += 1
         assert box.payload is not None
         return box.payload
 
     def stats(self) -> TransportStats:
-        undelivered = sum(1 for box in self._mailboxes.values() if box.arrived.is_set())
+        undelivered = sum(1 for box in self._mailboxes.values() if box.arrived)
         return TransportStats(self._sent, self._received, self._bytes_sent, undelivered)
 
     def reset(self) -> None:
@@ -240,7 +234,7 @@ class P2PActor:
         self,
         rank: int,
         transport: Transport,
-        requests: ObjectReceiveStream[P2PRequest],
+        requests: MemoryObjectReceiveStream[P2PRequest],
         recorder: FlightRecorder,
         *,
         timeout_s: float = math.inf,
@@ -264,21 +258,54 @@ class P2PActor:
 
     async def run(self) -> None:
         """Serve requests until the request channel closes, then wait for those in flight."""
+        immediate = self._transport if self._faults is None else None
+        if not isinstance(immediate, ImmediateTransport):
+            immediate = None
         async with anyio.create_task_group() as tg, self._requests:
-            async for request in self._requests:
-                tg.start_soon(self._serve, request)
+            while True:
+                try:
+                    request = self._requests.receive_nowait()
+                except anyio.WouldBlock:
+                    try:
+                        request = await self._requests.receive()
+                    except anyio.EndOfStream:
+                        return
+                except anyio.EndOfStream:
+                    return
+                if immediate is not None and not isinstance(request, CollectiveRequest):
+                    self._serve_now(immediate, request)
+                else:
+                    tg.start_soon(self._serve, request)
+
+    def _serve_now(self, transport: ImmediateTransport, request: SendRequest | RecvRequest) -> None:
+        """A send delivered, or a receive registered, on the spot (module docstring)."""
+        recorder = self._recorder
+        recorder.note(self.rank, self.actor_name, request.step)
+        if isinstance(request, SendRequest):
+            transport.deliver(self.rank, request.dst, request.key, request.payload)
+            request.reply.set_result(None)
+            if recorder.keeps_spans:
+                recorder.add_span(self.rank, self.actor_name, _label(request), recorder.now_us())
+        elif recorder.keeps_spans:
+            started = recorder.now_us()
+
+            def arrived(payload: HostArray) -> None:
+                request.reply.set_result(payload)
+                recorder.add_span(self.rank, self.actor_name, _label(request), started)
+
+            transport.expect(self.rank, request.src, request.key, arrived)
+        else:
+            transport.expect(self.rank, request.src, request.key, request.reply.set_result)
+        if self._log_steps:
+            event = "send" if isinstance(request, SendRequest) else "recv"
+            log_step(self._log, event, request.step, self._generation, peer=request.step.peer)
 
     async def _serve(self, request: P2PRequest) -> None:
         if isinstance(request, CollectiveRequest):
             await self._serve_collective(request)
             return
         step = request.step
-        if isinstance(request, SendRequest):
-            label = f"send {request.key.direction}{request.key.micro}->s{request.key.stage}"
-            label += f" to rank {request.dst}"
-        else:
-            label = f"recv {request.key.direction}{request.key.micro}->s{request.key.stage}"
-            label += f" from rank {request.src}"
+        label = _label(request)
         self._pending[id(request)] = label
         try:
             with self._recorder.span(self.rank, self.actor_name, label, step=step.short()):
@@ -360,3 +387,11 @@ class P2PActor:
             ) from exc
         finally:
             self._pending.pop(id(request), None)
+
+
+def _label(request: SendRequest | RecvRequest) -> str:
+    """``send F2->s1 to rank 1`` / ``recv F2->s1 from rank 0`` (spans, dumps)."""
+    key = request.key
+    if isinstance(request, SendRequest):
+        return f"send {key.direction}{key.micro}->s{key.stage} to rank {request.dst}"
+    return f"recv {key.direction}{key.micro}->s{key.stage} from rank {request.src}"

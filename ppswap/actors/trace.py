@@ -2,7 +2,9 @@
 
 Every actor records a begin and an end event per MetaStep it serves. The flight recorder
 keeps only the last ``capacity`` events per (rank, actor), always on, so a hang or a failure
-can say what each actor did last. Full spans are kept only when a trace file was asked for.
+can say what each actor did last; an event is kept as its parts and a timestamp and only
+formatted when a dump is written (recording costs a tuple, not a string). Full spans are
+kept only when a trace file was asked for. Any thread may record (the copy threads do).
 
 The dump (``FlightRecorder.dump``, carried by every ``PipelineHangError``) lists, per
 (rank, actor), the last events and what the actor is waiting for (its registered
@@ -24,9 +26,15 @@ from typing import Any, Protocol
 
 from anyio.streams.memory import MemoryObjectStreamStatistics
 
+from ppswap.scheduler.steps import MetaStep
+
 __all__ = ["FlightRecorder", "TraceSpan"]
 
 ACTOR_ORDER = ("compute", "p2p", "copy")
+
+
+def _text(part: object) -> str:
+    return part.short() if isinstance(part, MetaStep) else str(part)
 
 
 class ChannelLike(Protocol):
@@ -64,20 +72,26 @@ class FlightRecorder:
         self._capacity = capacity
         self._keep_spans = keep_spans
         self._origin = time.perf_counter()
-        self._events: dict[tuple[int, str], deque[str]] = {}
+        self._events: dict[tuple[int, str], deque[tuple[float, tuple[object, ...]]]] = {}
         self._spans: list[TraceSpan] = []
         self._pending: dict[tuple[int, str], Callable[[], list[str]]] = {}
         self._channels: dict[tuple[int, str], ChannelLike] = {}
         self._status: dict[str, Callable[[], str]] = {}
 
+    @property
+    def keeps_spans(self) -> bool:
+        return self._keep_spans
+
     def now_us(self) -> float:
         return (time.perf_counter() - self._origin) * 1e6
 
-    def note(self, rank: int, actor: str, message: str) -> None:
+    def note(self, rank: int, actor: str, *parts: object) -> None:
+        """Record an event: ``parts`` are joined with spaces in a dump (a MetaStep as its
+        ``short()`` name, anything else as ``str()``)."""
         ring = self._events.get((rank, actor))
         if ring is None:
-            ring = self._events[(rank, actor)] = deque(maxlen=self._capacity)
-        ring.append(f"{self.now_us() / 1e3:10.3f}ms {message}")
+            ring = self._events.setdefault((rank, actor), deque(maxlen=self._capacity))
+        ring.append((time.perf_counter(), parts))
 
     def add_span(self, rank: int, actor: str, name: str, start_us: float, **args: Any) -> None:
         if self._keep_spans:
@@ -86,17 +100,27 @@ class FlightRecorder:
                 TraceSpan(rank, actor, name, start_us, end - start_us, tuple(args.items()))
             )
 
+    def add_timed_span(
+        self, rank: int, actor: str, name: str, started: float, seconds: float, **args: Any
+    ) -> None:
+        """A span measured elsewhere: ``started`` a ``time.perf_counter()`` reading."""
+        if self._keep_spans:
+            start_us = (started - self._origin) * 1e6
+            self._spans.append(
+                TraceSpan(rank, actor, name, start_us, seconds * 1e6, tuple(args.items()))
+            )
+
     @contextmanager
     def span(self, rank: int, actor: str, name: str, **args: Any) -> Iterator[None]:
         """Record ``name`` as begun, then ended (or failed) on (rank, actor)."""
         start = self.now_us()
-        self.note(rank, actor, f"begin {name}")
+        self.note(rank, actor, "begin", name)
         try:
             yield
         except BaseException as exc:
-            self.note(rank, actor, f"FAILED {name}: {type(exc).__name__}")
+            self.note(rank, actor, "FAILED", f"{name}:", type(exc).__name__)
             raise
-        self.note(rank, actor, f"end {name}")
+        self.note(rank, actor, "end", name)
         self.add_span(rank, actor, name, start, **args)
 
     def register_pending(self, rank: int, actor: str, probe: Callable[[], list[str]]) -> None:
@@ -124,8 +148,9 @@ class FlightRecorder:
         )
         for rank, actor in keys:
             lines.append(f"  rank {rank} {actor}:")
-            for event in self._events.get((rank, actor), ()):
-                lines.append(f"    {event}")
+            for at, parts in list(self._events.get((rank, actor), ())):
+                text = " ".join(_text(part) for part in parts)
+                lines.append(f"    {(at - self._origin) * 1e3:10.3f}ms {text}")
             probe = self._pending.get((rank, actor))
             if probe is not None:
                 for item in probe():

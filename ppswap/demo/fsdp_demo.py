@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import mindspore as ms
 
-from ppswap.actors.messages import HostArray
-from ppswap.actors.runtime import RunResult
+from ppswap.core.messages import HostArray
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
 from ppswap.demo.run import DemoOptions, lm_batches, load_corpus
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from ppswap.results import RunResult
 from ppswap.stage import PipelineStage
 from ppswap.swap import EmulatedDevice, swap_wrapper
 

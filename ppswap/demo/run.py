@@ -18,11 +18,11 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
-from ppswap.actors.messages import HostArray
-from ppswap.actors.p2p import Transport
-from ppswap.actors.runtime import RunResult
+from ppswap.core.messages import HostArray
+from ppswap.core.transport import Transport
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from ppswap.results import RunResult
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.simulate import memory_table
 from ppswap.stage import PipelineStage

@@ -35,8 +35,8 @@ import anyio
 import numpy.typing as npt
 from anyio.abc import ObjectSendStream
 
-from ppswap.actors.executor import DedicatedThread
-from ppswap.actors.messages import (
+from ppswap.core.executor import DedicatedThread
+from ppswap.core.messages import (
     CollectiveOp,
     CollectiveRequest,
     FutureTimeoutError,

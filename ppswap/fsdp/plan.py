@@ -1,6 +1,6 @@
 """How a run with fully_shard()-ed stages is laid out: checks and per-world-rank pieces.
 
-Used by ``ppswap.actors.inputs`` (before anything runs) and ``ppswap.actors.runtime``:
+Used by ``ppswap.actors.prepare`` (before anything runs) and ``ppswap.actors.runtime``:
 
 - ``resolve_mesh``: the mesh of a run, read from its stages (every stage sharded with one
   mesh, or none) and checked against an explicit ``mesh=`` argument;
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ppswap.actors.p2p import CollectiveTransport, Transport
+from ppswap.core.transport import CollectiveTransport, Transport
 from ppswap.fsdp.mesh import DeviceMesh, order_for_world_rank
 from ppswap.fsdp.shard import fsdp_state_of
 from ppswap.scheduler.steps import Order

@@ -8,8 +8,8 @@ from fsdp_support import DIM, batch, sharded_stages
 from mindspore import Tensor
 
 from ppswap import PipelineError, PipelineInputError, PipelineStage, run_schedule
-from ppswap.actors.messages import HostArray, MessageKey
-from ppswap.actors.p2p import TransportStats
+from ppswap.core.messages import HostArray, MessageKey
+from ppswap.core.transport import TransportStats
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.fsdp import DeviceMesh, fsdp_state_of, full_gradients, fully_shard
 

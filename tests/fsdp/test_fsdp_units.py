@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from mindspore import Tensor, nn
 
-from ppswap.actors.p2p import CollectiveTransport, InProcessTransport
+from ppswap.actors.p2p import InProcessTransport
+from ppswap.core.transport import CollectiveTransport
 from ppswap.fsdp import DeviceMesh, fsdp_state_of, full_parameters, fully_shard
 from ppswap.fsdp.mesh import order_for_world_rank
 from ppswap.scheduler.config import ScheduleConfig

@@ -21,10 +21,10 @@ pytest.importorskip("mpi4py")
 from mpi4py import MPI
 
 from ppswap.actors.distributed import gather_results
-from ppswap.actors.messages import MessageKey
 from ppswap.actors.mpi import MPITransport
 from ppswap.actors.mpi_wire import PAGE_BYTES, POOL_MIN_BYTES, RecvBufferPool
-from ppswap.actors.runtime import RankStats
+from ppswap.core.messages import MessageKey
+from ppswap.results import RankStats
 
 Array = npt.NDArray[Any]
 

@@ -44,7 +44,7 @@ from reliability_support import (
 )
 
 from ppswap import ScheduleGPipe, StepKind
-from ppswap.actors.faults import FaultPlan, call_at, delay_copy
+from ppswap.core.faults import FaultPlan, call_at, delay_copy
 from ppswap.demo.model import mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders

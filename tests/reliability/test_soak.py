@@ -41,7 +41,7 @@ from reliability_support import (
 )
 
 from ppswap import PipelineError, StepKind, run_schedule
-from ppswap.actors.faults import FaultPlan, call_at, fail_compute
+from ppswap.core.faults import FaultPlan, call_at, fail_compute
 from ppswap.autograd import discard_all, record_forward
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.config import ScheduleConfig

@@ -151,7 +151,7 @@ BAD_INPUTS: list[tuple[str, list[Any], Any, dict[str, Any], type[Exception], str
     ("min_swap_gap 1", STAGES, "gpipe", _kwargs(min_swap_gap=1),
      ValueError, "min_swap_gap must be an int >= 2"),
     ("faults not a plan", STAGES, "gpipe", _kwargs(faults="boom"),
-     TypeError, "faults must be a ppswap.actors.faults.FaultPlan or None, got str"),
+     TypeError, "faults must be a ppswap.core.faults.FaultPlan or None, got str"),
     ("trace not a path", STAGES, "gpipe", _kwargs(trace=5),
      TypeError, "trace must be a file path"),
     ("device not a copy engine", STAGES, "gpipe", _kwargs(device=object()),

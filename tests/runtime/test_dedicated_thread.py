@@ -7,7 +7,7 @@ import threading
 import anyio
 import pytest
 
-from ppswap.actors.executor import DedicatedThread
+from ppswap.core.executor import DedicatedThread
 
 
 async def _order_of_service() -> tuple[list[str], set[int]]:

@@ -17,8 +17,8 @@ from structlog.testing import capture_logs
 
 from ppswap import PipelineStage, Schedule1F1B, ScheduleGPipe, run_schedule
 from ppswap.actors.compute import JOB_KINDS
-from ppswap.actors.messages import MessageKey
 from ppswap.actors.p2p import InProcessTransport
+from ppswap.core.messages import MessageKey
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
@@ -150,17 +150,19 @@ def _other_tasks() -> set[asyncio.Task[Any]]:
 
 
 class _DelayedTransport(InProcessTransport):
-    """Delivers one chosen message late: a real sleep in the P2P actor's send task."""
+    """Delivers one chosen message late: the event loop hands it over after a delay."""
 
     def __init__(self, slow: MessageKey, delay_s: float) -> None:
         super().__init__()
         self._slow = slow
         self._delay_s = delay_s
 
-    async def send(self, src: int, dst: int, key: MessageKey, payload: np.ndarray) -> None:
-        if key == self._slow:
-            await anyio.sleep(self._delay_s)
-        await super().send(src, dst, key, payload)
+    def deliver(self, src: int, dst: int, key: MessageKey, payload: np.ndarray) -> None:
+        if key != self._slow:
+            super().deliver(src, dst, key, payload)
+            return
+        handover = super().deliver
+        asyncio.get_running_loop().call_later(self._delay_s, handover, src, dst, key, payload)
 
 
 @pytest.mark.asyncio

@@ -16,8 +16,8 @@ import anyio
 import numpy as np
 
 from ppswap import PipelineStage, run_schedule
-from ppswap.actors.faults import FaultPlan, fail_compute
 from ppswap.actors.mpi import MPITransport
+from ppswap.core.faults import FaultPlan, fail_compute
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.steps import StepKind
 from ppswap.swap import swap_wrapper

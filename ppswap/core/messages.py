@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, Protocol, TypeAlias, TypeVar
+from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 import anyio
 import numpy.typing as npt
@@ -19,7 +19,6 @@ from ppswap.scheduler.steps import MetaStep
 __all__ = [
     "CollectiveOp",
     "CollectiveRequest",
-    "CopyRequest",
     "FutureTimeoutError",
     "HostArray",
     "MessageKey",
@@ -44,41 +43,58 @@ class ReplyFuture(Generic[T]):
 
     Resolve with ``set_result`` / ``set_exception`` from the event loop thread only.
     ``wait(timeout)`` raises ``FutureTimeoutError`` when the deadline passes, so no
-    waiter can hang.
+    waiter can hang. ``result()`` reads a resolved future without waiting. The wake-up
+    event is made only when someone has to wait (most replies are there before anyone
+    asks for them).
     """
 
-    __slots__ = ("_error", "_event", "_result", "label")
+    __slots__ = ("_done", "_error", "_event", "_result", "label")
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self._event = anyio.Event()
+        self._done = False
+        self._event: anyio.Event | None = None
         self._result: T | None = None
         self._error: BaseException | None = None
 
     @property
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def set_result(self, value: T) -> None:
-        if self._event.is_set():
+        if self._done:
             raise RuntimeError(f"future {self.label} resolved twice")
         self._result = value
-        self._event.set()
+        self._resolve()
 
     def set_exception(self, error: BaseException) -> None:
-        if self._event.is_set():
+        if self._done:
             raise RuntimeError(f"future {self.label} resolved twice")
         self._error = error
-        self._event.set()
+        self._resolve()
 
-    async def wait(self, timeout: float = math.inf) -> T:
-        with anyio.move_on_after(timeout):
-            await self._event.wait()
-        if not self._event.is_set():
-            raise FutureTimeoutError(f"{self.label} not resolved within {timeout}s")
+    def _resolve(self) -> None:
+        self._done = True
+        if self._event is not None:
+            self._event.set()
+
+    def result(self) -> T:
+        """The value (or raise the error) of a resolved future."""
+        if not self._done:
+            raise RuntimeError(f"future {self.label} is not resolved yet")
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]
+
+    async def wait(self, timeout: float = math.inf) -> T:
+        if not self._done:
+            if self._event is None:
+                self._event = anyio.Event()
+            with anyio.move_on_after(timeout):
+                await self._event.wait()
+            if not self._done:
+                raise FutureTimeoutError(f"{self.label} not resolved within {timeout}s")
+        return self.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,21 +160,3 @@ class CollectiveRequest:
 
 
 P2PRequest = SendRequest | RecvRequest | CollectiveRequest
-
-
-@dataclass(frozen=True, slots=True)
-class CopyRequest:
-    """Compute -> copy stream: run ``job`` (a D2H or H2D copy) on the copy thread."""
-
-    step: MetaStep
-    job: CopyJobLike
-    reply: ReplyFuture[int] = field(compare=False)
-
-
-class CopyJobLike(Protocol):
-    """Structural type of a swap copy job: ``run()`` copies and returns bytes moved."""
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def run(self) -> int: ...

@@ -57,7 +57,7 @@ class ThreadStats:
 
 
 class _Job(Generic[T]):
-    __slots__ = ("args", "error", "event", "fn", "loop", "result")
+    __slots__ = ("args", "error", "fn", "future", "loop", "result")
 
     def __init__(
         self, fn: Callable[..., T], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop
@@ -65,9 +65,15 @@ class _Job(Generic[T]):
         self.fn = fn
         self.args = args
         self.loop = loop
-        self.event = anyio.Event()
+        # A bare loop future (not an anyio Event): one hop is the runtime's unit of cost.
+        self.future: asyncio.Future[None] = loop.create_future()
         self.result: T | None = None
         self.error: BaseException | None = None
+
+    def finish(self) -> None:
+        """Event loop: wake the awaiting task (unless it was cancelled meanwhile)."""
+        if not self.future.done():
+            self.future.set_result(None)
 
 
 _STOP = object()
@@ -162,7 +168,7 @@ class DedicatedThread:
             raise RuntimeError(f"thread {self.name!r} is not running")
         job: _Job[T] = _Job(fn, args, asyncio.get_running_loop())
         self._put(job, urgent=urgent)
-        await job.event.wait()
+        await job.future
         if job.error is not None:
             raise job.error
         return job.result  # type: ignore[return-value]
@@ -205,4 +211,4 @@ class DedicatedThread:
                 self._current = None
             # A closed loop raises RuntimeError: then nobody awaits this job any more.
             with contextlib.suppress(RuntimeError):
-                job.loop.call_soon_threadsafe(job.event.set)
+                job.loop.call_soon_threadsafe(job.finish)

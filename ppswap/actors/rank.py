@@ -1,0 +1,168 @@
+"""RankRuntime: everything one rank runs during one run, wired together.
+
+A rank owns its swap session, its three actors (compute, copy stream, P2P: one bounded
+channel from compute to P2P, its copy stream launched into directly by the compute
+thread) and, with FSDP, its FSDP driver. ``start`` puts the actors into the run's task
+group; ``close`` (normal end) and ``abort`` (failure or cancellation, compute thread)
+tear the swap side down; ``stats`` gathers what the rank measured.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ppswap.actors.compute import ComputeActor, RankInputs
+from ppswap.actors.copy_stream import CopyStream, CopyStreamActor
+from ppswap.actors.p2p import P2PActor
+from ppswap.actors.prepare import Batches, RunPlan
+from ppswap.actors.trace import FlightRecorder
+from ppswap.backends.base import CopyEngine
+from ppswap.core.executor import DedicatedThread
+from ppswap.core.messages import P2PRequest
+from ppswap.core.transport import Transport
+from ppswap.fsdp.driver import FsdpRankDriver
+from ppswap.fsdp.plan import collectives_for
+from ppswap.results import RankStats
+from ppswap.scheduler.swap_plan import eligible_chunks
+from ppswap.stage import PipelineStage
+from ppswap.swap import PipelineSwapSession, SwapManager
+
+__all__ = ["RankRuntime"]
+
+
+class RankRuntime:
+    """One rank of one run (see the module docstring)."""
+
+    def __init__(
+        self,
+        rank: int,
+        plan: RunPlan,
+        *,
+        generation: int,
+        compute: DedicatedThread,
+        transport: Transport,
+        engine: CopyEngine,
+        recorder: FlightRecorder,
+        batches: Batches,
+        log_steps: bool,
+    ) -> None:
+        self.rank = rank
+        self.stages: tuple[PipelineStage, ...] = plan.stages_of(rank)
+        order = plan.orders[rank]
+        config = plan.config
+        self.session = PipelineSwapSession(
+            SwapManager(plan.backend),
+            engine,
+            rank=rank,
+            generation=generation,
+            eligible=eligible_chunks(order),
+            wait_timeout_s=plan.step_timeout,
+            check=plan.swap_check,
+        )
+        p2p_tx, p2p_rx = anyio.create_memory_object_stream[P2PRequest](plan.channel_capacity)
+        recorder.register_channel(rank, "compute->p2p", p2p_tx)
+        self.copy_stream = CopyStream(
+            rank, recorder, faults=plan.faults, generation=generation, log_steps=log_steps
+        )
+        recorder.register_pending(rank, CopyStreamActor.actor_name, self.copy_stream.pending)
+        by_index = {s.stage_index: s for s in self.stages}
+        self.fsdp: FsdpRankDriver | None = None
+        if plan.mesh is not None:
+            self.fsdp = FsdpRankDriver(
+                rank=rank,
+                mesh=plan.mesh,
+                order=order,
+                stages=by_index,
+                compute=compute,
+                p2p=p2p_tx,
+                timeout_s=plan.step_timeout,
+                reduce_grads=not config.forward_only,
+            )
+        replica = batches.of_replica(plan.dp_index(rank), config.micro)
+        self.compute_actor = ComputeActor(
+            rank=rank,
+            order=order,
+            config=config,
+            stages=by_index,
+            compute=compute,
+            session=self.session,
+            p2p=p2p_tx,
+            copies=self.copy_stream,
+            recorder=recorder,
+            data=RankInputs(replica.inputs, replica.targets),
+            generation=generation,
+            timeout_s=plan.step_timeout,
+            log_steps=log_steps,
+            fsdp=self.fsdp,
+            faults=plan.faults,
+        )
+        self.copy_actor = CopyStreamActor(self.copy_stream, timeout_s=plan.step_timeout)
+        self.p2p_actor = P2PActor(
+            rank,
+            transport,
+            p2p_rx,
+            recorder,
+            timeout_s=plan.step_timeout,
+            generation=generation,
+            log_steps=log_steps,
+            collectives=collectives_for(transport),
+            faults=plan.faults,
+        )
+
+    def start(self, tg: TaskGroup) -> None:
+        """Start the copy stream and the three actors in ``tg``."""
+        self.copy_stream.start()
+        tg.start_soon(self.compute_actor.run, name=f"compute-{self.rank}")
+        tg.start_soon(self.copy_actor.run, name=f"copy-{self.rank}")
+        tg.start_soon(self.p2p_actor.run, name=f"p2p-{self.rank}")
+
+    # -- compute thread -------------------------------------------------------------------
+    def abort(self) -> None:
+        """After a failed or cancelled run: release the stages' abandoned records (before
+        the groups go: their release unpacks from them), then abort the session."""
+        for stage in self.stages:
+            stage.abort_run(partial(_copies_settled, self.session))
+        self.session.abort()
+
+    def stats(self, param_bytes: int) -> RankStats:
+        """What the rank measured; ``param_bytes``: the measured parameter bytes of a
+        pp-only rank (FSDP ranks report their driver's)."""
+        swap = self.session.stats()
+        compute = self.compute_actor.stats()
+        copy = self.copy_actor.stats()
+        peak_params = resident_params = unsharded_params = param_bytes
+        if self.fsdp is not None:
+            fsdp = self.fsdp.stats()
+            peak_params = fsdp.peak_param_bytes
+            resident_params = fsdp.resident_param_bytes
+            unsharded_params = fsdp.unsharded_param_bytes
+        return RankStats(
+            rank=self.rank,
+            peak_saved_bytes=swap.peak_saved_bytes,
+            offloaded_bytes=swap.offloaded_bytes,
+            loaded_bytes=swap.loaded_bytes,
+            exposed_copy_wait_s=compute.exposed_copy_wait_s,
+            steps_executed=compute.steps_executed,
+            copies=copy.copies,
+            copy_busy_s=copy.busy_s,
+            groups_left=swap.live_groups,
+            saved_bytes_left=swap.resident_saved_bytes,
+            peak_param_bytes=peak_params,
+            resident_param_bytes=resident_params,
+            unsharded_param_bytes=unsharded_params,
+            compute_job_s=compute.job_s,
+            compute_jobs=compute.jobs,
+            compute_batches=compute.batches,
+        )
+
+
+def _copies_settled(session: PipelineSwapSession, stage: int, micro: int) -> bool:
+    """Whether every copy job of chunk (stage, micro) has ended (or it has no group): then
+    its backward can unpack without waiting for a copy that no actor will run any more."""
+    name = session.group_name(stage, micro)
+    if name not in session.manager:
+        return True
+    return all(job.done.is_set() for job in session.manager.get_group(name).jobs())

@@ -1,0 +1,149 @@
+"""RunOptions: how a run executes, validated once.
+
+``run_schedule``, the schedule classes (``ScheduleGPipe`` ...) and the run planner
+(``ppswap.actors.prepare``) share this one type: the keyword arguments of
+``run_schedule(...)`` and of a schedule's constructor are its fields, checked here, when
+the options are made, before anything runs. A bad value raises a ``TypeError`` or
+``ValueError`` naming the parameter, the value and what is allowed; an unknown keyword
+names itself and lists the fields.
+
+What depends on the stages (``pp`` against ``stage_num``, interleaved ``vpp``, the mesh
+against the stages' shards) is checked by the planner, which knows them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ppswap.backends.base import CopyEngine
+from ppswap.core.faults import FaultPlan
+from ppswap.core.transport import Transport
+from ppswap.fsdp.mesh import DeviceMesh
+from ppswap.scheduler.config import (
+    DEFAULT_MIN_SWAP_GAP,
+    P2P_MODES,
+    SCHEDULE_NAMES,
+    P2PMode,
+    ScheduleName,
+)
+from ppswap.scheduler.cost import SWAP_POLICIES, CostModel, SwapPolicy, check_swap_policy
+from ppswap.swap.tensor import CHECK_MODES, CheckMode
+
+__all__ = ["DEFAULT_STEP_TIMEOUT_S", "RunOptions"]
+
+# The deadline of every single wait (a receive, a copy, a collective, a compute job), not
+# of the run. The longest legitimate wait is a receive on the last rank during the
+# pipeline fill (about 2 * pp compute slots) or a first step that compiles kernels; five
+# minutes is far above that for the models this runtime serves, and short enough that a
+# service learns of a hang in minutes (torch.distributed's NCCL default is ten). Raise it
+# for very slow steps; math.inf turns the watchdog off.
+DEFAULT_STEP_TIMEOUT_S = 300.0
+
+
+def _check_one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_instance(name: str, value: object, kind: type, what: str) -> None:
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must {what} or None, got {type(value).__name__}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunOptions:
+    """Every option of a run (see the module docstring); ``micro_batch_num`` is required.
+
+    ``schedule``: ``"gpipe" | "1f1b" | "interleaved_1f1b"``; ``pp``: the number of ranks
+    (default ``stage_num``; required for interleaved, where ``vpp = stage_num // pp``;
+    under a distributed transport its world size); ``swap``: inject the four swap steps;
+    ``split_dw``, ``overlap_b_f``, ``p2p``: the schedule's variants; ``min_swap_gap``:
+    the gap rule; ``swap_policy`` / ``cost_model``: which chunks move
+    (``ppswap.scheduler.cost``); ``swap_check``: how in-place modification of a saved
+    tensor is checked (``"sampled"`` digests, ``"full"`` digests; docs/swap.md);
+    ``forward_only``: evaluation (no graph, no swap); ``step_timeout``: the deadline of
+    every single wait; ``transport`` (default in-process), ``device`` (the copy engine;
+    default the stages' backend's), ``mesh`` (FSDP; read from the stages when None),
+    ``faults`` (tests).
+    """
+
+    micro_batch_num: int
+    schedule: ScheduleName = "gpipe"
+    pp: int | None = None
+    swap: bool = False
+    split_dw: bool = False
+    overlap_b_f: bool = False
+    p2p: P2PMode = "plain"
+    min_swap_gap: int = DEFAULT_MIN_SWAP_GAP
+    swap_policy: SwapPolicy = "gap"
+    cost_model: CostModel | None = None
+    swap_check: CheckMode = "sampled"
+    forward_only: bool = False
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S
+    transport: Transport | None = None
+    device: CopyEngine | None = None
+    mesh: DeviceMesh | None = None
+    faults: FaultPlan | None = None
+
+    def __post_init__(self) -> None:
+        _check_one_of("schedule", self.schedule, SCHEDULE_NAMES)
+        _check_int("micro_batch_num", self.micro_batch_num, 1)
+        if self.pp is not None:
+            _check_int("pp", self.pp, 1)
+        for name in ("swap", "split_dw", "overlap_b_f", "forward_only"):
+            _check_bool(name, getattr(self, name))
+        _check_one_of("p2p", self.p2p, P2P_MODES)
+        _check_int("min_swap_gap", self.min_swap_gap, 2)
+        _check_one_of("swap_policy", self.swap_policy, SWAP_POLICIES)
+        check_swap_policy(self.swap_policy, self.cost_model)
+        _check_one_of("swap_check", self.swap_check, CHECK_MODES)
+        timeout = self.step_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"step_timeout must be a number of seconds > 0, got {timeout!r}")
+        if not timeout > 0 or math.isnan(timeout):
+            raise ValueError(f"step_timeout must be a number of seconds > 0, got {timeout!r}")
+        _check_instance(
+            "transport", self.transport, Transport, "implement ppswap's Transport protocol"
+        )
+        _check_instance("device", self.device, CopyEngine, "implement CopyEngine")
+        _check_instance("mesh", self.mesh, DeviceMesh, "be a ppswap.DeviceMesh")
+        _check_instance("faults", self.faults, FaultPlan, "be a ppswap.core.faults.FaultPlan")
+        if self.forward_only and self.swap:
+            raise ValueError(
+                "swap must be False for a forward-only run, got swap=True "
+                "(there is no backward to load the activations for)"
+            )
+
+    @classmethod
+    def of(cls, base: RunOptions | None = None, **changes: Any) -> RunOptions:
+        """``base`` (or the defaults) with ``changes``; an unknown name is a TypeError
+        naming it and listing the options."""
+        known = {field.name for field in fields(cls)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown run option(s) {', '.join(unknown)}; the options are "
+                f"{', '.join(sorted(known))}"
+            )
+        if base is None:
+            return cls(**changes)
+        if not isinstance(base, RunOptions):
+            raise TypeError(f"options must be a RunOptions or None, got {type(base).__name__}")
+        return dataclasses.replace(base, **changes)

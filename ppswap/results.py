@@ -1,0 +1,76 @@
+"""What a run returns: ``RunResult`` and one ``RankStats`` per rank (a leaf module).
+
+Every figure is measured, never taken from the plan: saved bytes from the storages the
+swap layer holds, parameter bytes from the parameters' storages, times from clocks on
+the threads that did the work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RankStats", "RunResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    """What one rank measured during a run.
+
+    ``peak_saved_bytes``: the peak of the device bytes of saved activations held for
+    backward; ``offloaded_bytes`` / ``loaded_bytes``: what swap moved;
+    ``exposed_copy_wait_s``: the time compute waited at SWAP_WAIT_* (copy time not hidden
+    behind compute); ``copies`` / ``copy_busy_s``: the copy stream's jobs and busy time;
+    ``groups_left`` / ``saved_bytes_left``: what the swap layer still held after the run
+    (0 unless a bug). Parameter bytes of the rank's stages, measured from their storages:
+    at the peak and at the end of the run (between uses: the shards under FSDP), and
+    unsharded. ``compute_job_s`` / ``compute_jobs``: seconds and count of the rank's
+    compute-thread work by kind ("forward", "backward", "backward_input",
+    "backward_weight", "swap_prepare", "swap_finish"), timed on the thread: what a
+    ``CostModel``'s leaf_s, backward_leaf_s and swap_step_s are measured from;
+    ``compute_batches``: the compute-thread jobs (hops) those steps took.
+    ``device_peak_bytes``: the framework allocator's peak on the stages' device during
+    the run, where it reports one (torch on CUDA), else 0.
+    """
+
+    rank: int
+    peak_saved_bytes: int
+    offloaded_bytes: int
+    loaded_bytes: int
+    exposed_copy_wait_s: float
+    steps_executed: int
+    copies: int
+    copy_busy_s: float
+    groups_left: int = 0
+    saved_bytes_left: int = 0
+    peak_param_bytes: int = 0
+    resident_param_bytes: int = 0
+    unsharded_param_bytes: int = 0
+    compute_job_s: Mapping[str, float] = field(default_factory=dict)
+    compute_jobs: Mapping[str, int] = field(default_factory=dict)
+    compute_batches: int = 0
+    device_peak_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """The outcome of one run.
+
+    ``losses`` has one float per micro-batch (the last stage's), ``loss`` their mean,
+    ``ranks`` is indexed by rank, ``trace_path`` is where the Chrome trace went (if asked).
+    With FSDP (a DP x PP mesh) ``losses[m]`` is the mean over dp replicas of their
+    micro-batch ``m`` (equal-sized, so the mean loss of the global micro-batch) and
+    ``ranks`` is indexed by world rank (``dp_index * pp + pp_index``).
+    """
+
+    losses: list[float]
+    loss: float
+    ranks: list[RankStats]
+    generation: int
+    step_time_s: float
+    trace_path: Path | None = None
+    swap: bool = False
+    schedule: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
