@@ -26,16 +26,18 @@ Both sides are measured alike: each run starts with ``gc.collect()`` and ``gc.fr
 so objects alive before it (imports, earlier results) are not rescanned by the collector
 and the figure is the code's own, whatever the process imported; the collector still runs
 on what the run allocates. Wall time, best and median of ``--repeats`` runs, the sides
-alternating. The target is ppswap / torch compute order <= 0.5. torch is an optional
-dependency: without it only ppswap's rows are printed.
+alternating; the headline also gives the best CPU time (steadier on a shared machine).
+The target is ppswap / torch compute order <= 0.5. torch is an optional dependency:
+without it only ppswap's rows are printed.
 
 Then: the growth of both in the number of micro-batches (linear when the time ratio over
-the micro ratio stays near 1). ppswap's passes are linear; with the collector running, its
-full collections rescan the growing heap of MetaSteps (which holds no cycles to free), so
-the time per step grows with micro: the column with the collector paused shows the
-passes alone. Last, the planning time of the cost-aware swap policy
-(``swap_policy="cost"``) on GPipe pp4 with copies of 3 compute leaves on a compute thread
-shared by the ranks, where the budget binds. ``--json PATH`` writes the raw numbers.
+the micro ratio stays near 1; CPU times, steadier than wall times on a shared machine).
+ppswap's passes are linear; with the collector running, its full collections rescan the
+growing heap of MetaSteps (which holds no cycles to free), so the time per step grows
+with micro: the column with the collector paused shows the passes alone. Last, the
+planning time of the cost-aware swap policy (``swap_policy="cost"``) on GPipe pp4 with
+copies of 3 compute leaves on a compute thread shared by the ranks, where the budget
+binds. ``--json PATH`` writes the raw numbers.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -88,17 +90,17 @@ def lowering_config(micro: int, *, swap: bool = True) -> ScheduleConfig:
     )
 
 
-def timed(work: Callable[[], _Result], *, collector: bool = True) -> tuple[float, _Result]:
-    """Wall seconds of ``work()``, the objects alive before it frozen for the collector;
-    with ``collector=False`` the collector is paused for the run."""
+def timed(work: Callable[[], _Result], *, collector: bool = True) -> tuple[float, float, _Result]:
+    """Wall and CPU seconds of ``work()`` and its result, the objects alive before it
+    frozen for the collector; with ``collector=False`` the collector is paused for the run."""
     gc.collect()
     gc.freeze()
     if not collector:
         gc.disable()
     try:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         result = work()
-        return time.perf_counter() - started, result
+        return time.perf_counter() - started, time.process_time() - cpu_started, result
     finally:
         gc.enable()
         gc.unfreeze()
@@ -133,14 +135,23 @@ def torch_compute_orders(schedule: Any) -> dict[int, list[Any]]:
 
 @dataclass
 class Samples:
-    """Wall times of one measurement, and the size of what it built."""
+    """Wall times (and CPU times) of one measurement, and the size of what it built."""
 
     seconds: list[float]
     entries: int = 0
+    cpu_seconds: list[float] = field(default_factory=list)
+
+    def add(self, wall: float, cpu: float) -> None:
+        self.seconds.append(wall)
+        self.cpu_seconds.append(cpu)
 
     @property
     def best(self) -> float:
         return min(self.seconds)
+
+    @property
+    def best_cpu(self) -> float:
+        return min(self.cpu_seconds)
 
     @property
     def median(self) -> float:
@@ -158,17 +169,17 @@ def measure_headline(repeats: int) -> dict[str, Samples]:
     for _ in range(repeats):
         for key, swap in (("ppswap", True), ("ppswap_no_swap", False)):
             config = lowering_config(HEADLINE_MICRO, swap=swap)
-            seconds, orders = timed(partial(build_all_orders, config))
-            rows[key].seconds.append(seconds)
+            wall, cpu, orders = timed(partial(build_all_orders, config))
+            rows[key].add(wall, cpu)
             rows[key].entries = sum(len(order) for order in orders)
             del orders
         if schedule is not None:
-            seconds, actions = timed(partial(torch_compute_orders, schedule))
-            rows["torch_compute"].seconds.append(seconds)
+            wall, cpu, actions = timed(partial(torch_compute_orders, schedule))
+            rows["torch_compute"].add(wall, cpu)
             rows["torch_compute"].entries = sum(len(ops) for ops in actions.values())
             del actions
-            seconds, built = timed(partial(torch_schedule, HEADLINE_MICRO))
-            rows["torch_constructor"].seconds.append(seconds)
+            wall, cpu, built = timed(partial(torch_schedule, HEADLINE_MICRO))
+            rows["torch_constructor"].add(wall, cpu)
             rows["torch_constructor"].entries = sum(
                 len(ops) for ops in built.pipeline_order_with_comms.values()
             )
@@ -187,13 +198,13 @@ HEADLINE_LABELS = {
 def headline_table(rows: dict[str, Samples]) -> str:
     lines = [
         f"| all {PP} ranks, interleaved pp{PP} vpp{VPP} m{HEADLINE_MICRO} | entries built "
-        "| best s | median s |",
-        "|---|---:|---:|---:|",
+        "| best s | median s | CPU s, best |",
+        "|---|---:|---:|---:|---:|",
     ]
     for key, samples in rows.items():
         lines.append(
             f"| {HEADLINE_LABELS[key]} | {samples.entries} | {samples.best:.3f} | "
-            f"{samples.median:.3f} |"
+            f"{samples.median:.3f} | {samples.best_cpu:.3f} |"
         )
     return "\n".join(lines)
 
@@ -209,22 +220,22 @@ def measure_growth(repeats: int) -> list[dict[str, Any]]:
         theirs = Samples([])
         schedule = torch_schedule(micro) if torch_schedules is not None else None
         for _ in range(repeats):
-            seconds, orders = timed(partial(build_all_orders, config))
-            ours.seconds.append(seconds)
+            wall, cpu, orders = timed(partial(build_all_orders, config))
+            ours.add(wall, cpu)
             ours.entries = sum(len(order) for order in orders)
             del orders
-            seconds, _ = timed(partial(build_all_orders, config), collector=False)
-            paused.seconds.append(seconds)
+            wall, cpu, _ = timed(partial(build_all_orders, config), collector=False)
+            paused.add(wall, cpu)
             if schedule is not None:
-                seconds, _ = timed(partial(torch_compute_orders, schedule))
-                theirs.seconds.append(seconds)
+                wall, cpu, _ = timed(partial(torch_compute_orders, schedule))
+                theirs.add(wall, cpu)
         rows.append(
             {
                 "micro": micro,
                 "steps": ours.entries,
-                "ppswap_s": ours.best,
-                "ppswap_paused_s": paused.best,
-                "torch_compute_s": theirs.best if theirs.seconds else None,
+                "ppswap_s": ours.best_cpu,
+                "ppswap_paused_s": paused.best_cpu,
+                "torch_compute_s": theirs.best_cpu if theirs.seconds else None,
             }
         )
     return rows
@@ -232,8 +243,8 @@ def measure_growth(repeats: int) -> list[dict[str, Any]]:
 
 def growth_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| micro | ppswap top-level steps | ppswap s | ppswap s, collector paused "
-        "| torch compute order s | ratio |",
+        "| micro | ppswap top-level steps | ppswap CPU s | ppswap CPU s, collector paused "
+        "| torch compute order CPU s | ratio |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -260,7 +271,7 @@ def measure_cost_policy(repeats: int) -> list[dict[str, Any]]:
         config = ScheduleConfig(schedule="gpipe", pp=4, micro=micro, swap=True)
         seconds = []
         for _ in range(min(repeats, 3)):
-            elapsed, plan = timed(partial(plan_cost_aware, config, COST_MODEL))
+            elapsed, _, plan = timed(partial(plan_cost_aware, config, COST_MODEL))
             seconds.append(elapsed)
         rows.append(
             {
@@ -304,17 +315,19 @@ def main(argv: list[str] | None = None) -> int:
     ratio = None
     if "torch_compute" in headline:
         ratio = headline["ppswap"].best / headline["torch_compute"].best
+        cpu_ratio = headline["ppswap"].best_cpu / headline["torch_compute"].best_cpu
         whole = headline["ppswap"].best / headline["torch_constructor"].best
         verdict = "met" if ratio <= TARGET_RATIO else "not met"
         print(
-            f"\nppswap (with swap) / torch's compute order: {ratio:.2f} "
-            f"(target <= {TARGET_RATIO}: {verdict}); / torch's whole constructor: {whole:.2f}"
+            f"\nppswap (with swap) / torch's compute order: {ratio:.2f} wall, "
+            f"{cpu_ratio:.2f} CPU (target <= {TARGET_RATIO}: {verdict}); "
+            f"/ torch's whole constructor: {whole:.2f}"
         )
     else:
         print("\ntorch is not installed: no comparison (pip install torch to get one)")
 
     growth = measure_growth(args.repeats)
-    print(f"\nGrowth in micro (pp={PP}, vpp={VPP}, FSDP, batch P2P, swap), best runs:\n")
+    print(f"\nGrowth in micro (pp={PP}, vpp={VPP}, FSDP, batch P2P, swap), best CPU times:\n")
     print(growth_table(growth))
     print(
         f"\nTime ratio / micro ratio from micro={growth[0]['micro']} to "
