@@ -63,9 +63,9 @@ Selection (candidates: the fixed rule's chunks, of every rank)
     prunes one, so there are at most a few per candidate chunk, and each is linear in the
     steps: quadratic in the chunks overall, with memory effects computed, not simulated.
     GPipe pp4 with copies of 3 compute leaves on a compute thread shared by the ranks
-    (the budget binds): about 0.03 s at m8, 0.1 s at m16, 0.3-0.4 s at m32 and 1-1.4 s at
-    m64 on this project's 2-core machine (``benchmarks/bench_plan.py``). The runtime plans
-    once per run.
+    (the budget binds): 0.017 s at m8, 0.05 s at m16, 0.17 s at m32 and 0.6 s at m64,
+    best of 3 on this project's 2-core machine, up to 2.5 times that while it is loaded
+    (``benchmarks/bench_plan.py``). The runtime plans once per run.
 
 Nothing here imports MindSpore or anyio; every function is pure. The policy is not a step
 of ``lowering.build_exec_order`` because the memory model (``simulate``) imports lowering:
