@@ -61,7 +61,9 @@ P2P (``rewrite_p2p``)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.schedules import check_rank, compute_order
@@ -315,5 +317,23 @@ def build_exec_order(config: ScheduleConfig, rank: int) -> Order:
 
 
 def build_all_orders(config: ScheduleConfig) -> tuple[Order, ...]:
-    """``build_exec_order`` for every rank, indexed by rank."""
-    return tuple(build_exec_order(config, rank) for rank in range(config.pp))
+    """``build_exec_order`` for every rank, indexed by rank (the collector paused)."""
+    with collector_paused():
+        return tuple(build_exec_order(config, rank) for rank in range(config.pp))
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector's automatic runs inside the block, then restore
+    its previous state. Lowering builds hundreds of thousands of MetaSteps (about 300k
+    for interleaved pp32 vpp4 m256), immutable and free of cycles, and every collection
+    their allocations trigger rescans them all: 35-45% of that lowering's time, measured.
+    Nothing is lost by skipping those collections; the next automatic one runs as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
