@@ -65,7 +65,9 @@ class _PipelineSchedule:
         if pp is not None and stage_num % pp:
             raise ValueError(f"pp must be an int >= 1 dividing stage_num={stage_num}, got {pp!r}")
         if options.device is None:
-            options = RunOptions.of(options, device=self.stages[0].backend.copy_engine())
+            first = self.stages[0]
+            engine = first.backend.copy_engine(first.backend.device_of(first.module))
+            options = RunOptions.of(options, device=engine)
         self.options = options
         self.loss_fn = loss_fn
 

@@ -112,6 +112,11 @@ class PipelineStage:
         return self._params
 
     @property
+    def device_tensor(self) -> Tensor | None:
+        """A tensor on the stage's device (its first parameter), for placing inputs."""
+        return self._params[0] if self._params else None
+
+    @property
     def grads(self) -> tuple[Tensor, ...]:
         """Accumulated gradients of the last run, aligned with ``parameters``."""
         return tuple(

@@ -65,6 +65,7 @@ from ppswap.core.messages import (
     FutureTimeoutError,
     HostArray,
     MessageKey,
+    Payload,
     RecvRequest,
     ReplyFuture,
     SendRequest,
@@ -160,8 +161,12 @@ class ComputeActor:
         fsdp: FsdpDriver | None = None,
         log_steps: bool = False,
         faults: FaultPlan | None = None,
+        host_payloads: bool = True,
     ) -> None:
         self.rank = rank
+        # Whether P2P payloads must be host arrays (a transport between processes) or may
+        # stay framework tensors (every rank in this process).
+        self._host_payloads = host_payloads
         self._order = order
         self._config = config
         self._stages = stages
@@ -180,8 +185,8 @@ class ComputeActor:
         # A forward-only output is not kept by the stage, so it is always copied.
         self._zero_copy_sends = config.p2p == "boundary" and self._record
         self._faults = faults
-        self._recvs: dict[MessageKey, ReplyFuture[HostArray]] = {}
-        self._outbox: dict[MessageKey, HostArray] = {}
+        self._recvs: dict[MessageKey, ReplyFuture[Payload]] = {}
+        self._outbox: dict[MessageKey, Payload] = {}
         self._sends: list[ReplyFuture[None]] = []
         self._copies: dict[CopyKey, CopyCompletion] = {}
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
@@ -313,8 +318,10 @@ class ComputeActor:
         if kind is StepKind.BWD or kind is StepKind.BWD_INPUT:
             return self._bwd_job_if_ready(step)
         if kind is StepKind.BWD_WEIGHT:
-            backward_weight = self._stages[step.stage].backward_weight
-            return StepJob(step, "backward_weight", partial(backward_weight, step.micro))
+            stage = self._stages[step.stage]
+            return StepJob(
+                step, "backward_weight", partial(self._backward_weight, stage, step.micro)
+            )
         if kind in _LAUNCHES:
             launched.add((kind, step.stage, step.micro))
             prepare = (
@@ -341,7 +348,7 @@ class ComputeActor:
         )
         return StepJob(step, "swap_finish", partial(finish, step.stage, step.micro))
 
-    def _received(self, key: MessageKey, step: MetaStep) -> ReplyFuture[HostArray]:
+    def _received(self, key: MessageKey, step: MetaStep) -> ReplyFuture[Payload]:
         future = self._recvs.get(key)
         if future is None:
             raise self._failure(step, f"{step.short()} consumes {key} but no RECV was posted")
@@ -366,7 +373,7 @@ class ComputeActor:
 
     def _bwd_job_if_ready(self, step: MetaStep) -> StepJob | None:
         stage = self._stages[step.stage]
-        grad: HostArray | None = None
+        grad: Payload | None = None
         if not stage.is_last:
             key = MessageKey("B", step.stage, step.micro)
             future = self._received(key, step)
@@ -482,11 +489,11 @@ class ComputeActor:
 
     # -- compute-thread bodies ------------------------------------------------------------
     def _forward(
-        self, stage: PipelineStage, micro: int, payload: HostArray, target: HostArray | None
-    ) -> HostArray:
-        backend = stage.backend
-        inputs = backend.from_host(payload)
-        target_tensor = None if target is None else backend.from_host(target)
+        self, stage: PipelineStage, micro: int, payload: Payload, target: Payload | None
+    ) -> Payload:
+        backend, like = stage.backend, stage.device_tensor
+        inputs = backend.from_payload(payload, like)
+        target_tensor = None if target is None else backend.from_payload(target, like)
         out = stage.forward(
             micro,
             inputs,
@@ -497,15 +504,26 @@ class ComputeActor:
         )
         # Copy unless the boundary mode hands the output over as is (then the stage keeps
         # `out` alive until its BWD).
-        return backend.to_host(out, copy=not self._zero_copy_sends)
+        host = self._host_payloads or stage.is_last
+        return backend.to_payload(out, copy=not self._zero_copy_sends, host=host)
 
     def _backward(
-        self, stage: PipelineStage, micro: int, grad: HostArray | None, split: bool
-    ) -> HostArray | None:
-        grad_tensor = None if grad is None else stage.backend.from_host(grad)
+        self, stage: PipelineStage, micro: int, grad: Payload | None, split: bool
+    ) -> Payload | None:
+        backend = stage.backend
+        grad_tensor = None if grad is None else backend.from_payload(grad, stage.device_tensor)
         dx = stage.backward(micro, grad_tensor, split=split)
-        self._session.release_chunk(stage.stage_index, micro)
-        return None if dx is None else stage.backend.to_host(dx, copy=True)
+        if not (split and backend.autograd.defers_weight_grads):
+            self._session.release_chunk(stage.stage_index, micro)
+        if dx is None:
+            return None
+        return backend.to_payload(dx, copy=True, host=self._host_payloads)
+
+    def _backward_weight(self, stage: PipelineStage, micro: int) -> None:
+        stage.backward_weight(micro)
+        if stage.backend.autograd.defers_weight_grads:
+            # The dw pass read the chunk's saved tensors: only now may they go.
+            self._session.release_chunk(stage.stage_index, micro)
 
     def _launch(self, step: MetaStep, prepare: Callable[[int, int], CopyJob]) -> CopyCompletion:
         return self._copy_stream.launch(step, prepare(step.stage, step.micro))

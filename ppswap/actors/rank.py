@@ -22,7 +22,7 @@ from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
 from ppswap.core.messages import P2PRequest
-from ppswap.core.transport import Transport
+from ppswap.core.transport import ImmediateTransport, Transport
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.fsdp.plan import collectives_for
 from ppswap.results import RankStats
@@ -98,6 +98,7 @@ class RankRuntime:
             log_steps=log_steps,
             fsdp=self.fsdp,
             faults=plan.faults,
+            host_payloads=not isinstance(transport, ImmediateTransport),
         )
         self.copy_actor = CopyStreamActor(self.copy_stream, timeout_s=plan.step_timeout)
         self.p2p_actor = P2PActor(

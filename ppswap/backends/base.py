@@ -180,6 +180,12 @@ class Autograd(Protocol):
 
     def discard_all(self) -> None: ...
 
+    @property
+    def defers_weight_grads(self) -> bool:
+        """Whether ``backward_input`` leaves the dw compute (and the graph's saved tensors)
+        for later: then a chunk is released after its BWD_WEIGHT, not its BWD_INPUT."""
+        ...
+
 
 @runtime_checkable
 class CopyEngine(Protocol):
@@ -222,15 +228,22 @@ class CopyEngine(Protocol):
         """Copy thread: copy ``source`` into ``dst`` (a slice of an acquired buffer)."""
         ...
 
-    def h2d(self, host: HostArray) -> Any:
-        """Copy thread: fresh device memory holding ``host``'s bytes (a device handle)."""
+    def h2d(
+        self, host: HostArray, strides: tuple[int, ...] | None = None, dtype: str | None = None
+    ) -> Any:
+        """Copy thread: fresh device memory holding ``host``'s data (a device handle),
+        laid out with ``strides`` (in elements; None: C-contiguous) so a restored view
+        computes exactly as the original did; ``dtype`` is the framework's name of the
+        original dtype (``ViewKey.dtype``), for dtypes numpy has no type for."""
         ...
 
     def restore(self, loaded: Any) -> Tensor:
         """Compute thread: the framework tensor for a device handle ``h2d`` returned."""
         ...
 
-    def load_now(self, host: HostArray) -> Any:
+    def load_now(
+        self, host: HostArray, strides: tuple[int, ...] | None = None, dtype: str | None = None
+    ) -> Any:
         """Compute thread: a synchronous copy of ``host`` into fresh device memory, outside
         the copy stream (backward's safety net when a load was never launched)."""
         ...
@@ -306,8 +319,23 @@ class Backend(Protocol):
         """The tensor's data as a numpy array; ``copy=False`` may return a view."""
         ...
 
-    def from_host(self, array: HostArray) -> Tensor:
-        """A tensor on the stages' device holding ``array``'s data (may share memory)."""
+    def from_host(self, array: HostArray, like: Tensor | None = None) -> Tensor:
+        """A tensor holding ``array``'s data on ``like``'s device (host memory when None;
+        on the host it may share ``array``'s memory)."""
+        ...
+
+    def to_payload(self, tensor: Tensor, *, copy: bool, host: bool) -> Any:
+        """What a P2P message carries for ``tensor``: a numpy array when ``host`` (the
+        transport moves host memory), else whatever this framework passes between ranks
+        of one process (a detached tensor); a copy when ``copy``."""
+        ...
+
+    def from_payload(self, payload: Any, like: Tensor | None) -> Tensor:
+        """The tensor a received payload (or a micro-batch) becomes, on ``like``'s device."""
+        ...
+
+    def device_of(self, module: Module) -> str:
+        """Where a module's parameters live (``"cpu"``, ``"cuda:0"``)."""
         ...
 
     def scalar_like(self, value: float, like: Tensor) -> Tensor:
@@ -339,8 +367,6 @@ class Backend(Protocol):
 
     def reset_peak_memory(self) -> None: ...
 
-    def copy_engine(
-        self, *, d2h_gbps: float | None = None, h2d_gbps: float | None = None
-    ) -> CopyEngine:
-        """The default copy engine for the stages' device."""
+    def copy_engine(self, device: str = "cpu") -> CopyEngine:
+        """The default copy engine for stages on ``device`` (``device_of``)."""
         ...

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ __all__ = [
     "EmulatedDevice",
     "HostPool",
     "PoolStats",
+    "contiguous_strides",
+    "fresh_array",
     "size_class",
 ]
 
@@ -99,14 +102,24 @@ def _root(buf: Array) -> Array:
     return root
 
 
+def _plain_buffer(nbytes: int) -> Array:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
 class HostPool:
     """Pooled host buffers and the copy counters of an engine. Thread-safe.
 
     ``max_pool_bytes`` caps the idle bytes the pool keeps (``None``: no cap); a released
-    buffer that would exceed it is freed instead.
+    buffer that would exceed it is freed instead. ``allocate(nbytes)`` makes a new
+    ``uint8`` buffer (default plain memory; a CUDA engine passes page-locked memory).
     """
 
-    def __init__(self, max_pool_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        max_pool_bytes: int | None = None,
+        allocate: Callable[[int], Array] | None = None,
+    ) -> None:
+        self._allocate = allocate if allocate is not None else _plain_buffer
         if max_pool_bytes is not None and (
             isinstance(max_pool_bytes, bool)
             or not isinstance(max_pool_bytes, int)
@@ -139,7 +152,7 @@ class HostPool:
                 raw = None
                 self._misses += 1
         if raw is None:
-            raw = np.empty(cls, dtype=np.uint8)
+            raw = self._allocate(cls)
         with self._lock:
             self._lent[id(raw)] = raw
         return raw[:nbytes]
@@ -265,15 +278,19 @@ class EmulatedDevice:
         return self._bound().to_host(tensor, copy=False)
 
     def restore(self, loaded: Array) -> Any:
-        """A framework tensor sharing ``loaded``'s memory."""
+        """A framework tensor sharing ``loaded``'s memory (and its strides)."""
         return self._bound().from_host(loaded)
 
     def host_view(self, loaded: Array) -> Array:
         return loaded
 
-    def load_now(self, host: Array) -> Array:
+    def load_now(
+        self, host: Array, strides: tuple[int, ...] | None = None, dtype: str | None = None
+    ) -> Array:
         """A plain copy on the calling thread (no bandwidth floor: not the copy stream)."""
-        return np.array(host, copy=True, order="C")
+        fresh = fresh_array(host, strides)
+        np.copyto(fresh, host, casting="no")
+        return fresh
 
     # -- copies (copy thread) --------------------------------------------------------------
 
@@ -294,13 +311,40 @@ class EmulatedDevice:
         _throttle(src_view.nbytes, self.d2h_gbps, started)
         self.pool.count_d2h(src_view.nbytes)
 
-    def h2d(self, host: Array) -> Array:
+    def h2d(
+        self, host: Array, strides: tuple[int, ...] | None = None, dtype: str | None = None
+    ) -> Array:
         started = time.perf_counter()
-        fresh = np.empty(host.shape, dtype=host.dtype)
+        fresh = fresh_array(host, strides)
         np.copyto(fresh, host, casting="no")
         _throttle(host.nbytes, self.h2d_gbps, started)
         self.pool.count_h2d(host.nbytes)
         return fresh
+
+
+def fresh_array(like: Array, strides: tuple[int, ...] | None) -> Array:
+    """An uninitialised array of ``like``'s shape and dtype laid out with ``strides`` (in
+    elements; None or C-contiguous ones: a plain contiguous array)."""
+    shape = like.shape
+    if strides is None or tuple(strides) == contiguous_strides(shape):
+        return np.empty(shape, dtype=like.dtype)
+    if any(n == 0 for n in shape):
+        return np.empty(shape, dtype=like.dtype)
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    base = np.empty(span, dtype=like.dtype)
+    byte_strides = tuple(s * like.itemsize for s in strides)
+    fresh: Array = np.lib.stride_tricks.as_strided(base, shape=shape, strides=byte_strides)
+    return fresh
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of a C-contiguous array of ``shape``."""
+    strides = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _throttle(nbytes: int, gbps: float | None, started: float) -> None:

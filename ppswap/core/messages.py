@@ -23,6 +23,7 @@ __all__ = [
     "HostArray",
     "MessageKey",
     "P2PRequest",
+    "Payload",
     "RecvRequest",
     "ReplyFuture",
     "SendRequest",
@@ -30,8 +31,12 @@ __all__ = [
 
 T = TypeVar("T")
 
-# A host buffer: what crosses between ranks and between the host and the "device".
+# A host buffer: what crosses between processes and between the host and the "device".
 HostArray: TypeAlias = npt.NDArray[Any]
+
+# What a P2P message carries: a host array, or (between ranks of one process) whatever the
+# stages' backend passes between them (``Backend.to_payload``).
+Payload: TypeAlias = Any
 
 
 class FutureTimeoutError(TimeoutError):
@@ -123,7 +128,7 @@ class SendRequest:
     step: MetaStep
     key: MessageKey
     dst: int
-    payload: HostArray
+    payload: Payload
     reply: ReplyFuture[None] = field(compare=False)
 
 
@@ -134,7 +139,7 @@ class RecvRequest:
     step: MetaStep
     key: MessageKey
     src: int
-    reply: ReplyFuture[HostArray] = field(compare=False)
+    reply: ReplyFuture[Payload] = field(compare=False)
 
 
 CollectiveOp = Literal["all_gather", "reduce_scatter_sum"]

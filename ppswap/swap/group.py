@@ -335,7 +335,7 @@ class SwapGroup(EntryTable):
         storage = entry.storage
         host, bucket = storage.host, storage.host_bucket
         assert host is not None
-        loaded = self.engine.load_now(host)
+        loaded = self.engine.load_now(host, entry.key.strides, entry.key.dtype)
         entry.verify(self.engine.host_view(loaded), self.check, "while it was on the host")
         entry.transition(SwapState.H2D)
         storage.device_block = self.accounting.new_loaded_block()

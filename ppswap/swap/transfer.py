@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ppswap.backends.base import CopyEngine
-from ppswap.backends.cpu_engine import HOST_ALIGNMENT, Array
+from ppswap.backends.cpu_engine import HOST_ALIGNMENT, Array, contiguous_strides
 from ppswap.swap.tensor import CheckMode, SwapTensor
 
 __all__ = [
@@ -118,7 +118,8 @@ def run_load(
     """Copy host data to fresh device memory; bucket members become slices of one block."""
     for slot in single:
         assert slot.host is not None
-        loaded = engine.h2d(slot.host)
+        key = slot.entry.key
+        loaded = engine.h2d(slot.host, key.strides, key.dtype)
         slot.entry.verify(engine.host_view(loaded), check, "while it was on the host (load)")
         slot.loaded = loaded
     for bucket, bucket_slots in buckets:
@@ -127,6 +128,10 @@ def run_load(
         for slot in bucket_slots:
             raw = device[slot.offset : slot.offset + slot.entry.nbytes]
             loaded = raw.view(slot.dtype).reshape(slot.entry.storage.shape)
+            strides = slot.entry.key.strides
+            if strides != contiguous_strides(loaded.shape):
+                # A strided view is restored with its own layout: one more copy.
+                loaded = engine.h2d(loaded, strides, slot.entry.key.dtype)
             slot.entry.verify(engine.host_view(loaded), check, "while it was on the host (load)")
             slot.loaded = loaded
 

@@ -301,9 +301,9 @@ class GatedDevice(EmulatedDevice):
         self._pass(self.d2h_gate)
         super().d2h_into(src_view, dst)
 
-    def h2d(self, host: Any) -> Any:
+    def h2d(self, host: Any, strides: Any = None, dtype: str | None = None) -> Any:
         self._pass(self.h2d_gate)
-        return super().h2d(host)
+        return super().h2d(host, strides, dtype)
 
 
 def open_later(gate: threading.Event, delay_s: float = 0.1) -> threading.Timer:

@@ -84,6 +84,8 @@ def _as_record(record: ForwardRecord) -> MindSporeRecord:
 class MindSporeAutograd:
     """The :class:`~ppswap.backends.base.Autograd` of MindSpore PyNative."""
 
+    defers_weight_grads = False
+
     def record(
         self, fn: Callable[..., Tensor], inputs: Sequence[Tensor]
     ) -> tuple[Tensor, ForwardRecord]:

@@ -154,8 +154,19 @@ class MindSporeBackend:
         array: HostArray = tensor.asnumpy()
         return array.copy() if copy else array
 
-    def from_host(self, array: HostArray) -> Tensor:
+    def from_host(self, array: HostArray, like: Tensor | None = None) -> Tensor:
         return Tensor.from_numpy(array)
+
+    def to_payload(self, tensor: Tensor, *, copy: bool, host: bool) -> Any:
+        # MindSpore tensors here live in host memory: a payload is always a numpy array
+        # (a view of the tensor without ``copy``; the tensor must then outlive it).
+        return self.to_host(tensor, copy=copy)
+
+    def from_payload(self, payload: Any, like: Tensor | None) -> Tensor:
+        return Tensor.from_numpy(payload)
+
+    def device_of(self, module: Module) -> str:
+        return str(ms.get_context("device_target")).lower()
 
     def scalar_like(self, value: float, like: Tensor) -> Tensor:
         return Tensor(np.array(value, dtype=self.numpy_dtype(like) or np.float32))
@@ -210,7 +221,9 @@ class MindSporeBackend:
     def reset_peak_memory(self) -> None:
         return None
 
-    def copy_engine(
-        self, *, d2h_gbps: float | None = None, h2d_gbps: float | None = None
-    ) -> CopyEngine:
-        return EmulatedDevice(d2h_gbps, h2d_gbps).for_backend(self)
+    def copy_engine(self, device: str = "cpu") -> CopyEngine:
+        if device != "cpu":
+            raise ValueError(
+                f"the MindSpore backend copies host memory only (device 'cpu'), got {device!r}"
+            )
+        return EmulatedDevice().for_backend(self)

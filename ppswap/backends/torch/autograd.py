@@ -1,0 +1,137 @@
+"""Forward now, backward later, in any order: the torch autograd seam.
+
+A forward is recorded by running it with grad mode on, on detached copies of its inputs
+that require grad where they are floating (so dx can be asked for): torch keeps each
+graph alive as long as its output is referenced, so the record is just the inputs and the
+output, and backwards may run in any order. The backward is ``torch.autograd.grad`` of the
+output seeded with the sensitivity, for the inputs that require grad and the weights: the
+weights' ``.grad`` is never touched (the stage accumulates the gradients itself).
+
+dx/dw split (``backward_input``): the first pass asks for the input gradients only and
+keeps the graph (``retain_graph=True``); the returned callable runs the second pass, for
+the weights, and frees the graph. The saved tensors therefore live until BWD_WEIGHT
+(``defers_weight_grads``: the runtime releases the chunk's swap group after it).
+``release`` of an abandoned record drops its output: the graph and what it saved go with
+it. ``discard_all`` has nothing to do (torch keeps no process-wide record of graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ppswap.backends.base import ForwardRecord, WeightGrads
+
+__all__ = ["TorchAutograd", "TorchRecord"]
+
+
+@dataclass(slots=True)
+class TorchRecord:
+    """A recorded forward: the inputs it ran on (those requiring grad give dx) and its
+    output (the root of the graph; dropping it frees the graph)."""
+
+    inputs: tuple[torch.Tensor, ...]
+    output: torch.Tensor | None
+
+
+def _live(record: ForwardRecord) -> tuple[TorchRecord, torch.Tensor]:
+    """The record and its output, which a backward has not consumed yet."""
+    if not isinstance(record, TorchRecord):
+        raise TypeError(f"expected a torch forward record, got {type(record).__name__}")
+    if record.output is None:
+        raise RuntimeError("the backward of this forward already ran (or it was released)")
+    return record, record.output
+
+
+def _grads_or_zeros(
+    grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        g if g is not None else torch.zeros_like(t) for g, t in zip(grads, like, strict=True)
+    )
+
+
+@dataclass(slots=True)
+class _PendingWeightGrads:
+    record: TorchRecord
+    sensitivity: torch.Tensor
+    weights: tuple[torch.Tensor, ...]
+
+    def __call__(self) -> tuple[torch.Tensor, ...]:
+        output = self.record.output
+        if output is None:
+            raise RuntimeError("the weight gradients of this forward were already computed")
+        self.record.output = None
+        weights = [w for w in self.weights if w.requires_grad]
+        grads = torch.autograd.grad(output, weights, self.sensitivity, allow_unused=True)
+        by_weight = dict(zip(map(id, weights), grads, strict=True))
+        return _grads_or_zeros([by_weight.get(id(w)) for w in self.weights], self.weights)
+
+
+class TorchAutograd:
+    """The :class:`~ppswap.backends.base.Autograd` of torch."""
+
+    defers_weight_grads = True
+
+    def record(
+        self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ForwardRecord]:
+        """Run ``fn(*inputs)`` with grad mode on; floating inputs require grad."""
+        leaves = tuple(
+            t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in inputs
+        )
+        with torch.enable_grad():
+            output = fn(*leaves)
+        return output, TorchRecord(leaves, output)
+
+    def backward(
+        self,
+        record: ForwardRecord,
+        sensitivity: torch.Tensor,
+        weights: Sequence[torch.Tensor],
+    ) -> tuple[tuple[torch.Tensor | None, ...], tuple[torch.Tensor, ...]]:
+        """``(input_grads, weight_grads)``; an input without grad gets None."""
+        rec, output = _live(record)
+        rec.output = None
+        wanted = [t for t in rec.inputs if t.requires_grad]
+        trainable = [w for w in weights if w.requires_grad]
+        grads = torch.autograd.grad(output, [*wanted, *trainable], sensitivity, allow_unused=True)
+        by_tensor = dict(zip(map(id, [*wanted, *trainable]), grads, strict=True))
+        input_grads = tuple(by_tensor.get(id(t)) if t.requires_grad else None for t in rec.inputs)
+        weight_grads = _grads_or_zeros([by_tensor.get(id(w)) for w in weights], weights)
+        return input_grads, weight_grads
+
+    def backward_input(
+        self,
+        record: ForwardRecord,
+        sensitivity: torch.Tensor,
+        weights: Sequence[torch.Tensor],
+    ) -> tuple[tuple[torch.Tensor | None, ...], WeightGrads]:
+        """dx now (the graph kept); dw when the returned callable runs (BWD_WEIGHT)."""
+        rec, output = _live(record)
+        wanted = [t for t in rec.inputs if t.requires_grad]
+        input_grads: tuple[torch.Tensor | None, ...] = tuple(None for _ in rec.inputs)
+        if wanted:
+            grads = torch.autograd.grad(
+                output, wanted, sensitivity, retain_graph=True, allow_unused=True
+            )
+            by_tensor = dict(zip(map(id, wanted), grads, strict=True))
+            input_grads = tuple(by_tensor.get(id(t)) for t in rec.inputs)
+        return input_grads, _PendingWeightGrads(rec, sensitivity, tuple(weights))
+
+    def release(self, record: ForwardRecord, weights: Sequence[torch.Tensor]) -> bool:
+        """Drop an abandoned record's output: its graph and saved tensors go with it."""
+        if isinstance(record, TorchRecord):
+            record.output = None
+        return True
+
+    def run_without_graph(
+        self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        with torch.no_grad():
+            return fn(*inputs)
+
+    def discard_all(self) -> None:
+        return None

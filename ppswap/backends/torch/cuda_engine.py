@@ -1,0 +1,180 @@
+"""The CUDA copy engine: saved activations of CUDA tensors to page-locked host memory and
+back, on a copy stream of their own.
+
+- Each engine owns one CUDA stream for its copies (the runtime makes one engine per run;
+  every copy of every rank runs on that stream, in the FIFO order of the ranks' copy
+  threads).
+- ``source`` (compute thread, when the chunk's forward ends) records an event on the
+  compute stream after the tensor was produced; the copy waits for it on the copy
+  stream (``Stream.wait_event``), so the copy never reads a half-computed activation and
+  the compute stream never waits for a copy.
+- ``d2h`` / ``d2h_into`` (copy thread) copy into page-locked buffers from a pool
+  (``torch.empty(..., pin_memory=True)``, handed out as numpy views: the swap layer's
+  bucket layout and checks work on them) with ``non_blocking=True`` and wait for the copy
+  on that thread, so the job's completion means the bytes are on the host.
+- ``h2d`` (copy thread) allocates the destination on the copy stream with the original
+  strides, copies, waits, and marks the tensor as used by the compute stream
+  (``record_stream``): the caching allocator then never hands its memory to the copy
+  stream while compute kernels may still read it. ``restore`` returns that tensor.
+- Device memory of an offloaded tensor is released when the swap layer drops its last
+  reference after the offload completed (the copy stream is done reading it by then).
+
+dtypes: host buffers are numpy views, so a dtype numpy has no type for (bfloat16) travels
+as 16-bit integers and is viewed back by name (``ViewKey.dtype``) on the way in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ppswap.backends.base import Backend, CopyEngine, HostArray
+from ppswap.backends.cpu_engine import CopyCounters, HostPool, PoolStats
+
+__all__ = ["CudaCopyEngine", "CudaSource"]
+
+_CARRIERS = {
+    torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+}
+_BY_NAME = {str(dtype): dtype for dtype in (*_CARRIERS, torch.float16, torch.float32)}
+
+
+def _carrier(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor's bytes travel as through numpy."""
+    return _CARRIERS.get(dtype, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaSource:
+    """A CUDA tensor to copy out and the compute-stream event it was produced by. Shaped
+    like a numpy array (``shape``, ``dtype``, ``nbytes``) for the swap layer's layout."""
+
+    tensor: torch.Tensor
+    ready: torch.cuda.Event
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(str(_carrier(self.tensor.dtype)).removeprefix("torch."))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.numel() * self.tensor.element_size())
+
+
+def _pinned_buffer(nbytes: int) -> HostArray:
+    buffer: HostArray = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return buffer
+
+
+class CudaCopyEngine:
+    """:class:`~ppswap.backends.base.CopyEngine` for CUDA tensors (module docstring)."""
+
+    pinned = True
+
+    def __init__(self, device: torch.device, *, max_pool_bytes: int | None = None) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {device}")
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.pool = HostPool(max_pool_bytes, allocate=_pinned_buffer)
+
+    def __repr__(self) -> str:
+        return f"CudaCopyEngine({self.device})"
+
+    def for_backend(self, backend: Backend) -> CopyEngine:
+        if backend.name != "torch":
+            raise ValueError(f"the CUDA engine copies torch tensors, got backend {backend.name}")
+        return self
+
+    # -- pool ---------------------------------------------------------------------------
+    def acquire_host(self, nbytes: int) -> HostArray:
+        return self.pool.acquire(nbytes)
+
+    def release_host(self, buf: HostArray) -> None:
+        self.pool.release(buf)
+
+    def pool_stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def counters(self) -> CopyCounters:
+        return self.pool.counters()
+
+    # -- compute thread -------------------------------------------------------------------
+    def source(self, tensor: torch.Tensor) -> CudaSource:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
+        return CudaSource(tensor.detach(), ready)
+
+    def restore(self, loaded: torch.Tensor) -> torch.Tensor:
+        torch.cuda.current_stream(loaded.device).wait_stream(self.stream)
+        return loaded
+
+    def host_view(self, loaded: Any) -> HostArray | None:
+        return loaded if isinstance(loaded, np.ndarray) else None
+
+    def load_now(
+        self, host: HostArray, strides: tuple[int, ...] | None = None, dtype: str | None = None
+    ) -> torch.Tensor:
+        fresh = self._empty_like(host, strides, dtype)
+        fresh.copy_(self._typed(host, dtype))
+        return fresh
+
+    # -- copy thread ---------------------------------------------------------------------
+    def d2h(self, source: CudaSource) -> HostArray:
+        raw = self.acquire_host(source.nbytes)
+        host: HostArray = raw.view(source.dtype).reshape(source.shape)
+        self.d2h_into(source, host)
+        return host
+
+    def d2h_into(self, source: CudaSource, dst: HostArray) -> None:
+        if dst.nbytes != source.nbytes:
+            raise ValueError(f"d2h_into: dst has {dst.nbytes} bytes, source has {source.nbytes}")
+        carrier = source.tensor.view(_carrier(source.tensor.dtype))
+        target = torch.from_numpy(dst.view(source.dtype)).reshape(source.shape)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(source.ready)
+            target.copy_(carrier, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
+        self.pool.count_d2h(source.nbytes)
+
+    def h2d(
+        self, host: HostArray, strides: tuple[int, ...] | None = None, dtype: str | None = None
+    ) -> torch.Tensor:
+        with torch.cuda.stream(self.stream):
+            fresh = self._empty_like(host, strides, dtype)
+            fresh.copy_(self._typed(host, dtype), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
+        fresh.record_stream(torch.cuda.current_stream(self.device))
+        self.pool.count_h2d(int(host.nbytes))
+        return fresh
+
+    # -- helpers -------------------------------------------------------------------------
+    def _typed(self, host: HostArray, dtype: str | None) -> torch.Tensor:
+        """The host array as a torch CPU tensor of the original dtype (shared memory)."""
+        tensor = torch.from_numpy(host)
+        original = _BY_NAME.get(dtype or "")
+        if original is not None and original in _CARRIERS:
+            return tensor.view(original)
+        return tensor
+
+    def _empty_like(
+        self, host: HostArray, strides: tuple[int, ...] | None, dtype: str | None
+    ) -> torch.Tensor:
+        typed_dtype = self._typed(host[:0] if host.ndim else host, dtype).dtype
+        shape = tuple(host.shape)
+        if strides is None:
+            return torch.empty(shape, dtype=typed_dtype, device=self.device)
+        return torch.empty_strided(shape, strides, dtype=typed_dtype, device=self.device)
