@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo check lint typecheck test bench plan clean
+.PHONY: demo check lint typecheck test test-fast bench plan clean
 
 # The editable install keeps setuptools' default (lenient) mode, so modules added to ppswap/
 # are importable without reinstalling; that mode always ends with an informational
@@ -34,6 +34,11 @@ typecheck: $(STAMP)
 # pytest exits 5 when it collected no tests: a broken suite here, so say so and fail.
 test: $(STAMP)
 	@$(BIN)/pytest -q -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+# The development lane: every test not marked slow (tests/conftest.py says which are).
+test-fast: $(STAMP)
+	@$(BIN)/pytest -q -p no:cacheprovider -m "not slow"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
 bench: $(STAMP)

@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.config import ScheduleConfig, ScheduleName
 from ppswap.scheduler.cost import CostModel, plan_cost_aware
 from ppswap.scheduler.lowering import build_all_orders, build_exec_order
 from ppswap.scheduler.simulate import build_timeline, memory_profile
@@ -47,7 +47,7 @@ from ppswap.scheduler.swap_plan import eligible_chunks
 
 T = TypeVar("T")
 
-FAMILIES: tuple[tuple[str, str, int], ...] = (
+FAMILIES: tuple[tuple[str, ScheduleName, int], ...] = (
     ("GPipe", "gpipe", 1),
     ("1F1B", "1f1b", 1),
     ("Interleaved vpp2", "interleaved_1f1b", 2),
@@ -115,8 +115,8 @@ def measure(name: str, config: ScheduleConfig) -> dict[str, Any]:
     return row
 
 
-def config_of(schedule: str, pp: int, vpp: int, micro: int) -> ScheduleConfig:
-    return ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=micro, swap=True)  # type: ignore[arg-type]
+def config_of(schedule: ScheduleName, pp: int, vpp: int, micro: int) -> ScheduleConfig:
+    return ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=micro, swap=True)
 
 
 def memory_table(rows: list[dict[str, Any]]) -> str:

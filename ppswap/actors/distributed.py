@@ -18,7 +18,7 @@ import dataclasses
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -100,10 +100,24 @@ def _unflatten(template: list[Any], flat: list[float]) -> list[Any]:
     return values
 
 
+@runtime_checkable
+class AbortingTransport(Protocol):
+    """A multi-process transport that can end every process of its job."""
+
+    abort_on_failure: bool
+
+    @property
+    def rank(self) -> int: ...
+
+    def abort(self, errorcode: int = 1) -> object:
+        """End every process of the job (waits for stderr to get through first)."""
+        ...
+
+
 def abort_job(transport: object, error: BaseException) -> None:
     """End every process of the job if the transport asks for it (see module doc)."""
-    if not is_distributed(transport) or not getattr(transport, "abort_on_failure", True):
+    if not isinstance(transport, AbortingTransport) or not transport.abort_on_failure:
         return
-    rank = getattr(transport, "rank", "?")
+    rank = transport.rank
     print(f"ppswap: rank {rank} failed, aborting the job: {error}", file=sys.stderr, flush=True)
-    transport.abort(1)  # type: ignore[attr-defined]  # waits for the message to get through
+    transport.abort(1)

@@ -46,7 +46,9 @@ import numpy.typing as npt
 from mpi4py import MPI
 
 from ppswap.actors.mpi_requests import InFlightRequests
-from ppswap.actors.mpi_wire import (
+from ppswap.core.messages import MessageKey
+from ppswap.core.transport import TransportStats
+from ppswap.core.wire import (
     HEADER_MAX_BYTES,
     INLINE_MAX_BYTES,
     PAGE_BYTES,
@@ -57,8 +59,6 @@ from ppswap.actors.mpi_wire import (
     p2p_identity,
     wire_array,
 )
-from ppswap.core.messages import MessageKey
-from ppswap.core.transport import TransportStats
 
 __all__ = ["MPITransport"]
 
@@ -92,7 +92,10 @@ class MPITransport:
     ``comm`` (default ``MPI.COMM_WORLD``) is duplicated twice at construction, which is a
     collective call: every rank of ``comm`` constructs its transport, in the same order
     relative to its other communicator creations. Ranks are ranks of ``comm``.
+    ``abort_on_failure``: a failed run ends every process of the job (``abort``).
     """
+
+    abort_on_failure = True
 
     def __init__(
         self,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ppswap.scheduler.analysis import check_orders, compute_slots, slot_dependencies
 from ppswap.scheduler.config import ScheduleConfig
@@ -363,9 +363,10 @@ class _RunState:
         ready = self.now[rank]
         if kind == _JOB:
             return ready
-        slot_id = self.programs[rank][self.index[rank]][1]
+        # A compute request: its op's second field is a slot id.
+        slot_id = cast(int, self.programs[rank][self.index[rank]][1])
         finished = self.finished
-        for dep, delay in self.deps[slot_id]:  # type: ignore[index]
+        for dep, delay in self.deps[slot_id]:
             done = finished[dep]
             if done < 0:
                 self.blocked.setdefault(dep, []).append(rank)
@@ -381,12 +382,12 @@ class _RunState:
             end = start + self.swap_step_s
             self.job_done[rank] = True
         else:
-            slot_id = self.programs[rank][self.index[rank]][1]
-            end = start + self.slot_s[slot_id]  # type: ignore[index]
-            self.finished[slot_id] = end  # type: ignore[index]
+            slot_id = cast(int, self.programs[rank][self.index[rank]][1])
+            end = start + self.slot_s[slot_id]
+            self.finished[slot_id] = end
             self.times[rank].append((start, end))
             self.index[rank] += 1
-            for waiter in self.blocked.pop(slot_id, ()):  # type: ignore[arg-type]
+            for waiter in self.blocked.pop(slot_id, ()):
                 self.ready_at[waiter] = self.ready(waiter)
         if self.shared:
             self.shared_free = end

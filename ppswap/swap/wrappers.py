@@ -136,7 +136,7 @@ def _check_policy(policy_fn: object) -> PolicyFn | None:
             f"swap_wrapper(policy_fn=...): expected a callable taking a tensor and returning "
             f"a bool, or None; got {type(policy_fn).__name__} {policy_fn!r}"
         )
-    return policy_fn  # type: ignore[return-value]
+    return policy_fn
 
 
 def swap_wrapper(

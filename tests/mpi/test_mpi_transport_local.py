@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from ppswap.actors.distributed import gather_results
 from ppswap.actors.mpi import MPITransport
-from ppswap.actors.mpi_wire import PAGE_BYTES, POOL_MIN_BYTES, RecvBufferPool
+from ppswap.core.wire import PAGE_BYTES, POOL_MIN_BYTES, RecvBufferPool
 from ppswap.core.messages import MessageKey
 from ppswap.results import RankStats
 

@@ -125,8 +125,10 @@ def test_cancel_after_a_random_delay_then_run_again(case: Case, fraction: float)
         started = time.perf_counter()
         await run_case(stages, case, device=device)
         span = time.perf_counter() - started
-        with anyio.move_on_after(fraction * span * 1.2):
+        with anyio.move_on_after(fraction * span * 1.2) as scope:
             await run_case(stages, case, device=device)
+        if fraction * 1.2 < 0.5:  # no second run is twice as fast as the first
+            assert scope.cancelled_caught
         assert_clean(stages, device, baseline)
         await _rerun_matches_reference(case, stages, device)
         assert_clean(stages, device, baseline)
@@ -174,10 +176,22 @@ async def test_cancel_during_a_delayed_copy_is_prompt() -> None:
 async def test_schedule_object_runs_again_after_a_cancellation() -> None:
     expected_losses, expected_grads = await reference(GPIPE)
     stages = make_stages(2)
-    schedule = ScheduleGPipe(stages, micro_batch_num=4, loss_fn=mse_loss, swap=True)
+    scopes: list[anyio.CancelScope] = []
+
+    def cancel_the_first_run() -> None:
+        if len(scopes) == 1:
+            scopes[0].cancel()
+
+    # The cancellation lands at an exact step of the first run (rank 1's first BWD); the
+    # rule stays in the schedule's options, and only the first run has a scope to cancel.
+    plan = FaultPlan((call_at(cancel_the_first_run, StepKind.BWD, rank=1, micro=0),))
+    schedule = ScheduleGPipe(stages, micro_batch_num=4, loss_fn=mse_loss, swap=True, faults=plan)
     x, y = make_data()
-    with anyio.move_on_after(0.05):
+    with anyio.CancelScope() as scope:
+        scopes.append(scope)
         await schedule.run_async(x, targets=y)
+    assert scope.cancelled_caught
+    scopes.append(anyio.CancelScope())  # a second run: nothing to cancel
     result = await schedule.run_async(x, targets=y)
     assert result.losses == expected_losses
     assert_same_grads(expected_grads, grads_of(stages))

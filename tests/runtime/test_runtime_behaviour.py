@@ -202,7 +202,7 @@ async def test_logs_carry_rank_actor_and_step_fields() -> None:
     stages = _stages(2)
     x, y = _data()
     with capture_logs() as logs:
-        await run_schedule(
+        result = await run_schedule(
             stages,
             "gpipe",
             micro_batch_num=4,
@@ -210,6 +210,9 @@ async def test_logs_carry_rank_actor_and_step_fields() -> None:
             targets=y,
             loss_fn=mse_loss,
             swap=True,
+            # Copies of 0.1 s each: every SWAP_WAIT_LOAD of rank 0 waits (its loads are
+            # launched one forward or backward of a tiny model before they are needed).
+            device=EmulatedDevice(h2d_gbps=2e-6),
         )
     steps = [e for e in logs if e["event"] == "step"]
     assert {e["rank"] for e in steps} == {0, 1}
@@ -217,6 +220,11 @@ async def test_logs_carry_rank_actor_and_step_fields() -> None:
     assert all({"step", "stage", "micro", "generation"} <= e.keys() for e in steps)
     waits = [e for e in logs if e["event"] == "swap_wait"]
     assert waits and all(e["bytes"] > 0 and e["waited_s"] >= 0 for e in waits)
+    # The waits logged are the exposed copy wait the ranks report.
+    for rank, stats in enumerate(result.ranks):
+        logged = sum(e["waited_s"] for e in waits if e["rank"] == rank)
+        assert logged == pytest.approx(stats.exposed_copy_wait_s)
+    assert max(e["waited_s"] for e in waits if e["step"] == "SWAP_WAIT_LOAD") > 0.05
     copies = [e for e in logs if e["event"] == "copy"]
     assert copies and all(e["actor"] == "copy" for e in copies)
     p2p = [e for e in logs if e.get("actor") == "p2p"]

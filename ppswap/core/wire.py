@@ -1,9 +1,11 @@
-"""The wire format of ``MPITransport``: message headers, payload encoding, receive pool.
+"""The wire format of the multi-process transports (``MPITransport``, the torch.distributed
+one): message headers, payload encoding, receive pool.
 
-Pure numpy and the standard library (no MPI import), so it is testable and readable on
-its own. A message is a header (magic, epoch, identity, byte count, ``dtype.str``, shape)
-followed, for payloads up to ``INLINE_MAX_BYTES``, by the payload itself; larger payloads
-travel as a second message (see ``ppswap.actors.mpi``).
+Pure numpy and the standard library (no MPI or framework import), so it is testable and
+readable on its own, and both transports share it. A message is a header (magic, epoch,
+identity, byte count, ``dtype.str``, shape) followed, for payloads up to
+``INLINE_MAX_BYTES``, by the payload itself; larger payloads travel as a second message
+(see ``ppswap.actors.mpi``).
 """
 
 from __future__ import annotations
