@@ -7,6 +7,7 @@ __all__ = [
     "PipelineHangError",
     "PipelineInputError",
     "first_pipeline_error",
+    "named_failure",
 ]
 
 
@@ -32,6 +33,19 @@ class PipelineHangError(PipelineError):
     ):
         super().__init__(f"{message}\n{dump}", rank=rank, actor=actor, step=step)
         self.dump = dump
+
+
+def named_failure(
+    error: BaseException, message: str, *, rank: int | None, actor: str, step: str | None
+) -> PipelineError:
+    """How every actor reports a failure: ``error`` itself when it already is a
+    PipelineError (it names where it happened), else a PipelineError(``message``) naming
+    this ``rank``, ``actor`` and ``step`` with ``error`` as its ``__cause__``."""
+    if isinstance(error, PipelineError):
+        return error
+    named = PipelineError(message, rank=rank, actor=actor, step=step)
+    named.__cause__ = error
+    return named
 
 
 class PipelineInputError(ValueError):

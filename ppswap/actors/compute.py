@@ -70,7 +70,12 @@ from ppswap.core.messages import (
     ReplyFuture,
     SendRequest,
 )
-from ppswap.errors import PipelineError, PipelineHangError, first_pipeline_error
+from ppswap.errors import (
+    PipelineError,
+    PipelineHangError,
+    first_pipeline_error,
+    named_failure,
+)
 from ppswap.logs import log_step
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
@@ -673,11 +678,10 @@ class ComputeActor:
         )
 
     def _named(self, step: MetaStep, error: Exception) -> PipelineError:
-        if isinstance(error, PipelineError):
-            return error
-        named = self._failure(step, f"{type(error).__name__}: {error}")
-        named.__cause__ = error
-        return named
+        message = f"{type(error).__name__}: {error}"
+        return named_failure(
+            error, message, rank=self.rank, actor=self.actor_name, step=step.short()
+        )
 
     @contextmanager
     def _failures_named(self, label: str) -> Iterator[None]:
@@ -698,6 +702,7 @@ class ComputeActor:
                 dump=self._recorder.dump(),
             ) from exc
         except Exception as exc:
-            raise PipelineError(
-                f"{type(exc).__name__}: {exc}", rank=self.rank, actor=self.actor_name, step=label
+            message = f"{type(exc).__name__}: {exc}"
+            raise named_failure(
+                exc, message, rank=self.rank, actor=self.actor_name, step=label
             ) from exc

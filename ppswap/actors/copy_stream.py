@@ -35,7 +35,7 @@ import structlog
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEvent
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
-from ppswap.errors import PipelineError, PipelineHangError
+from ppswap.errors import PipelineError, PipelineHangError, named_failure
 from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
 from ppswap.swap.jobs import CopyJob
@@ -245,13 +245,8 @@ class CopyStream:
             completion.set()
 
     def _failed_copy(self, step: MetaStep, exc: BaseException) -> PipelineError:
-        if isinstance(exc, PipelineError):
-            return exc
-        error = PipelineError(
-            f"copy failed: {exc!r}", rank=self.rank, actor="copy", step=step.short()
-        )
-        error.__cause__ = exc
-        return error
+        message = f"copy failed: {exc!r}"
+        return named_failure(exc, message, rank=self.rank, actor="copy", step=step.short())
 
     def _inject(self, faults: FaultPlan, step: MetaStep) -> None:
         """Apply the plan's copy rule: fail the copy, or hold the stream (interruptibly)."""

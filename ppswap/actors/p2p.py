@@ -56,7 +56,7 @@ from ppswap.core.transport import (
     Transport,
     TransportStats,
 )
-from ppswap.errors import PipelineError
+from ppswap.errors import PipelineError, named_failure
 from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
 
@@ -325,17 +325,17 @@ class P2PActor:
                 event = label.split(" ", 1)[0]
                 log_step(self._log, event, step, self._generation, peer=step.peer)
         except Exception as exc:
-            error = PipelineError(
-                f"{label} failed: {exc!r}",
-                rank=self.rank,
-                actor=self.actor_name,
-                step=step.short(),
-            )
-            if not request.reply.done:
-                request.reply.set_exception(error)
+            error = self._named(exc, label, step)
+            request.reply.fail(error)
             raise error from exc
         finally:
             self._pending.pop(id(request), None)
+
+    def _named(self, error: Exception, label: str, step: MetaStep) -> PipelineError:
+        message = f"{label} failed: {error!r}"
+        return named_failure(
+            error, message, rank=self.rank, actor=self.actor_name, step=step.short()
+        )
 
     async def _inject(self, faults: FaultPlan, step: MetaStep) -> bool:
         """Apply the plan's P2P rule for ``step``; False when the message is dropped."""
@@ -377,14 +377,9 @@ class P2PActor:
                     )
                     request.reply.set_result((total,))
         except Exception as exc:
-            if not request.reply.done:
-                request.reply.set_exception(exc)
-            raise PipelineError(
-                f"{label} failed: {exc!r}",
-                rank=self.rank,
-                actor=self.actor_name,
-                step=request.step.short(),
-            ) from exc
+            error = self._named(exc, label, request.step)
+            request.reply.fail(error)
+            raise error from exc
         finally:
             self._pending.pop(id(request), None)
 

@@ -78,6 +78,11 @@ class ReplyFuture(Generic[T]):
         self._error = error
         self._resolve()
 
+    def fail(self, error: BaseException) -> None:
+        """Resolve with ``error`` unless already resolved (a failing server's last act)."""
+        if not self._done:
+            self.set_exception(error)
+
     def _resolve(self) -> None:
         self._done = True
         if self._event is not None:
