@@ -5,7 +5,7 @@ bookkeeping of a swap step itself, so the compute actor hands over every run of
 consecutive steps that are ready and need no other actor as *one* job: a FWD and the swap
 launch that follows it, a swap wait whose copy is done and the BWD after it. The job runs
 the steps' bodies in order and times each one on the thread; the first body that raises
-ends the job, and the outcome says which step it was.
+ends the job, and the outcome says which step it was. ``StepBodies`` holds those bodies.
 """
 
 from __future__ import annotations
@@ -13,11 +13,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from ppswap.actors.copy_stream import CopyCompletion, CopyStream
+from ppswap.core.messages import Payload
 from ppswap.scheduler.steps import MetaStep
+from ppswap.stage import PipelineStage, StageCollector
+from ppswap.swap.jobs import CopyJob
 
-__all__ = ["JOB_KINDS", "BatchOutcome", "StepJob", "run_batch"]
+__all__ = ["JOB_KINDS", "BatchOutcome", "StepBodies", "StepJob", "SwapDriver", "run_batch"]
 
 JOB_KINDS = (
     "forward",
@@ -68,3 +72,73 @@ def run_batch(jobs: Sequence[StepJob]) -> BatchOutcome:
         started.append(begin)
         seconds.append(clock() - begin)
     return BatchOutcome(results, started, seconds, None)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBodies:
+    """The compute-thread bodies of a rank's local steps.
+
+    ``host_payloads``: P2P payloads must be host arrays (a transport between processes)
+    or may stay framework tensors (every rank in this process); ``record``: FWDs record a
+    graph (False in forward-only runs); ``zero_copy_sends``: the boundary P2P mode hands a
+    FWD output over without a copy (the stage keeps it alive until its BWD).
+    """
+
+    session: SwapDriver
+    copies: CopyStream
+    host_payloads: bool
+    record: bool
+    zero_copy_sends: bool
+
+    def forward(
+        self, stage: PipelineStage, micro: int, payload: Payload, target: Payload | None
+    ) -> Payload:
+        """FWD: the stage output as a payload (the loss as a host array on the last stage)."""
+        backend, like = stage.backend, stage.device_tensor
+        inputs = backend.from_payload(payload, like)
+        target_tensor = None if target is None else backend.from_payload(target, like)
+        out = stage.forward(
+            micro,
+            inputs,
+            target_tensor,
+            self.session,
+            keep_output=self.zero_copy_sends,
+            record=self.record,
+        )
+        host = self.host_payloads or stage.is_last
+        return backend.to_payload(out, copy=not self.zero_copy_sends, host=host)
+
+    def backward(
+        self, stage: PipelineStage, micro: int, grad: Payload | None, split: bool
+    ) -> Payload | None:
+        """BWD / BWD_INPUT: dx as a payload (None on the first stage); the chunk is
+        released unless the backend defers dw (then BWD_WEIGHT releases it)."""
+        backend = stage.backend
+        grad_tensor = None if grad is None else backend.from_payload(grad, stage.device_tensor)
+        dx = stage.backward(micro, grad_tensor, split=split)
+        if not (split and backend.autograd.defers_weight_grads):
+            self.session.release_chunk(stage.stage_index, micro)
+        if dx is None:
+            return None
+        return backend.to_payload(dx, copy=True, host=self.host_payloads)
+
+    def backward_weight(self, stage: PipelineStage, micro: int) -> None:
+        """BWD_WEIGHT: dw accumulated; a deferred chunk released (its saved tensors were
+        read by the dw pass)."""
+        stage.backward_weight(micro)
+        if stage.backend.autograd.defers_weight_grads:
+            self.session.release_chunk(stage.stage_index, micro)
+
+    def launch(self, step: MetaStep, prepare: Callable[[int, int], CopyJob]) -> CopyCompletion:
+        """SWAP_LAUNCH_*: prepare the chunk's copy and launch it on the copy stream."""
+        return self.copies.launch(step, prepare(step.stage, step.micro))
+
+
+class SwapDriver(StageCollector, Protocol):
+    """The swap session operations the compute actor drives (compute-thread calls)."""
+
+    def prepare_offload(self, stage: int, micro: int) -> CopyJob: ...
+    def finish_offload(self, stage: int, micro: int) -> int: ...
+    def prepare_load(self, stage: int, micro: int) -> CopyJob: ...
+    def finish_load(self, stage: int, micro: int) -> int: ...
+    def release_chunk(self, stage: int, micro: int) -> None: ...

@@ -43,7 +43,6 @@ consults the plan before it (top-level or a composite's leaf); ``faults=None`` c
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -56,8 +55,17 @@ import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ppswap.actors.batch import JOB_KINDS, SWAP_JOB_KINDS, BatchOutcome, StepJob, run_batch
+from ppswap.actors.batch import (
+    JOB_KINDS,
+    SWAP_JOB_KINDS,
+    BatchOutcome,
+    StepBodies,
+    StepJob,
+    SwapDriver,
+    run_batch,
+)
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
+from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.executor import DedicatedThread
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
@@ -66,9 +74,7 @@ from ppswap.core.messages import (
     HostArray,
     MessageKey,
     Payload,
-    RecvRequest,
     ReplyFuture,
-    SendRequest,
 )
 from ppswap.errors import (
     PipelineError,
@@ -79,22 +85,11 @@ from ppswap.errors import (
 from ppswap.logs import log_step
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
-from ppswap.stage import PipelineStage, StageCollector
-from ppswap.swap.jobs import CopyJob
+from ppswap.stage import PipelineStage
 
 __all__ = ["JOB_KINDS", "ComputeActor", "ComputeStats", "FsdpDriver", "RankInputs", "SwapDriver"]
 
 T = TypeVar("T")
-
-
-class SwapDriver(StageCollector, Protocol):
-    """The swap session operations the compute actor drives (compute-thread calls)."""
-
-    def prepare_offload(self, stage: int, micro: int) -> CopyJob: ...
-    def finish_offload(self, stage: int, micro: int) -> int: ...
-    def prepare_load(self, stage: int, micro: int) -> CopyJob: ...
-    def finish_load(self, stage: int, micro: int) -> int: ...
-    def release_chunk(self, stage: int, micro: int) -> None: ...
 
 
 class FsdpDriver(Protocol):
@@ -137,13 +132,6 @@ _RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
 _POSTS = _RECVS | frozenset({StepKind.SEND_F, StepKind.SEND_B, StepKind.BATCH_SEND_RECV})
 _JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_input"}
 
-CopyKey = tuple[StepKind, int, int]
-
-
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
 
 class ComputeActor:
     actor_name = "compute"
@@ -169,11 +157,7 @@ class ComputeActor:
         host_payloads: bool = True,
     ) -> None:
         self.rank = rank
-        # Whether P2P payloads must be host arrays (a transport between processes) or may
-        # stay framework tensors (every rank in this process).
-        self._host_payloads = host_payloads
         self._order = order
-        self._config = config
         self._stages = stages
         self._compute = compute
         self._session = session
@@ -186,14 +170,17 @@ class ComputeActor:
         self._fsdp = fsdp
         self._log_steps = log_steps
         self._log = structlog.get_logger("ppswap").bind(rank=rank, actor=self.actor_name)
-        self._record = not config.forward_only
-        # A forward-only output is not kept by the stage, so it is always copied.
-        self._zero_copy_sends = config.p2p == "boundary" and self._record
+        record = not config.forward_only
+        self._bodies = StepBodies(
+            session,
+            copies,
+            host_payloads=host_payloads,
+            record=record,
+            # A forward-only output is not kept by the stage, so it is always copied.
+            zero_copy_sends=config.p2p == "boundary" and record,
+        )
         self._faults = faults
-        self._recvs: dict[MessageKey, ReplyFuture[Payload]] = {}
-        self._outbox: dict[MessageKey, Payload] = {}
-        self._sends: list[ReplyFuture[None]] = []
-        self._copies: dict[CopyKey, CopyCompletion] = {}
+        self._mail = RankMail(p2p, self._failure)
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
         self.losses: dict[int, float] = {}
         self._steps_executed = 0
@@ -220,9 +207,7 @@ class ComputeActor:
         items = items if current is not None else []
         items.append(f"{self._steps_executed} of {len(self._order)} steps done")
         items += sorted(self._waiting.values())
-        items += [f"recv {f.label}" for f in self._recvs.values() if not f.done]
-        items += [c.label for c in self._copies.values() if not c.is_set()]
-        items += [f"send {f.label}" for f in self._sends if not f.done]
+        items += self._mail.pending()
         return items
 
     # -- the walk -----------------------------------------------------------------------
@@ -234,19 +219,13 @@ class ComputeActor:
             if self._fsdp is not None:
                 await self._finish_fsdp(self._fsdp)
             self._current = "final sends"
-            for future in self._sends:
+            for future in self._mail.sends:
                 await self._wait(future, MetaStep(StepKind.SEND_F, -1, -1, peer=self.rank))
             self._current = None
         self._copy_stream.close()
-        if self._recvs or self._copies or self._outbox:
-            raise PipelineError(
-                f"order ended with unconsumed receives {sorted(map(str, self._recvs))}, "
-                f"copies {sorted(map(str, self._copies))} or sends "
-                f"{sorted(map(str, self._outbox))}",
-                rank=self.rank,
-                actor=self.actor_name,
-                step="end",
-            )
+        leftovers = self._mail.leftovers()
+        if leftovers is not None:
+            raise PipelineError(leftovers, rank=self.rank, actor=self.actor_name, step="end")
 
     async def _walk(self) -> None:
         order, index = self._order, 0
@@ -269,7 +248,7 @@ class ComputeActor:
         ``span=False``: its trace span is added later, by the batch it was posted ahead of
         (the trace shows the order, not the early post)."""
         started = self._recorder.now_us()
-        self._post(step)
+        self._mail.post(step)
         self._done(step)
         if span and self._recorder.keeps_spans:
             self._recorder.add_span(self.rank, self.actor_name, step.short(), started)
@@ -324,9 +303,8 @@ class ComputeActor:
             return self._bwd_job_if_ready(step)
         if kind is StepKind.BWD_WEIGHT:
             stage = self._stages[step.stage]
-            return StepJob(
-                step, "backward_weight", partial(self._backward_weight, stage, step.micro)
-            )
+            body = partial(self._bodies.backward_weight, stage, step.micro)
+            return StepJob(step, "backward_weight", body)
         if kind in _LAUNCHES:
             launched.add((kind, step.stage, step.micro))
             prepare = (
@@ -334,9 +312,10 @@ class ComputeActor:
                 if kind is StepKind.SWAP_LAUNCH_OFFLOAD
                 else self._session.prepare_load
             )
-            return StepJob(step, "swap_prepare", partial(self._launch, step, prepare))
+            return StepJob(step, "swap_prepare", partial(self._bodies.launch, step, prepare))
         launch_key = (_WAITS[kind], step.stage, step.micro)
-        completion = self._copies.get(launch_key)
+        copies = self._mail.copies
+        completion = copies.get(launch_key)
         if completion is None:
             if launch_key in launched:
                 return None
@@ -345,7 +324,7 @@ class ComputeActor:
             return None
         if completion.error is not None:
             raise completion.error
-        del self._copies[launch_key]
+        del copies[launch_key]
         finish = (
             self._session.finish_offload
             if kind is StepKind.SWAP_WAIT_OFFLOAD
@@ -353,56 +332,43 @@ class ComputeActor:
         )
         return StepJob(step, "swap_finish", partial(finish, step.stage, step.micro))
 
-    def _received(self, key: MessageKey, step: MetaStep) -> ReplyFuture[Payload]:
-        future = self._recvs.get(key)
-        if future is None:
-            raise self._failure(step, f"{step.short()} consumes {key} but no RECV was posted")
-        return future
-
     def _fwd_job_if_ready(self, step: MetaStep) -> StepJob | None:
         stage = self._stages[step.stage]
+        payload: Payload = None
         if stage.is_first:
             payload = self._data.inputs[step.micro]
         else:
-            key = MessageKey("F", step.stage, step.micro)
-            future = self._received(key, step)
-            if not future.done:
+            arrived, payload = self._mail.take(MessageKey("F", step.stage, step.micro), step)
+            if not arrived:
                 return None
-            payload = future.result()
-            del self._recvs[key]
         target = None
         if stage.is_last:
             assert self._data.targets is not None
             target = self._data.targets[step.micro]
-        return StepJob(step, "forward", partial(self._forward, stage, step.micro, payload, target))
+        body = partial(self._bodies.forward, stage, step.micro, payload, target)
+        return StepJob(step, "forward", body)
 
     def _bwd_job_if_ready(self, step: MetaStep) -> StepJob | None:
         stage = self._stages[step.stage]
-        grad: Payload | None = None
+        grad: Payload = None
         if not stage.is_last:
-            key = MessageKey("B", step.stage, step.micro)
-            future = self._received(key, step)
-            if not future.done:
+            arrived, grad = self._mail.take(MessageKey("B", step.stage, step.micro), step)
+            if not arrived:
                 return None
-            grad = future.result()
-            del self._recvs[key]
         split = step.kind is StepKind.BWD_INPUT
-        return StepJob(
-            step,
-            _JOB_OF_BACKWARD[step.kind],
-            partial(self._backward, stage, step.micro, grad, split),
-        )
+        body = partial(self._bodies.backward, stage, step.micro, grad, split)
+        return StepJob(step, _JOB_OF_BACKWARD[step.kind], body)
 
     async def _until_ready(self, step: MetaStep) -> None:
         """Wait for what the local ``step`` needs (a received payload, a copy)."""
         kind = step.kind
         if kind in _WAITS:
-            completion = self._copies.get((_WAITS[kind], step.stage, step.micro))
+            completion = self._mail.copies.get((_WAITS[kind], step.stage, step.micro))
             if completion is not None:
                 await self._wait_copy(completion, step)
             return
         direction = "F" if kind is StepKind.FWD else "B"
-        future = self._recvs.get(MessageKey(direction, step.stage, step.micro))
+        future = self._mail.recvs.get(MessageKey(direction, step.stage, step.micro))
         if future is not None:
             await self._wait(future, step)
 
@@ -410,17 +376,8 @@ class ComputeActor:
         """Wait (deadline) for a launched copy: the exposed copy wait."""
         started = time.perf_counter()
         if not completion.is_set():
-            loop = asyncio.get_running_loop()
-            woken: asyncio.Future[None] = loop.create_future()
-
-            def wake() -> None:  # on the copy thread
-                loop.call_soon_threadsafe(_wake, woken)
-
-            completion.on_set(wake)
             self._waiting[id(completion)] = f"{step.short()} waits for {completion.label}"
-            with anyio.move_on_after(self._timeout_s):
-                await woken
-            if not completion.is_set():
+            if not await completion.wait_async(self._timeout_s):
                 raise self._hang(step, f"{completion.label} not done within {self._timeout_s}s")
             del self._waiting[id(completion)]
         waited = time.perf_counter() - started
@@ -458,19 +415,10 @@ class ComputeActor:
     ) -> None:
         """Spans of a batch's steps as the compute thread timed them; a receive posted
         ahead of the batch is drawn in the gap after the job it follows in the order."""
-        recorder, rank, actor = self._recorder, self.rank, self.actor_name
-        finished = list(zip(jobs, outcome.started, outcome.seconds, strict=False))
-        for count, (job, started, seconds) in enumerate(finished, 1):
-            recorder.add_timed_span(rank, actor, job.step.short(), started, seconds)
-            steps = [step for after, step in posted if after == count]
-            if not steps:
-                continue
-            # A margin of 2 ns on each side: the trace rounds times to 1 ns.
-            gap_start = started + seconds + 2e-9
-            gap_end = outcome.started[count] if count < len(finished) else time.perf_counter()
-            share = max(0.0, gap_end - 2e-9 - gap_start) / len(steps)
-            for index, step in enumerate(steps):
-                recorder.add_timed_span(rank, actor, step.short(), gap_start + index * share, share)
+        steps = [job.step for job in jobs[: len(outcome.seconds)]]
+        self._recorder.add_batch_spans(
+            self.rank, self.actor_name, steps, outcome.started, outcome.seconds, posted
+        )
 
     def _apply(self, step: MetaStep, result: Any) -> None:
         """Loop side of a finished local step: where its result goes."""
@@ -479,88 +427,18 @@ class ComputeActor:
             if self._stages[step.stage].is_last:
                 self.losses[step.micro] = float(result)
             else:
-                self._outbox[MessageKey("F", step.stage + 1, step.micro)] = result
+                self._mail.outbox[MessageKey("F", step.stage + 1, step.micro)] = result
         elif kind is StepKind.BWD or kind is StepKind.BWD_INPUT:
             if result is not None:
-                self._outbox[MessageKey("B", step.stage - 1, step.micro)] = result
+                self._mail.outbox[MessageKey("B", step.stage - 1, step.micro)] = result
         elif kind in _LAUNCHES:
-            self._copies[(kind, step.stage, step.micro)] = result
+            self._mail.copies[(kind, step.stage, step.micro)] = result
         elif kind in _WAITS:
             waited = self._waited_s.pop(step, 0.0)
             if self._log_steps:
                 log_step(
                     self._log, "swap_wait", step, self._generation, bytes=result, waited_s=waited
                 )
-
-    # -- compute-thread bodies ------------------------------------------------------------
-    def _forward(
-        self, stage: PipelineStage, micro: int, payload: Payload, target: Payload | None
-    ) -> Payload:
-        backend, like = stage.backend, stage.device_tensor
-        inputs = backend.from_payload(payload, like)
-        target_tensor = None if target is None else backend.from_payload(target, like)
-        out = stage.forward(
-            micro,
-            inputs,
-            target_tensor,
-            self._session,
-            keep_output=self._zero_copy_sends,
-            record=self._record,
-        )
-        # Copy unless the boundary mode hands the output over as is (then the stage keeps
-        # `out` alive until its BWD).
-        host = self._host_payloads or stage.is_last
-        return backend.to_payload(out, copy=not self._zero_copy_sends, host=host)
-
-    def _backward(
-        self, stage: PipelineStage, micro: int, grad: Payload | None, split: bool
-    ) -> Payload | None:
-        backend = stage.backend
-        grad_tensor = None if grad is None else backend.from_payload(grad, stage.device_tensor)
-        dx = stage.backward(micro, grad_tensor, split=split)
-        if not (split and backend.autograd.defers_weight_grads):
-            self._session.release_chunk(stage.stage_index, micro)
-        if dx is None:
-            return None
-        return backend.to_payload(dx, copy=True, host=self._host_payloads)
-
-    def _backward_weight(self, stage: PipelineStage, micro: int) -> None:
-        stage.backward_weight(micro)
-        if stage.backend.autograd.defers_weight_grads:
-            # The dw pass read the chunk's saved tensors: only now may they go.
-            self._session.release_chunk(stage.stage_index, micro)
-
-    def _launch(self, step: MetaStep, prepare: Callable[[int, int], CopyJob]) -> CopyCompletion:
-        return self._copy_stream.launch(step, prepare(step.stage, step.micro))
-
-    # -- P2P ---------------------------------------------------------------------------
-    def _post(self, step: MetaStep) -> None:
-        """Hand a send or receive (or each of a BATCH_SEND_RECV's) to the P2P actor."""
-        kind = step.kind
-        if kind is StepKind.BATCH_SEND_RECV:
-            for sub in step.sub_steps:
-                self._post(sub)
-            return
-        assert step.peer is not None
-        request: SendRequest | RecvRequest
-        if kind in _RECVS:
-            direction = "F" if kind is StepKind.RECV_F else "B"
-            key = MessageKey(direction, step.stage, step.micro)
-            future: ReplyFuture[Any] = ReplyFuture(f"{direction}{step.micro}.s{step.stage}")
-            self._recvs[key] = future
-            request = RecvRequest(step, key, step.peer, future)
-        else:
-            if kind is StepKind.SEND_F:
-                key = MessageKey("F", step.stage + 1, step.micro)
-            else:
-                key = MessageKey("B", step.stage - 1, step.micro)
-            payload = self._outbox.pop(key, None)
-            if payload is None:
-                raise self._failure(step, f"{step.short()} sends {key} before its producer ran")
-            future = ReplyFuture(f"{key.direction}{key.micro}.s{key.stage}")
-            self._sends.append(future)
-            request = SendRequest(step, key, step.peer, payload, future)
-        self._p2p.send_nowait(request)
 
     # -- one step at a time (fault plans, composites, FSDP steps) -------------------------
     async def _run_step(self, step: MetaStep) -> None:
@@ -585,7 +463,7 @@ class ComputeActor:
         await self._execute([job])
 
     async def _post_step(self, step: MetaStep) -> None:
-        self._post(step)
+        self._mail.post(step)
 
     async def _composite(self, step: MetaStep) -> None:
         try:

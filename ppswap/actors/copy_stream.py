@@ -62,6 +62,27 @@ class CopyCompletion(CopyEvent):
         self.moved = 0
         self.error: PipelineError | None = None
 
+    async def wait_async(self, timeout_s: float) -> bool:
+        """Event loop: wait until set, at most ``timeout_s``; whether it is set. The copy
+        thread wakes the loop (no thread waits for the event)."""
+        if self.is_set():
+            return True
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:  # on the thread that sets the event
+            loop.call_soon_threadsafe(_resolve, woken)
+
+        self.on_set(wake)
+        with anyio.move_on_after(timeout_s):
+            await woken
+        return self.is_set()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
 
 @dataclass(slots=True)
 class _Launch:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +109,35 @@ class FlightRecorder:
             self._spans.append(
                 TraceSpan(rank, actor, name, start_us, seconds * 1e6, tuple(args.items()))
             )
+
+    def add_batch_spans(
+        self,
+        rank: int,
+        actor: str,
+        steps: Sequence[MetaStep],
+        started: Sequence[float],
+        seconds: Sequence[float],
+        posted: Sequence[tuple[int, MetaStep]] = (),
+    ) -> None:
+        """Spans of a compute batch: ``steps`` timed on the compute thread (``started``
+        ``perf_counter`` readings, ``seconds``); ``posted`` are ``(n, step)``, a step
+        posted ahead of the batch that comes after its n-th step in the order, drawn in
+        the gap after that step (so the lane shows the order, not the early post)."""
+        if not self._keep_spans:
+            return
+        for count, (step, begin, duration) in enumerate(
+            zip(steps, started, seconds, strict=True), 1
+        ):
+            self.add_timed_span(rank, actor, step.short(), begin, duration)
+            between = [later for after, later in posted if after == count]
+            if not between:
+                continue
+            # A margin of 2 ns on each side: the trace rounds times to 1 ns.
+            gap_start = begin + duration + 2e-9
+            gap_end = started[count] if count < len(steps) else time.perf_counter()
+            share = max(0.0, gap_end - 2e-9 - gap_start) / len(between)
+            for index, later in enumerate(between):
+                self.add_timed_span(rank, actor, later.short(), gap_start + index * share, share)
 
     @contextmanager
     def span(self, rank: int, actor: str, name: str, **args: Any) -> Iterator[None]:

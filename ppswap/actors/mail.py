@@ -1,0 +1,110 @@
+"""RankMail: what one rank's compute actor has in flight with the other actors.
+
+- receives posted to the P2P actor, by message key, with the future their payload
+  resolves (the consuming FWD/BWD reads it);
+- payloads produced by a leaf and not sent yet (the outbox, by the key they travel under);
+- sends posted (their futures are awaited at the end of the order);
+- copies launched on the copy stream, by ``(launch kind, stage, micro)``, until their
+  SWAP_WAIT takes them.
+
+Posting never blocks: the P2P channel is sized to every request of the order
+(``send_nowait``). Everything here runs on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from anyio.streams.memory import MemoryObjectSendStream
+
+from ppswap.actors.copy_stream import CopyCompletion
+from ppswap.core.messages import MessageKey, Payload, RecvRequest, ReplyFuture, SendRequest
+from ppswap.errors import PipelineError
+from ppswap.scheduler.steps import MetaStep, StepKind
+
+__all__ = ["CopyKey", "RankMail"]
+
+CopyKey = tuple[StepKind, int, int]
+
+_RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
+
+
+class RankMail:
+    """A rank's receives, outbox, sends and launched copies (see the module docstring).
+
+    ``failure(step, message)`` makes the error for a step the order cannot run (a send
+    before its producer, a leaf consuming a message nobody received).
+    """
+
+    def __init__(
+        self,
+        p2p: MemoryObjectSendStream[Any],
+        failure: Callable[[MetaStep, str], PipelineError],
+    ) -> None:
+        self._p2p = p2p
+        self._failure = failure
+        self.recvs: dict[MessageKey, ReplyFuture[Payload]] = {}
+        self.outbox: dict[MessageKey, Payload] = {}
+        self.sends: list[ReplyFuture[None]] = []
+        self.copies: dict[CopyKey, CopyCompletion] = {}
+
+    def post(self, step: MetaStep) -> None:
+        """Hand a send or receive (or each of a BATCH_SEND_RECV's) to the P2P actor."""
+        kind = step.kind
+        if kind is StepKind.BATCH_SEND_RECV:
+            for sub in step.sub_steps:
+                self.post(sub)
+            return
+        assert step.peer is not None
+        request: SendRequest | RecvRequest
+        if kind in _RECVS:
+            direction = "F" if kind is StepKind.RECV_F else "B"
+            key = MessageKey(direction, step.stage, step.micro)
+            future: ReplyFuture[Any] = ReplyFuture(f"{direction}{step.micro}.s{step.stage}")
+            self.recvs[key] = future
+            request = RecvRequest(step, key, step.peer, future)
+        else:
+            if kind is StepKind.SEND_F:
+                key = MessageKey("F", step.stage + 1, step.micro)
+            else:
+                key = MessageKey("B", step.stage - 1, step.micro)
+            payload = self.outbox.pop(key, None)
+            if payload is None:
+                raise self._failure(step, f"{step.short()} sends {key} before its producer ran")
+            future = ReplyFuture(f"{key.direction}{key.micro}.s{key.stage}")
+            self.sends.append(future)
+            request = SendRequest(step, key, step.peer, payload, future)
+        self._p2p.send_nowait(request)
+
+    def received(self, key: MessageKey, step: MetaStep) -> ReplyFuture[Payload]:
+        """The future of the receive ``step`` consumes (it must have been posted)."""
+        future = self.recvs.get(key)
+        if future is None:
+            raise self._failure(step, f"{step.short()} consumes {key} but no RECV was posted")
+        return future
+
+    def take(self, key: MessageKey, step: MetaStep) -> tuple[bool, Payload]:
+        """``(True, payload)`` once the receive of ``key`` arrived (it is taken), else
+        ``(False, None)``; a failed receive raises its error."""
+        future = self.received(key, step)
+        if not future.done:
+            return False, None
+        del self.recvs[key]
+        return True, future.result()
+
+    def pending(self) -> list[str]:
+        """Receives, copies and sends still in flight (for hang dumps)."""
+        items = [f"recv {f.label}" for f in self.recvs.values() if not f.done]
+        items += [c.label for c in self.copies.values() if not c.is_set()]
+        items += [f"send {f.label}" for f in self.sends if not f.done]
+        return items
+
+    def leftovers(self) -> str | None:
+        """What the order left unconsumed (None when nothing: the order was complete)."""
+        if not (self.recvs or self.copies or self.outbox):
+            return None
+        return (
+            f"order ended with unconsumed receives {sorted(map(str, self.recvs))}, "
+            f"copies {sorted(map(str, self.copies))} or sends {sorted(map(str, self.outbox))}"
+        )
