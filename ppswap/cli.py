@@ -13,8 +13,10 @@ most ``--width`` columns, then a legend of every step code in it.
 ``ppswap plot`` takes the same schedule options and draws the diagram, with the swap plan
 only with ``--swap`` (as ``plan``). ``--vpp`` defaults to 2 for ``interleaved_1f1b`` (which
 needs at least 2) and to 1 for the other schedules (the only value they allow), in every
-subcommand. ``ppswap demo`` is imported only to run it: this module loads no tensor
-framework.
+subcommand. ``ppswap demo [--backend mindspore|torch]`` trains the demo LM written in that
+framework (default mindspore). The demo's module is looked up by name
+(``importlib.import_module``) only to run it: this module loads no tensor framework, so
+``ppswap plan``, ``ppswap plot`` and a refused demo never import one.
 
 A bad configuration prints ``ppswap: error: <message>`` on stderr and exits with 2 (as
 argparse does for bad arguments); ``ppswap demo`` checks all of its options before it
@@ -25,6 +27,7 @@ registered in ``build_parser``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -52,6 +55,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     plot_schedule = None  # type: ignore[assignment]
 
 __all__ = [
+    "DEMO_BACKENDS",
     "build_parser",
     "demo_config",
     "format_json",
@@ -82,10 +86,19 @@ DEMO_DEFAULTS: Mapping[str, int | str] = {
     "steps": 3,
     "out": "out",
     "transport": "inprocess",
+    "backend": "mindspore",
 }
 """The defaults of ``ppswap demo``'s options: ``DemoOptions``' own (a test checks that
 they agree; they are repeated here so that the CLI does not import the demo, and with it
 MindSpore, before it runs one)."""
+DEMO_BACKENDS: Mapping[str, str] = {"mindspore": "MindSpore", "torch": "torch"}
+"""The values of ``ppswap demo --backend`` (``ppswap.demo.run.DEMO_MODELS``' keys; a test
+checks that they agree) -> the framework's name in the error when it is not installed.
+The key is also the framework's top-level package."""
+DEMO_MODULE = "ppswap.demo.run"
+"""The demo's module, imported by name when a demo runs."""
+FSDP_DEMO_MODULE = "ppswap.demo.fsdp_demo"
+"""The FSDP demo's module (``--fsdp``, MindSpore only), imported by name when it runs."""
 
 
 def format_json(value: Any, indent: int = 0) -> str:
@@ -264,11 +277,14 @@ def demo_config(args: argparse.Namespace) -> ScheduleConfig:
 
     Imports no tensor framework and builds nothing (it only creates the ``--out``
     folder). Raises ValueError (or TypeError) naming the option, its value and what is
-    allowed: the schedule configuration (``ScheduleConfig``: sizes >= 1, vpp against the
-    schedule, micro a multiple of pp for interleaved_1f1b), ``batch`` and ``steps`` >= 1,
-    ``batch`` divisible by ``micro`` (by ``micro * 2`` with ``--fsdp``, whose batch is split
-    over dp=2 replicas), ``--fsdp`` only in one process, ``--out`` a folder.
+    allowed: ``backend`` one of ``DEMO_BACKENDS``, the schedule configuration
+    (``ScheduleConfig``: sizes >= 1, vpp against the schedule, micro a multiple of pp for
+    interleaved_1f1b), ``batch`` and ``steps`` >= 1, ``batch`` divisible by ``micro`` (by
+    ``micro * 2`` with ``--fsdp``, whose batch is split over dp=2 replicas), ``--fsdp``
+    only in one process and with the mindspore backend, ``--out`` a folder.
     """
+    if args.backend not in DEMO_BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(DEMO_BACKENDS)}, got {args.backend!r}")
     config = ScheduleConfig(
         schedule=args.schedule, pp=args.pp, vpp=_vpp(args), micro=args.micro, swap=True
     )
@@ -287,25 +303,42 @@ def demo_config(args: argparse.Namespace) -> ScheduleConfig:
             f"transport must be 'inprocess' with --fsdp (the FSDP demo runs its ranks in one "
             f"process), got {args.transport!r}"
         )
+    if args.fsdp and args.backend != "mindspore":
+        raise ValueError(
+            f"backend must be 'mindspore' with --fsdp (the FSDP demo's LM is MindSpore's), "
+            f"got {args.backend!r}"
+        )
     _make_out_dir(args.out)
     return config
 
 
+def _missing_framework(exc: ModuleNotFoundError, backend: str) -> str | None:
+    """The one-line error for a demo whose ``backend`` framework is not installed, or None
+    when ``exc`` is about another module."""
+    if (exc.name or "").partition(".")[0] != backend:
+        return None
+    return f"ppswap demo needs {DEMO_BACKENDS[backend]}: pip install 'ppswap[{backend}]'"
+
+
 def _run_demo(args: argparse.Namespace, config: ScheduleConfig) -> int:
     """Run the demo of the checked ``config``: its exit status, or 2 with one error line
-    when MindSpore is missing or (under MPI) the world size is not ``--pp``.
+    when ``--backend``'s framework is missing or (under MPI) the world size is not ``--pp``.
 
-    The demo is imported here, not at the top: it imports MindSpore (seconds; an optional
-    extra), which ``ppswap plan``, ``ppswap plot`` and a refused demo never need.
+    The demo's modules are looked up by name here (``importlib.import_module``), not
+    imported at the top: they import a tensor framework (seconds; an optional extra),
+    which ``ppswap plan``, ``ppswap plot`` and a refused demo never need.
     """
+    backend: str = args.backend
     try:
-        from ppswap.demo.fsdp_demo import main_fsdp_demo
-        from ppswap.demo.run import DemoConfigError, DemoOptions, main_demo
+        demo = importlib.import_module(DEMO_MODULE)
+        demo.load_demo_model(backend)  # imports the framework: missing is one line
+        fsdp_demo = importlib.import_module(FSDP_DEMO_MODULE) if args.fsdp else None
     except ModuleNotFoundError as exc:
-        if exc.name != "mindspore":
+        message = _missing_framework(exc, backend)
+        if message is None:
             raise
-        return _fail("ppswap demo needs MindSpore: pip install 'ppswap[mindspore]'")
-    options = DemoOptions(
+        return _fail(message)
+    options = demo.DemoOptions(
         schedule=config.schedule,
         pp=config.pp,
         vpp=config.vpp,
@@ -316,13 +349,17 @@ def _run_demo(args: argparse.Namespace, config: ScheduleConfig) -> int:
         plot=not args.no_plot,
         fsdp=args.fsdp,
         transport=args.transport,
+        backend=backend,
     )
-    if options.fsdp:
-        return main_fsdp_demo(options, dp=DEMO_FSDP_DP)
+    status: int
+    if fsdp_demo is not None:
+        status = fsdp_demo.main_fsdp_demo(options, dp=DEMO_FSDP_DP)
+        return status
     try:
-        return main_demo(options)
-    except DemoConfigError as exc:
+        status = demo.main_demo(options)
+    except demo.DemoConfigError as exc:
         return _fail(str(exc))
+    return status
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
@@ -455,6 +492,12 @@ def _add_demo_parser(subparsers: Any) -> None:
         default=defaults["transport"],
         help=f"inprocess: every rank in this process; mpi: one process per rank, under "
         f"mpiexec -n PP (default {defaults['transport']})",
+    )
+    demo.add_argument(
+        "--backend",
+        default=defaults["backend"],
+        help=f"tensor framework of the LM: {' or '.join(DEMO_BACKENDS)}; --fsdp needs "
+        f"mindspore (default {defaults['backend']})",
     )
     demo.set_defaults(handler=run_demo_command)
 

@@ -5,27 +5,34 @@ same weights and see the same batches, so their losses must agree bit for bit; t
 checks that and prints, per rank, the measured peak of saved activation bytes without and
 with swap next to what the planner predicted, the step time and the exposed copy wait.
 It writes the schedule diagram (when matplotlib is installed) and a Chrome trace.
+
+The LM is written once per tensor framework (``DemoOptions.backend``): MindSpore
+(``ppswap.demo.model``, the default) or torch (``ppswap.demo.model_torch``). Importing this
+module imports neither; ``load_demo_model(backend)`` imports the chosen one (and with it
+its framework: ``ModuleNotFoundError`` naming the framework when it is not installed).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any, Protocol
 
-import mindspore as ms
 import numpy as np
 
 from ppswap.core.messages import HostArray
 from ppswap.core.transport import Transport
-from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.results import RunResult
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.simulate import memory_table
-from ppswap.stage import PipelineStage
+from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap import EmulatedDevice, swap_wrapper
 
 try:  # the diagram needs the optional 'plot' extra (matplotlib)
@@ -34,12 +41,16 @@ except ImportError:  # pragma: no cover - depends on the environment
     plot_schedule = None  # type: ignore[assignment]
 
 __all__ = [
+    "DEMO_MODELS",
     "REPORT_LEGEND",
     "DemoConfigError",
+    "DemoModel",
     "DemoOptions",
     "DemoReport",
+    "LMShape",
     "lm_batches",
     "load_corpus",
+    "load_demo_model",
     "run_demo",
 ]
 
@@ -48,6 +59,95 @@ _SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
+
+DEMO_MODELS: Mapping[str, str] = {
+    "mindspore": "ppswap.demo.model",
+    "torch": "ppswap.demo.model_torch",
+}
+"""``DemoOptions.backend`` -> the module of the demo LM written in that framework (each
+has ``LMConfig``, ``build_lm_stages(cfg, stage_num)`` and ``cross_entropy_loss``)."""
+
+
+class LMShape(Protocol):
+    """The LM configuration the demo reads (each model module's ``LMConfig``)."""
+
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def layers_per_stage(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+
+
+SgdStep = Callable[[Sequence[Any], Sequence[Any], float], None]
+"""``sgd_step(parameters, grads, lr)``: ``p -= lr * g`` in place, for aligned sequences."""
+
+
+@dataclass(frozen=True, slots=True)
+class DemoModel:
+    """The framework-specific parts of the demo, for one backend (``load_demo_model``).
+
+    ``config(**sizes)`` makes the LM configuration; ``build_stages(cfg, stage_num)``
+    returns the stage modules (each with a mutable ``layers`` list) with deterministic
+    weights; ``loss_fn`` is the next-token cross entropy; ``sgd_step`` updates the
+    parameters in place; ``prepare()`` sets the framework up for a run (MindSpore:
+    PyNative mode on the CPU).
+    """
+
+    backend: str
+    config: Callable[..., LMShape]
+    build_stages: Callable[[Any, int], Sequence[Any]]
+    loss_fn: LossFn
+    sgd_step: SgdStep
+    prepare: Callable[[], None]
+
+
+def _set_data_sgd_step(parameters: Sequence[Any], grads: Sequence[Any], lr: float) -> None:
+    """SGD on MindSpore parameters: ``set_data(p - lr * g)``."""
+    for param, grad in zip(parameters, grads, strict=True):
+        param.set_data(param - lr * grad)
+
+
+def _nothing_to_prepare() -> None:
+    return None
+
+
+@functools.cache
+def load_demo_model(backend: str) -> DemoModel:
+    """The demo LM of ``backend`` (a key of ``DEMO_MODELS``); imports its framework.
+
+    ValueError naming ``backend`` when it is not one of ``DEMO_MODELS``;
+    ``ModuleNotFoundError`` (its ``name`` the framework's) when the framework is missing.
+    """
+    if backend not in DEMO_MODELS:
+        raise ValueError(f"backend must be one of {', '.join(DEMO_MODELS)}, got {backend!r}")
+    module = importlib.import_module(DEMO_MODELS[backend])
+    if backend == "mindspore":
+        mindspore = importlib.import_module("mindspore")
+        return DemoModel(
+            backend=backend,
+            config=module.LMConfig,
+            build_stages=module.build_lm_stages,
+            loss_fn=module.cross_entropy_loss,
+            sgd_step=_set_data_sgd_step,
+            prepare=functools.partial(
+                mindspore.set_context, mode=mindspore.PYNATIVE_MODE, device_target="CPU"
+            ),
+        )
+    return DemoModel(
+        backend=backend,
+        config=module.LMConfig,
+        build_stages=module.build_lm_stages,
+        loss_fn=module.cross_entropy_loss,
+        sgd_step=module.sgd_step,
+        prepare=_nothing_to_prepare,
+    )
 
 
 class DemoConfigError(ValueError):
@@ -72,8 +172,18 @@ class DemoOptions:
     plot: bool = True
     fsdp: bool = False
     transport: str = "inprocess"
+    backend: str = "mindspore"
 
     def __post_init__(self) -> None:
+        if self.backend not in DEMO_MODELS:
+            raise ValueError(
+                f"backend must be one of {', '.join(DEMO_MODELS)}, got {self.backend!r}"
+            )
+        if self.fsdp and self.backend != "mindspore":
+            raise ValueError(
+                f"backend must be 'mindspore' with fsdp (the FSDP demo's LM is MindSpore's), "
+                f"got {self.backend!r}"
+            )
         if self.schedule not in _SCHEDULES:
             raise ValueError(
                 f"schedule must be one of {', '.join(_SCHEDULES)}, got {self.schedule!r}"
@@ -104,7 +214,7 @@ def load_corpus() -> str:
 
 
 def lm_batches(
-    text: str, cfg: LMConfig, batch: int, steps: int
+    text: str, cfg: LMShape, batch: int, steps: int
 ) -> list[tuple[HostArray, HostArray]]:
     """``steps`` batches of (tokens, next tokens) drawn from ``text`` (seeded by cfg.seed)."""
     vocab = sorted(set(text))
@@ -123,23 +233,23 @@ def lm_batches(
 def mpi_transport() -> Transport:
     """An MPITransport for this process (``mpiexec -n PP ppswap demo --transport mpi``).
 
-    Imported here, not at the top: importing mpi4py's MPI initializes MPI, which only an
-    MPI run should do.
+    Its module is looked up by name here, not imported at the top: importing mpi4py's MPI
+    initializes MPI, which only an MPI run should do.
     """
-    from ppswap.actors.mpi import MPITransport
-
-    return MPITransport()
+    transport: Transport = importlib.import_module("ppswap.actors.mpi").MPITransport()
+    return transport
 
 
 def _train(
     opts: DemoOptions,
-    cfg: LMConfig,
+    model: DemoModel,
+    cfg: LMShape,
     data: list[tuple[HostArray, HostArray]],
     swap: bool,
     transport: Transport | None,
 ) -> tuple[list[float], RunResult]:
     stage_num = opts.pp * opts.vpp
-    modules = build_lm_stages(cfg, stage_num)
+    modules = model.build_stages(cfg, stage_num)
     for module in modules:
         for index, layer in enumerate(module.layers):
             module.layers[index] = swap_wrapper(layer)
@@ -152,7 +262,7 @@ def _train(
     schedule = _SCHEDULES[opts.schedule](
         stages,
         opts.micro,
-        loss_fn=cross_entropy_loss,
+        loss_fn=model.loss_fn,
         swap=swap,
         pp=opts.pp if opts.vpp > 1 or transport is not None else None,
         device=EmulatedDevice(),
@@ -169,8 +279,7 @@ def _train(
         result = schedule.run(x, targets=y, trace=trace if step == len(data) - 1 else None)
         losses.append(result.loss)
         for stage in stages:
-            for param, grad in zip(stage.parameters, stage.grads, strict=True):
-                param.set_data(param - opts.lr * grad)
+            model.sgd_step(stage.parameters, stage.grads, opts.lr)
         done = step + 1
         bar = "#" * (20 * done // len(data))
         if rank:  # under MPI only rank 0 reports
@@ -190,8 +299,10 @@ def _train(
 
 def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoReport:
     """Train without, then with swap. With an MPI ``transport`` this process runs its own
-    rank's stages; every process gets the whole report back."""
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    rank's stages; every process gets the whole report back. The LM is written in
+    ``opts.backend``'s framework (``load_demo_model``)."""
+    model = load_demo_model(opts.backend)
+    model.prepare()
     if transport is not None and getattr(transport, "world_size", opts.pp) != opts.pp:
         raise DemoConfigError(
             f"pp must equal the MPI world size {transport.world_size}, got "  # type: ignore[attr-defined]
@@ -199,7 +310,7 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
         )
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()
-    cfg = LMConfig(vocab=len(set(text)), seq=32, dim=64, heads=4, layers_per_stage=2)
+    cfg = model.config(vocab=len(set(text)), seq=32, dim=64, heads=4, layers_per_stage=2)
     data = lm_batches(text, cfg, opts.batch, opts.steps)
     config = ScheduleConfig(
         schedule=opts.schedule,  # type: ignore[arg-type]
@@ -212,7 +323,8 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
     if not quiet:
         print(
             f"ppswap demo: {opts.schedule} pp={opts.pp} vpp={opts.vpp} micro={opts.micro}, "
-            f"char LM ({cfg.layers_per_stage} blocks/stage, dim {cfg.dim}), {opts.steps} steps",
+            f"{opts.backend} char LM ({cfg.layers_per_stage} blocks/stage, dim {cfg.dim}), "
+            f"{opts.steps} steps",
             file=sys.stderr,
         )
         print(
@@ -220,8 +332,8 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
             "swap on (first steps are the slowest)",
             file=sys.stderr,
         )
-    losses_off, last_off = _train(opts, cfg, data, False, transport)
-    losses_on, last_on = _train(opts, cfg, data, True, transport)
+    losses_off, last_off = _train(opts, model, cfg, data, False, transport)
+    losses_on, last_on = _train(opts, model, cfg, data, True, transport)
     predicted = memory_table(config)
     if opts.plot and not quiet:
         _plot(config, opts.out_dir / f"schedule_{opts.schedule}.png")

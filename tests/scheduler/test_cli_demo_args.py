@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ppswap.cli import DEMO_DEFAULTS, build_parser, demo_config, main
-from ppswap.demo.run import DemoOptions
+from ppswap.cli import DEMO_BACKENDS, DEMO_DEFAULTS, build_parser, demo_config, main
+from ppswap.demo.run import DEMO_MODELS, DemoOptions
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -35,6 +35,11 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
         (("--fsdp", "--micro", "16", "--batch", "16"),
          "batch must be divisible by micro * dp = 32 with --fsdp"),
         (("--fsdp", "--transport", "mpi"), "transport must be 'inprocess' with --fsdp"),
+        (("--backend", "jax"), "backend must be one of mindspore, torch, got 'jax'"),
+        (("--backend", "Torch"), "backend must be one of mindspore, torch, got 'Torch'"),
+        (("--fsdp", "--micro", "4", "--batch", "16", "--backend", "torch"),
+         "backend must be 'mindspore' with --fsdp (the FSDP demo's LM is MindSpore's), "
+         "got 'torch'"),
     ],
 )  # fmt: skip
 def test_bad_demo_config_is_one_line_and_exit_2(
@@ -94,8 +99,17 @@ def test_cli_defaults_are_the_demo_options_defaults() -> None:
         "steps": defaults.steps,
         "out": str(defaults.out_dir),
         "transport": defaults.transport,
+        "backend": defaults.backend,
     } == DEMO_DEFAULTS
     assert defaults.vpp == 1 and defaults.plot and not defaults.fsdp
+    assert tuple(DEMO_BACKENDS) == tuple(DEMO_MODELS) == ("mindspore", "torch")
+
+
+def test_demo_options_refuse_a_bad_backend(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="backend must be one of mindspore, torch, got 'jax'"):
+        DemoOptions(backend="jax", out_dir=tmp_path)
+    with pytest.raises(ValueError, match="backend must be 'mindspore' with fsdp"):
+        DemoOptions(backend="torch", fsdp=True, out_dir=tmp_path)
 
 
 _NO_MINDSPORE = "import sys\nsys.modules['mindspore'] = None  # importing it now fails\n"
@@ -118,6 +132,32 @@ def test_the_checks_need_no_tensor_framework(tmp_path: Path) -> None:
     )
     assert refused.returncode == 2
     assert refused.stderr == "ppswap: error: batch must be divisible by micro=4, got batch=6\n"
+
+
+def test_plan_and_plot_import_no_tensor_framework(tmp_path: Path) -> None:
+    diagram = tmp_path / "gpipe.svg"
+    done = _python(
+        "import sys\nfrom ppswap.cli import main\n"
+        "assert main(['plan', '--schedule', '1f1b', '--pp', '2', '--micro', '4', '--swap']) == 0\n"
+        "assert main(['plan', '--schedule', 'gpipe', '--pp', '2', '--micro', '4', "
+        "'--format', 'json']) == 0\n"
+        f"assert main(['plot', '--schedule', 'gpipe', '--pp', '2', '--micro', '4', '--swap', "
+        f"'-o', {str(diagram)!r}]) == 0\n"
+        "print('loaded:', [m for m in ('mindspore', 'torch') if m in sys.modules])\n"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "loaded: []"
+    assert diagram.exists()
+
+
+def test_a_torch_demo_without_torch_is_one_line(tmp_path: Path) -> None:
+    done = _python(
+        "import sys\nsys.modules['torch'] = None  # importing it now fails\n"
+        "from ppswap.cli import main\n"
+        f"sys.exit(main(['demo', '--backend', 'torch', '--out', {str(tmp_path)!r}]))\n"
+    )
+    assert done.returncode == 2
+    assert done.stderr == "ppswap: error: ppswap demo needs torch: pip install 'ppswap[torch]'\n"
 
 
 def test_a_demo_without_mindspore_is_one_line(tmp_path: Path) -> None:
@@ -148,6 +188,7 @@ def test_demo_help_gives_every_default(capsys: pytest.CaptureFixture[str]) -> No
         "skip the diagram (default: draw it)",
         "(default: off)",
         "(default inprocess)",
+        "mindspore or torch; --fsdp needs mindspore (default mindspore)",
     ):
         assert expected in text
 
@@ -160,6 +201,6 @@ def test_every_demo_option_has_help_with_its_default() -> None:
     )
     demo = subparsers.choices["demo"]
     options = [action for action in demo._actions if action.option_strings != ["-h", "--help"]]
-    assert len(options) == 10
+    assert len(options) == 11
     for action in options:
         assert action.help and "default" in action.help, action.option_strings
