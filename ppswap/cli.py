@@ -42,17 +42,13 @@ from ppswap.scheduler.config import (
     SCHEDULE_NAMES,
     ScheduleConfig,
 )
+from ppswap.scheduler.diagram import load_plotter
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.render import format_grid, step_legend
 from ppswap.scheduler.schedules import compute_order
 from ppswap.scheduler.simulate import memory_table
 from ppswap.scheduler.steps import Order
 from ppswap.scheduler.validate import validate_all, validate_order
-
-try:  # the diagram needs the optional 'plot' extra (matplotlib)
-    from ppswap.scheduler.plot import plot_schedule
-except ImportError:  # pragma: no cover - depends on the environment
-    plot_schedule = None  # type: ignore[assignment]
 
 __all__ = [
     "DEMO_BACKENDS",
@@ -245,6 +241,7 @@ def run_plot(args: argparse.Namespace) -> int:
         config = _config_from_args(args)
     except (TypeError, ValueError) as exc:
         return _fail(str(exc))
+    plot_schedule = load_plotter()
     if plot_schedule is None:
         return _fail("ppswap plot needs matplotlib: pip install 'ppswap[plot]'")
     try:

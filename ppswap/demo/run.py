@@ -31,14 +31,10 @@ from ppswap.core.transport import Transport
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.results import RunResult
 from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.diagram import load_plotter
 from ppswap.scheduler.simulate import memory_table
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap import EmulatedDevice, swap_wrapper
-
-try:  # the diagram needs the optional 'plot' extra (matplotlib)
-    from ppswap.scheduler.plot import plot_schedule
-except ImportError:  # pragma: no cover - depends on the environment
-    plot_schedule = None  # type: ignore[assignment]
 
 __all__ = [
     "DEMO_MODELS",
@@ -341,6 +337,7 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
 
 
 def _plot(config: ScheduleConfig, path: Path) -> None:
+    plot_schedule = load_plotter()
     if plot_schedule is None:
         print("  (matplotlib not installed: no diagram; pip install 'ppswap[plot]')")
         return

@@ -136,7 +136,7 @@ def test_cli_plot_swap_flag_reaches_the_diagram(
         drawn.append(config)
         return Path(path)
 
-    monkeypatch.setattr(cli, "plot_schedule", fake_plot)
+    monkeypatch.setattr(cli, "load_plotter", lambda: fake_plot)
     argv = [
         "plot",
         "--schedule",

@@ -1,0 +1,31 @@
+"""The schedule diagram, loaded only when one is drawn.
+
+``ppswap.scheduler.plot`` imports matplotlib, which takes about a second; ``ppswap plan``
+and a demo run without a diagram should not pay for it. ``load_plotter()`` imports the
+plot module by name at the moment a diagram is wanted and returns its ``plot_schedule``,
+or None when matplotlib is not installed (the optional 'plot' extra).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+from ppswap.scheduler.config import ScheduleConfig
+
+__all__ = ["PLOT_MODULE", "Plotter", "load_plotter"]
+
+PLOT_MODULE = "ppswap.scheduler.plot"
+
+Plotter = Callable[[ScheduleConfig, str | Path], Path]
+
+
+def load_plotter() -> Plotter | None:
+    """``plot_schedule(config, path) -> path``, or None without matplotlib."""
+    try:
+        module = importlib.import_module(PLOT_MODULE)
+    except ImportError:
+        return None
+    plotter: Plotter = module.plot_schedule
+    return plotter

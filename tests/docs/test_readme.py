@@ -1,0 +1,48 @@
+"""The README's "Using it" program runs as written, trains (the loss goes down) and swaps
+(the measured peaks stay those of a run with swap: one line per step, every rank)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def readme_program(section: str = "## Using it") -> str:
+    """The first ```python block after ``section`` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(section)
+    match = re.search(r"```python\n(.*?)```", text[start:], re.DOTALL)
+    assert match is not None, f"no python block after {section!r}"
+    return match.group(1)
+
+
+@pytest.mark.timeout(300)
+def test_the_using_it_program_runs_as_written(tmp_path: Path) -> None:
+    script = tmp_path / "using_it.py"
+    script.write_text(readme_program())
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = re.findall(
+        r"step (\d): loss ([0-9.]+), peak saved bytes per rank \[([0-9, ]+)\]", done.stdout
+    )
+    assert [int(s) for s, _, _ in steps] == [0, 1, 2], done.stdout
+    losses = [float(loss) for _, loss, _ in steps]
+    assert losses[-1] < losses[0]
+    assert all(len(peaks.split(",")) == 2 and "0" not in peaks.split(", ") for _, _, peaks in steps)
+
+
+def test_the_readme_names_no_file_outside_the_repository() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert "../" not in text and "DESIGN.md" not in text
+    for path in re.findall(r"`((?:docs|examples|benchmarks|ppswap)/[\w./-]+)`", text):
+        assert (ROOT / path).exists(), path
