@@ -162,7 +162,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
             stats = await compute.run(_closed_stats, plan, ranks)
         except BaseException as exc:
             error = first_pipeline_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
-            if isinstance(exc, BaseExceptionGroup):
+            if isinstance(error, Exception):  # a failure, not a cancellation
                 abort_job(transport, error)
             await _teardown(compute, plan, ranks, transport)
             if error is exc:

@@ -144,8 +144,8 @@ def test_gpipe_pp4_m8_memory_table() -> None:
 def test_1f1b_pp4_m8_memory_table() -> None:
     # No swap: rank r peaks at warm-up + 1 = pp - r chunks. Rank 0 (all 8 gaps >= 4):
     # during F3 chunk 1 is already on the host and chunk 0 is loaded back for B0: 3.
-    # Rank 1 peaks during F2 with chunk 0 (gap 3, not eligible), chunk 1 (offload waited
-    # only before F3) and chunk 2: swap cannot lower it. Ranks 2, 3: every gap < 4.
+    # Rank 1 peaks during F2 with chunk 0 (gap 3, not eligible), chunk 1 (its offload is
+    # waited after F2) and chunk 2: swap cannot lower it. Ranks 2, 3: every gap < 4.
     rows = [
         (r["peak_chunks_no_swap"], r["peak_chunks_swap"], r["eligible"])
         for r in memory_table(ONE_F_ONE_B)
