@@ -17,9 +17,10 @@ What runs, per model size (``--models``; GPU default ``wide,narrow``, CPU ``tiny
 1. The pipeline: token + positional embedding, ``blocks_per_stage`` pre-norm transformer
    blocks per stage (causal ``scaled_dot_product_attention``, a 4x GELU MLP), final norm
    and LM head on the last stage, cross-entropy; pp=4 stages on the one device, GPipe,
-   8 micro-batches, every block wrapped with ``swap_wrapper`` (with ``--select device``,
-   the default, its ``policy_fn`` selects only saved tensors on the device: ``OnDevice``
-   says why; ``--select all`` is ppswap's default). One warm-up step, then
+   8 micro-batches, every block wrapped with ``swap_wrapper`` (``--select all``, the
+   default, is ppswap's own selection: saved tensors the engine cannot move stay put;
+   ``--select device`` adds a ``policy_fn`` selecting only tensors on the device). One
+   warm-up step, then
    ``--steps`` measured steps without swap, then the same with swap (``swap=True``, the
    default gap plan), both with one persistent copy engine (``CudaCopyEngine`` on CUDA,
    ``EmulatedDevice`` on CPU), then one more swap step with copy-stream timing events
@@ -243,10 +244,9 @@ class Block(nn.Module):
 @dataclass(frozen=True)
 class OnDevice:
     """``swap_wrapper``'s ``policy_fn`` for ``--select device``: a saved tensor is selected
-    for swap only when it lives on ``device``. On CUDA, ``scaled_dot_product_attention``'s
-    fused kernels save their philox seed and offset as 0-d CPU tensors when there is no
-    dropout (torch up to at least 2.4); ppswap selects every saved tensor of a wrapped block
-    whatever its device, and ``CudaCopyEngine.source`` cannot take a CPU tensor."""
+    for swap only when it lives on ``device`` (ppswap itself leaves a tensor the CUDA
+    engine cannot move, such as the 0-d CPU philox seed and offset fused attention saves,
+    where it is: this is for comparing the two)."""
 
     device: torch.device
 
@@ -302,7 +302,7 @@ class Settings:
     device: torch.device
     dtype: torch.dtype = torch.float32
     steps: int = 3
-    select: str = "device"
+    select: str = "all"
     tolerance: float = 0.10
 
     def policy(self) -> Callable[[torch.Tensor], bool] | None:
@@ -1261,7 +1261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--select",
         choices=("device", "all"),
-        default="device",
+        default="all",
         help="saved tensors swap may select: those on the device (default) or all (ppswap's "
         "default, which hands CPU tensors saved in a CUDA stage to the CUDA engine)",
     )

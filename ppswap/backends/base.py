@@ -212,6 +212,11 @@ class CopyEngine(Protocol):
         """This engine bound to ``backend``'s tensors (sharing the host pool)."""
         ...
 
+    def can_move(self, tensor: Tensor) -> bool:
+        """Compute thread, O(1): whether this engine can copy ``tensor`` (a CUDA engine
+        cannot move a CPU tensor a CUDA stage saved); a tensor it cannot stays put."""
+        ...
+
     def source(self, tensor: Tensor) -> Any:
         """Compute thread: what the copy thread reads ``tensor``'s bytes from."""
         ...
@@ -235,6 +240,20 @@ class CopyEngine(Protocol):
         laid out with ``strides`` (in elements; None: C-contiguous) so a restored view
         computes exactly as the original did; ``dtype`` is the framework's name of the
         original dtype (``ViewKey.dtype``), for dtypes numpy has no type for."""
+        ...
+
+    def member(
+        self,
+        block: Any,
+        offset: int,
+        host: HostArray,
+        strides: tuple[int, ...] | None = None,
+        dtype: str | None = None,
+    ) -> Any:
+        """Copy thread: the device handle of one member of a loaded bucket ``block``
+        (what ``h2d`` returned for the bucket's bytes), ``offset`` bytes in, laid out like
+        the member's host view ``host`` (same shape, dtype and byte count), with
+        ``strides`` (in elements; a strided member costs one more copy)."""
         ...
 
     def restore(self, loaded: Any) -> Tensor:

@@ -273,6 +273,9 @@ class EmulatedDevice:
             )
         return self._backend
 
+    def can_move(self, tensor: Any) -> bool:
+        return True
+
     def source(self, tensor: Any) -> Array:
         """The tensor's bytes as a numpy view (no copy)."""
         return self._bound().to_host(tensor, copy=False)
@@ -310,6 +313,19 @@ class EmulatedDevice:
         np.copyto(typed, src_view, casting="no")
         _throttle(src_view.nbytes, self.d2h_gbps, started)
         self.pool.count_d2h(src_view.nbytes)
+
+    def member(
+        self,
+        block: Array,
+        offset: int,
+        host: Array,
+        strides: tuple[int, ...] | None = None,
+        dtype: str | None = None,
+    ) -> Array:
+        loaded: Array = block[offset : offset + host.nbytes].view(host.dtype).reshape(host.shape)
+        if strides is None or tuple(strides) == contiguous_strides(loaded.shape):
+            return loaded
+        return self.h2d(loaded, strides, dtype)  # its own layout back: one more copy
 
     def h2d(
         self, host: Array, strides: tuple[int, ...] | None = None, dtype: str | None = None

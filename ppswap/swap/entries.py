@@ -196,7 +196,8 @@ class EntryTable:
     def seal(self) -> None:
         """End of the chunk's forward: no more captures; settle what may move.
 
-        Unselected entries are pinned; then every entry on a storage that has a pinned
+        Unselected entries, and those the engine cannot move (a CPU tensor a CUDA stage
+        saved), are pinned; then every entry on a storage that has a pinned
         entry is pinned too (a storage only leaves the device when the group owns every
         saved view of it, otherwise the copy would free nothing). Movable entries get
         their copy source and, where the framework's version counter does not work, their
@@ -206,7 +207,8 @@ class EntryTable:
         with self._lock:
             self._expect(GroupPhase.COLLECTING, GroupPhase.SEALED)
             for entry in self._entries:
-                if not entry.selected:
+                device = entry.storage.device
+                if not entry.selected or (device is not None and not self.engine.can_move(device)):
                     entry.pinned = True
             for entries in self._by_storage.values():
                 if any(e.pinned for e in entries):

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ppswap.backends.base import CopyEngine
-from ppswap.backends.cpu_engine import HOST_ALIGNMENT, Array, contiguous_strides
+from ppswap.backends.cpu_engine import HOST_ALIGNMENT, Array
 from ppswap.swap.tensor import CheckMode, SwapTensor
 
 __all__ = [
@@ -124,14 +124,13 @@ def run_load(
         slot.loaded = loaded
     for bucket, bucket_slots in buckets:
         assert bucket.raw is not None
-        device = engine.h2d(bucket.raw)
+        raw = bucket.raw
+        block = engine.h2d(raw)
         for slot in bucket_slots:
-            raw = device[slot.offset : slot.offset + slot.entry.nbytes]
-            loaded = raw.view(slot.dtype).reshape(slot.entry.storage.shape)
-            strides = slot.entry.key.strides
-            if strides != contiguous_strides(loaded.shape):
-                # A strided view is restored with its own layout: one more copy.
-                loaded = engine.h2d(loaded, strides, slot.entry.key.dtype)
+            key = slot.entry.key
+            host = raw[slot.offset : slot.offset + slot.entry.nbytes]
+            typed = host.view(slot.dtype).reshape(slot.entry.storage.shape)
+            loaded = engine.member(block, slot.offset, typed, key.strides, key.dtype)
             slot.entry.verify(engine.host_view(loaded), check, "while it was on the host (load)")
             slot.loaded = loaded
 

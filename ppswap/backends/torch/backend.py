@@ -8,15 +8,30 @@ Facts this relies on (torch 2.11-2.14):
 - ``_version`` counts in-place modifications of a tensor and every view of its storage:
   the swap layer compares it before the copy and before the device tensor is dropped, so
   no content digest is needed.
+- With saved-tensor hooks installed torch no longer checks a saved tensor's version at
+  unpack ("one of the variables needed for gradient computation has been modified by an
+  inplace operation"), and every pipeline forward runs under the swap layer's hooks. So
+  :meth:`TorchBackend.saved_tensors_hooks` makes that check itself: pack records the
+  tensor's version and a weak reference to it; when unpack hands back that same tensor
+  (it stayed on device) and its version moved, :class:`SavedTensorModifiedError` is
+  raised instead of a backward on modified values. A tensor the swap layer restored
+  from its host copy holds the values the forward saved (checked before the copy and
+  before the device tensor was dropped): a later write to the original cannot reach it,
+  as with ``torch.autograd.graph.save_on_cpu``.
 - A CPU tensor's ``numpy()`` is a view of its memory (any strides) and ``from_numpy``
   shares memory the other way: the CPU copy engine serves CPU tensors. CUDA tensors go
   through the CUDA engine (``ppswap.backends.torch.cuda_engine``).
+- A graph keeps views of the tensors it saved, parameters' included, whatever later
+  becomes of ``param.data``: :meth:`TorchBackend.set_parameter_data` (FSDP's unshard /
+  reshard) therefore refills one kept storage per unsharded shape and frees it by
+  resizing it to 0 bytes, so resharding really frees the full parameters.
 - Autograd is thread-safe, but the runtime still runs every stage on its one compute
   thread (one order of work per process, as on MindSpore).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -40,7 +55,57 @@ from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.backends.torch.autograd import TorchAutograd
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine
 
-__all__ = ["SwapWrapperModule", "TorchBackend"]
+__all__ = ["SavedTensorModifiedError", "SwapWrapperModule", "TorchBackend"]
+
+_SLOTS_ATTR = "_ppswap_data_slots"
+
+
+class SavedTensorModifiedError(RuntimeError):
+    """A tensor saved for backward was modified in place before the backward read it
+    (what torch itself refuses when no saved-tensor hooks are installed)."""
+
+
+class _Saved:
+    """What the graph keeps for one saved tensor: the swap layer's packed value, the
+    tensor's version when it was saved and a weak reference to the tensor itself (to
+    recognise it when unpack returns it; a weak one, so a swapped tensor is still freed)."""
+
+    __slots__ = ("origin", "packed", "version")
+
+    def __init__(self, packed: Any, origin: weakref.ref[torch.Tensor] | None, version: int):
+        self.packed = packed
+        self.origin = origin
+        self.version = version
+
+
+def _version_checked(pack: PackHook, unpack: UnpackHook) -> tuple[PackHook, UnpackHook]:
+    """``pack`` / ``unpack`` with torch's saved-tensor version check (module docstring)."""
+
+    def pack_checked(tensor: torch.Tensor) -> _Saved:
+        version = int(tensor._version)
+        try:
+            origin: weakref.ref[torch.Tensor] | None = weakref.ref(tensor)
+        except TypeError:  # a tensor type without weak references: not checked
+            origin = None
+        return _Saved(pack(tensor), origin, version)
+
+    def unpack_checked(saved: _Saved) -> torch.Tensor:
+        tensor: torch.Tensor = unpack(saved.packed)
+        origin = saved.origin
+        if origin is not None and tensor is origin() and int(tensor._version) != saved.version:
+            tag = getattr(saved.packed, "tag", None)
+            named = f" {tag!r}" if isinstance(tag, str) else ""
+            raise SavedTensorModifiedError(
+                f"a tensor saved for backward{named} (shape {tuple(tensor.shape)}, "
+                f"{tensor.dtype}) was modified in place after its forward saved it (version "
+                f"{saved.version} -> {int(tensor._version)}): its backward would read the "
+                "modified values (torch refuses this too: 'one of the variables needed for "
+                "gradient computation has been modified by an inplace operation'); modify a "
+                ".clone() instead, or use the out-of-place operation"
+            )
+        return tensor
+
+    return pack_checked, unpack_checked
 
 
 class SwapWrapperModule(nn.Module):
@@ -63,6 +128,21 @@ def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
     except TypeError:  # bfloat16 and other dtypes numpy lacks
         return None
     return found
+
+
+def _numpy_of(tensor: torch.Tensor) -> HostArray:
+    """A CPU tensor's numpy view; a TypeError naming the dtype where numpy has none."""
+    try:
+        array: HostArray = tensor.numpy()
+    except TypeError as exc:
+        raise TypeError(
+            f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)} cannot be read as a "
+            "numpy array (numpy has no such dtype): the torch backend moves micro-batches, "
+            "losses, P2P messages between processes and swapped CPU activations through "
+            "numpy arrays, so it runs float32, float16 and float64 models, not "
+            f"{tensor.dtype} ones"
+        ) from exc
+    return array
 
 
 class TorchBackend:
@@ -109,7 +189,48 @@ class TorchBackend:
         return f"{type(param).__name__}{tuple(param.shape)}"
 
     def set_parameter_data(self, param: torch.Tensor, data: HostArray) -> None:
-        param.data = torch.from_numpy(np.array(data, copy=True)).to(param.device)
+        """Replace ``param``'s data with a copy of ``data``; an install that grows the
+        parameter (FSDP's unshard) goes into a storage ``param`` keeps for that shape,
+        whose bytes the next shrinking install (the reshard) frees.
+
+        The graph of a recorded forward keeps views of the full tensor (``nn.Linear``
+        saves ``weight.t()``), so with a fresh full storage per unshard that storage would
+        stay alive, whole, until every backward of that unshard ran: resharding would
+        free nothing and each unshard would add a full copy. With the kept storage,
+        resharding resizes it to 0 bytes (the saved views then hold a 0-byte storage) and
+        the next unshard refills that same storage before any backward reads it (what
+        torch's own FSDP does). A storage torch will not resize (a numpy array was made
+        from it) is left to the graph as before, never an error.
+        """
+        source = torch.from_numpy(data if data.flags.writeable else data.copy())
+        slots: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] | None = getattr(
+            param, _SLOTS_ATTR, None
+        )
+        if slots is None:
+            slots = {}
+            setattr(param, _SLOTS_ATTR, slots)
+        if source.numel() > param.data.numel():
+            key = (tuple(source.shape), source.dtype)
+            slot = slots.get(key)
+            if slot is None:
+                slot = torch.empty(key[0], dtype=source.dtype, device=param.device)
+                slots[key] = slot
+            else:
+                slot.untyped_storage().resize_(slot.numel() * slot.element_size())
+            with torch.no_grad():
+                slot.copy_(source)
+            installed = slot
+        else:
+            installed = source.to(param.device, copy=True)
+        param.data = installed
+        for key, other in list(slots.items()):
+            if other is installed:
+                continue
+            storage = other.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
+            else:
+                del slots[key]
 
     # -- tensors ----------------------------------------------------------------------
     def is_tensor(self, obj: object) -> bool:
@@ -141,11 +262,13 @@ class TorchBackend:
         return int(tensor._version)
 
     def to_host(self, tensor: torch.Tensor, *, copy: bool) -> HostArray:
+        # A numpy view makes torch refuse to resize the tensor's storage from then on (it
+        # would free memory under the view): a copy is taken from a clone, so reading a
+        # parameter never pins its storage's size (set_parameter_data frees by resizing).
         data = tensor.detach()
         if data.device.type != "cpu":
-            return data.cpu().numpy()
-        array: HostArray = data.numpy()
-        return array.copy() if copy else array
+            return _numpy_of(data.cpu())
+        return _numpy_of(data.clone() if copy else data)
 
     def from_host(self, array: HostArray, like: torch.Tensor | None = None) -> torch.Tensor:
         tensor = torch.from_numpy(array)
@@ -187,7 +310,13 @@ class TorchBackend:
     def saved_tensors_hooks(
         self, pack: PackHook, unpack: UnpackHook
     ) -> AbstractContextManager[None]:
-        hooks: AbstractContextManager[None] = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        """Torch's saved-tensor hooks around ``pack`` / ``unpack``, with torch's own check
+        that a saved tensor was not modified in place before its backward (module
+        docstring)."""
+        pack_checked, unpack_checked = _version_checked(pack, unpack)
+        hooks: AbstractContextManager[None] = torch.autograd.graph.saved_tensors_hooks(
+            pack_checked, unpack_checked
+        )
         return hooks
 
     # -- the run ------------------------------------------------------------------------

@@ -13,9 +13,12 @@ back, on a copy stream of their own.
   bucket layout and checks work on them) with ``non_blocking=True`` and wait for the copy
   on that thread, so the job's completion means the bytes are on the host.
 - ``h2d`` (copy thread) allocates the destination on the copy stream with the original
-  strides, copies, waits, and marks the tensor as used by the compute stream
-  (``record_stream``): the caching allocator then never hands its memory to the copy
-  stream while compute kernels may still read it. ``restore`` returns that tensor.
+  strides, copies and waits; ``restore`` (compute thread) marks the tensor as used by the
+  compute stream (``record_stream``): the caching allocator then never hands its memory
+  to the copy stream while compute kernels may still read it. A bucket's members are
+  views of its one loaded block (``member``).
+- A tensor the engine cannot move (a CPU tensor a CUDA stage saved, such as an RNG state)
+  stays where it is (``can_move``).
 - Device memory of an offloaded tensor is released when the swap layer drops its last
   reference after the offload completed (the copy stream is done reading it by then).
 
@@ -109,13 +112,19 @@ class CudaCopyEngine:
         return self.pool.counters()
 
     # -- compute thread -------------------------------------------------------------------
+    def can_move(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
+
     def source(self, tensor: torch.Tensor) -> CudaSource:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))
         return CudaSource(tensor.detach(), ready)
 
     def restore(self, loaded: torch.Tensor) -> torch.Tensor:
-        torch.cuda.current_stream(loaded.device).wait_stream(self.stream)
+        # The copy is complete (h2d waited for it); the tensor was allocated on the copy
+        # stream and is now used on this thread's (compute) stream: tell the caching
+        # allocator, so its memory is not reused before the compute stream is done with it.
+        loaded.record_stream(torch.cuda.current_stream(loaded.device))
         return loaded
 
     def host_view(self, loaded: Any) -> HostArray | None:
@@ -157,8 +166,28 @@ class CudaCopyEngine:
             done = torch.cuda.Event()
             done.record(self.stream)
         done.synchronize()
-        fresh.record_stream(torch.cuda.current_stream(self.device))
         self.pool.count_h2d(int(host.nbytes))
+        return fresh
+
+    def member(
+        self,
+        block: torch.Tensor,
+        offset: int,
+        host: HostArray,
+        strides: tuple[int, ...] | None = None,
+        dtype: str | None = None,
+    ) -> torch.Tensor:
+        typed_dtype = self._typed(host[:0] if host.ndim else host, dtype).dtype
+        raw = block[offset : offset + host.nbytes]
+        view = raw.view(typed_dtype).reshape(tuple(host.shape))
+        if strides is None or tuple(view.stride()) == tuple(strides):
+            return view
+        with torch.cuda.stream(self.stream):  # its own layout back: one more copy
+            fresh = self._empty_like(host, strides, dtype)
+            fresh.copy_(view)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
         return fresh
 
     # -- helpers -------------------------------------------------------------------------

@@ -1,0 +1,394 @@
+"""``TorchDistTransport``: the P2P ``Transport`` (and FSDP's collectives) over torch.distributed.
+
+One process per rank, launched with ``torchrun``; ``docs/torch_dist.md`` has the recipe,
+the design and the measured figures. In short:
+
+- Construction creates the transport's own gloo group (a collective call, like
+  ``MPI.Comm.Dup``), so its tags never meet the application's. Messages use
+  ``MPITransport``'s wire format (``ppswap.core.wire``): a header on tag ``2t`` carrying
+  payloads of up to 16 KiB, a larger payload's raw bytes on tag ``2t + 1``
+  (``distributed_io``).
+- gloo matches a receive by ``(source, tag)``, in posting order within a tag (verified,
+  torch 2.13). P2P tags ``t`` come from ``MessageKey.tag`` below 2**30, in a range per
+  epoch (``configure``); collectives use hashed tags from 2**30 up (tags are int32).
+- Works are posted from the event loop and completed by daemon threads
+  (``distributed_wait``: gloo's ``is_completed()`` stays False until ``wait()``). A
+  posted gloo operation cannot be withdrawn: a cancelled one stays posted until matched,
+  until its peer exits, or until ``timeout_s`` (gloo then closes the group). gloo sends
+  are rendezvous: ``send`` returns once the receiver has posted the receive.
+- ``backend="nccl"`` (untested here: no GPU) sends bodies over NCCL, staged through CUDA
+  tensors, and keeps headers on gloo (``distributed_io``).
+- Messages to this rank itself stay in the process (gloo has no self connection).
+- ``close()`` fails every waiting call and destroys the groups the transport created;
+  ``abort(errorcode)`` ends this process (``os._exit``), and torchrun stops the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import anyio
+import numpy.typing as npt
+import torch
+import torch.distributed as dist
+
+from ppswap.backends.torch.distributed_io import MessageIO
+from ppswap.core.messages import MessageKey
+from ppswap.core.transport import TransportStats
+from ppswap.core.wire import digest, p2p_identity, wire_array
+
+__all__ = ["P2P_TAGS", "TorchDistTransport"]
+
+Array = npt.NDArray[Any]
+
+P2P_TAGS = 1 << 30  # P2P tags lie below, collective tags from here up to 2**31 - 1
+_DEFAULT_MICRO_COUNT = 1 << 16
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_CLOSE_GRACE_S = 3.0
+_SECONDARY_ABORT_DELAY_S = 1.0
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high)``, else TypeError/ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if not low <= value < high:
+        raise ValueError(f"{name}={value} out of range; allowed: {low} <= {name} < {high}")
+    return value
+
+
+@dataclass(slots=True)
+class _Counters:
+    sent: int = 0
+    received: int = 0
+    bytes_sent: int = 0
+    collective_calls: dict[tuple[str, tuple[int, ...], str], int] = field(default_factory=dict)
+
+
+def _init_default_group(backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` from torchrun's environment (``env://``), or say what is missing."""
+    missing = [name for name in _ENV if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"torch.distributed is not initialized and {', '.join(missing)} not set: launch "
+            "with torchrun, or call torch.distributed.init_process_group first"
+        )
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timeout)
+
+
+class TorchDistTransport:
+    """The ``Transport`` of one torch.distributed rank (this process), plus FSDP collectives.
+
+    Uses the default process group, and initializes it from torchrun's environment
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK picks the CUDA device for
+    NCCL) if there is none yet; ``close()`` then destroys it too. Construction is a
+    collective call: every rank constructs its transport, in the same order relative to
+    its other group creations. Ranks are global ranks. ``timeout_s`` bounds every gloo
+    operation; ``abort_on_failure`` asks the runtime to ``abort`` the job when this rank
+    fails (``ppswap.actors.distributed.abort_job``).
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str = "gloo",
+        timeout_s: float = 1800.0,
+        recv_pool_bytes: int = 256 << 20,
+        abort_on_failure: bool = True,
+    ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}; allowed: 'gloo' or 'nccl'")
+        if not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s={timeout_s!r}; allowed: a finite number > 0")
+        _check_int("recv_pool_bytes", recv_pool_bytes, 0, 1 << 62)
+        timeout = timedelta(seconds=timeout_s)
+        self._owns_default_group = not dist.is_initialized()
+        if self._owns_default_group:
+            _init_default_group(backend, timeout)
+        self._groups: list[dist.ProcessGroup] = []
+        try:
+            self._groups.append(dist.new_group(backend="gloo", timeout=timeout))
+            device = (
+                None if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+            )
+            if backend == "nccl":  # bodies: one group low -> high ranks, one high -> low
+                self._groups += [dist.new_group(backend="nccl", timeout=timeout) for _ in "lh"]
+        except BaseException:
+            self._destroy_groups()
+            raise
+        self.abort_on_failure = abort_on_failure
+        self._rank = dist.get_rank()
+        self._world_size = dist.get_world_size()
+        self._num_stages = max(1, P2P_TAGS // (4 * _DEFAULT_MICRO_COUNT))
+        self._micro_count = _DEFAULT_MICRO_COUNT
+        self._epoch = 0
+        self._epoch_slots = 1
+        self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
+        self._counters = _Counters()
+        self._io = MessageIO(self._groups, device, recv_pool_bytes)
+        self._to_self: dict[MessageKey, Array] = {}  # messages to this rank itself
+        self._self_waiters: dict[MessageKey, anyio.Event] = {}
+
+    # -- properties and set-up --------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+        return self._world_size
+
+    @property
+    def closed(self) -> bool:
+        return self._io.waiters.closed
+
+    def configure(self, num_stages: int, micro_count: int) -> None:
+        """Set the P2P tag layout for a run and start a new epoch (see the module doc).
+
+        Every rank calls it with the same values before the run's first message. Raises
+        ValueError when ``4 * num_stages * micro_count`` tags exceed 2**30.
+        """
+        _check_int("num_stages", num_stages, 1, P2P_TAGS + 1)
+        _check_int("micro_count", micro_count, 1, P2P_TAGS + 1)
+        if 4 * num_stages * micro_count > P2P_TAGS:
+            raise ValueError(
+                f"num_stages={num_stages} and micro_count={micro_count} need "
+                f"{4 * num_stages * micro_count} tags; at most {P2P_TAGS} allowed"
+            )
+        self._num_stages, self._micro_count = num_stages, micro_count
+        self._epoch_slots = P2P_TAGS // (4 * num_stages * micro_count)
+        self._p2p_addresses.clear()
+        self._to_self.clear()
+        self._epoch += 1
+        self._counters.collective_calls.clear()
+
+    # -- point to point (the Transport protocol) --------------------------------------------
+
+    async def send(self, src: int, dst: int, key: MessageKey, payload: Array) -> None:
+        """Send ``payload`` to rank ``dst``; returns once its buffer may be reused."""
+        self._check_p2p_call("src", src, "dst", dst)
+        body = wire_array(payload, "payload")
+        tag, identity = self._p2p_address(key)
+        if dst == self._rank:
+            if key in self._to_self:
+                raise RuntimeError(f"message {key} from rank {src} to itself sent twice")
+            self._to_self[key] = body.copy()
+            if key in self._self_waiters:
+                self._self_waiters[key].set()
+        else:
+            what = ("send", key, "to rank", dst)
+            await self._io.send(dst, tag, (self._epoch, identity), body, what)
+        self._counters.sent += 1
+        self._counters.bytes_sent += body.nbytes
+
+    async def recv(self, dst: int, src: int, key: MessageKey) -> Array:
+        """Wait for message ``key`` from rank ``src`` and return a new array holding it."""
+        self._check_p2p_call("dst", dst, "src", src)
+        tag, identity = self._p2p_address(key)
+        if src == self._rank:
+            if key not in self._to_self:
+                if key in self._self_waiters:
+                    raise RuntimeError(f"message {key} from rank {src} to itself received twice")
+                self._self_waiters[key] = event = anyio.Event()
+                try:
+                    await event.wait()
+                finally:
+                    del self._self_waiters[key]
+                self._check_open()
+            payload = self._to_self.pop(key)
+        else:
+            what = ("recv", key, "from rank", src)
+            payload = await self._io.recv(src, tag, (self._epoch, identity), what)
+        self._counters.received += 1
+        return payload
+
+    def stats(self) -> TransportStats:
+        """P2P counts of this rank; ``undelivered`` = its sends not yet completed."""
+        counters = self._counters
+        pending = self._io.waiters.pending_sends
+        return TransportStats(counters.sent, counters.received, counters.bytes_sent, pending)
+
+    # -- collectives (point-to-point exchanges among the members) ---------------------------
+
+    async def all_gather(
+        self, rank: int, group: tuple[int, ...], key: str, array: Array
+    ) -> list[Array]:
+        """Every member's ``array``, in ``group`` order (this rank's entry is ``array``).
+
+        ``rank`` is this process's rank; ``group`` is a tuple of distinct ranks holding
+        it, the same tuple on every member, as is ``key``. Shapes and dtypes may differ.
+        """
+        index = self._check_collective(rank, group)
+        body = wire_array(array, "array")
+        outgoing = {j: body for j in range(len(group)) if j != index}
+        received = await self._exchange("all_gather", group, key, outgoing)
+        return [array if j == index else received[j] for j in range(len(group))]
+
+    async def reduce_scatter_sum(
+        self, rank: int, group: tuple[int, ...], key: str, arrays: list[Array]
+    ) -> Array:
+        """The sum over members of their ``arrays[i]``, where ``group[i]`` is this rank.
+
+        ``arrays[j]`` goes to ``group[j]``. The sum is a left fold in ``group`` order
+        (``a_0 + a_1 + ...``, as ``InProcessTransport``'s), bit-identical on every run;
+        contributions must match this rank's ``arrays[i]`` in shape and dtype.
+        """
+        index = self._check_collective(rank, group)
+        if not isinstance(arrays, Sequence) or len(arrays) != len(group):
+            raise ValueError(f"arrays must be a list of {len(group)} arrays, one per member")
+        bodies = [wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
+        outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
+        received = await self._exchange("reduce_scatter_sum", group, key, outgoing)
+        mine = bodies[index]
+        parts = [mine if j == index else received[j] for j in range(len(group))]
+        for j, part in enumerate(parts):
+            if part.shape != mine.shape or part.dtype != mine.dtype:
+                raise ValueError(
+                    f"reduce_scatter_sum {key!r}: rank {group[j]} sent {part.shape} "
+                    f"{part.dtype}, rank {self._rank} expects {mine.shape} {mine.dtype}"
+                )
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
+        return total
+
+    # -- failure and shutdown -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Fail every waiting call, destroy the groups this transport created, and give
+        operations a cancelled wait left posted ``_CLOSE_GRACE_S`` to end. Idempotent.
+
+        Those end as their peers close their groups or exit; one still posted when Python
+        finalizes can kill the process (``distributed_wait``'s doc). Call it on the event
+        loop's thread or after the loop ended.
+        """
+        if self._io.waiters.closed:
+            return
+        self._io.waiters.close()
+        for event in self._self_waiters.values():
+            event.set()
+        self._destroy_groups()
+        self._io.clear()
+        self._io.waiters.drain(_CLOSE_GRACE_S)
+
+    def abort(self, errorcode: int = 1) -> NoReturn:
+        """End this process with ``errorcode`` (``os._exit``), after flushing stdout/stderr.
+
+        Under torchrun the agent then stops every other rank (SIGTERM) and exits non-zero;
+        without it, the peers' pending operations fail as the connections close. A rank
+        whose own operation failed in gloo (most likely because another rank ended first)
+        waits ``_SECONDARY_ABORT_DELAY_S`` before it exits, so that torchrun's summary
+        names the rank that failed first as the root cause.
+        """
+        _check_int("errorcode", errorcode, 0, 256)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed or replaced stream
+                stream.flush()
+        if self._io.peer_failed:  # likely a consequence: let torchrun see the first failure first
+            time.sleep(_SECONDARY_ABORT_DELAY_S)
+        os._exit(errorcode)
+
+    def __enter__(self) -> TorchDistTransport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _destroy_groups(self) -> None:
+        for group in self._groups:
+            with contextlib.suppress(Exception):  # already gone with a failed peer
+                dist.destroy_process_group(group)
+        if self._owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._io.waiters.closed:
+            raise RuntimeError("TorchDistTransport is closed")
+
+    def _check_p2p_call(self, local_name: str, local: object, peer_name: str, peer: object) -> None:
+        """Raise unless the transport is open, ``local`` is this rank and ``peer`` a rank."""
+        self._check_open()
+        self._check_local(local_name, local)
+        _check_int(peer_name, peer, 0, self._world_size)
+
+    def _check_local(self, name: str, value: object) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value != self._rank:
+            raise ValueError(f"{name}={value!r}; allowed: this process's rank {self._rank}")
+
+    def _p2p_address(self, key: MessageKey) -> tuple[int, int]:
+        """``(header tag, identity)`` of ``key`` in this run's layout (validated once)."""
+        if not isinstance(key, MessageKey):
+            raise TypeError(f"key must be a MessageKey, got {key!r}")
+        address = self._p2p_addresses.get(key)
+        if address is None:
+            if key.direction not in ("F", "B"):
+                raise ValueError(f"key.direction={key.direction!r}; allowed: 'F' or 'B'")
+            _check_int("key.stage", key.stage, 0, self._num_stages)
+            _check_int("key.micro", key.micro, 0, self._micro_count)
+            keys_per_epoch = 2 * self._num_stages * self._micro_count
+            slot = self._epoch % self._epoch_slots  # each epoch in its own tag range
+            tag = 2 * (slot * keys_per_epoch + key.tag(self._num_stages, self._micro_count))
+            address = self._p2p_addresses[key] = (tag, p2p_identity(key))
+        return address
+
+    def _check_collective(self, rank: int, group: tuple[int, ...]) -> int:
+        """This rank's index in ``group``, after checking the call."""
+        self._check_open()
+        self._check_local("rank", rank)
+        if not isinstance(group, tuple) or not group:
+            raise TypeError(f"group must be a non-empty tuple of ranks, got {group!r}")
+        for member in group:
+            _check_int("group member", member, 0, self._world_size)
+        if len(set(group)) != len(group) or self._rank not in group:
+            raise ValueError(
+                f"group={group} must hold distinct ranks including this rank {self._rank}"
+            )
+        return group.index(self._rank)
+
+    async def _exchange(
+        self, op: str, group: tuple[int, ...], key: str, outgoing: dict[int, Array]
+    ) -> dict[int, Array]:
+        """Send ``outgoing[j]`` to and receive from ``group[j]`` for every ``j``, at once.
+
+        The tag hashes ``(op, sorted group, key, call number, epoch)``; the header carries
+        a digest of ``(op, group, key, call number)``. The first failure is raised as itself.
+        """
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {key!r}")
+        members = tuple(sorted(group))
+        calls = self._counters.collective_calls
+        call = calls.get((op, members, key), 0)
+        calls[(op, members, key)] = call + 1
+        tag = P2P_TAGS + 2 * (digest(op, members, key, call, self._epoch) % (P2P_TAGS // 2))
+        identity = digest(op, group, key, call)
+        received: dict[int, Array] = {}
+
+        async def receive(j: int) -> None:
+            what = (op, repr(key), "from rank", group[j])
+            received[j] = await self._io.recv(group[j], tag, (self._epoch, identity), what)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for j, body in outgoing.items():
+                    what = (op, repr(key), "to rank", group[j])
+                    header = (self._epoch, identity)
+                    tg.start_soon(self._io.send, group[j], tag, header, body, what, False)
+                    tg.start_soon(receive, j)
+        except ExceptionGroup as errors:
+            raise errors.exceptions[0] from None
+        return received

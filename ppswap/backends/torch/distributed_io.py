@@ -1,0 +1,176 @@
+"""One message over torch.distributed: the header, the body, and how they are matched.
+
+A message is ``ppswap.core.wire``'s format on a gloo group: the header (payloads of up to
+16 KiB inside it) on tag ``t``, a larger payload's raw bytes on tag ``t + 1``. gloo lets
+a receive buffer be larger than the message, so every header lands in a buffer of the
+largest header size; once it is in, the waiting thread decodes it and posts the body's
+receive itself (one wake-up of the event loop per message).
+
+With NCCL bodies (``device`` set): NCCL ignores tags and matches a pair's operations in
+posting order, and a pair's sends and receives share one CUDA stream per group. So bodies
+go over two NCCL groups, one per direction (``groups[1]`` from lower to higher ranks,
+``groups[2]`` back), and the receiver, holding a lock per peer, posts the body's receive
+and then sends "go" (gloo, tag ``t + 1``); the sender posts the body only after "go". At
+most one body per direction is in flight, and no receive waits behind a send. Untested on
+this project's machines (no GPU).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.distributed as dist
+
+from ppswap.backends.torch.distributed_wait import Posted, Then, Waiters, WorkError, host_tensor
+from ppswap.core.wire import (
+    HEADER_MAX_BYTES,
+    INLINE_MAX_BYTES,
+    RecvBufferPool,
+    decode_header,
+    describe,
+    encode_message,
+)
+
+__all__ = ["MessageIO"]
+
+Array = npt.NDArray[Any]
+Header = tuple[int, np.dtype[Any], tuple[int, ...], int, int]
+
+_FIRST_BYTES = HEADER_MAX_BYTES + INLINE_MAX_BYTES  # the header message, inline payload included
+
+
+class MessageIO:
+    """Sends and receives whole messages of one rank over ``groups`` (gloo first, then the
+    two NCCL groups when ``device`` is a CUDA device), on the event loop's thread.
+
+    ``what`` names a message in errors. A failed operation raises ``RuntimeError`` naming
+    the message and sets ``peer_failed``.
+    """
+
+    def __init__(
+        self, groups: list[dist.ProcessGroup], device: torch.device | None, recv_pool_bytes: int
+    ) -> None:
+        self.waiters = Waiters()
+        self.peer_failed = False
+        self._groups = groups
+        self._device = device
+        self._rank = dist.get_rank()
+        self._recv_pool = RecvBufferPool(recv_pool_bytes)
+        self._pool_lock = threading.Lock()  # the waiting threads take buffers too
+        self._header_buffers: list[bytearray] = []  # free receive buffers of _FIRST_BYTES
+        self._body_locks: dict[int, anyio.Lock] = {}  # NCCL: one body per peer at a time
+        self._failed_send: str | None = None  # a send nobody awaited failed (see send)
+
+    async def send(
+        self,
+        dst: int,
+        tag: int,
+        header: tuple[int, int],
+        body: Array,
+        what: tuple[object, ...],
+        p2p_send: bool = True,
+    ) -> None:
+        """Send ``body`` (from ``wire_array``) to ``dst`` under ``(epoch, identity)``.
+
+        Returns once ``body`` may be reused: at once for a payload inside the header (it
+        was copied there; the send completes in the background, and if it fails, the next
+        call raises that), else when the receiver has taken it.
+        """
+        self._check_failed_send()
+        message = bytearray(encode_message(*header, body))  # writable: torch warns otherwise
+        header_tensor = torch.frombuffer(message, dtype=torch.uint8)
+        works: Posted = [(self._post(dist.isend, header_tensor, dst, tag), False)]
+        if body.nbytes <= INLINE_MAX_BYTES:
+            self.waiters.start(works, p2p_send, lambda error: self._send_failed(error, what))
+            return
+        if self._device is None:
+            works.append((self._post(dist.isend, host_tensor(body), dst, tag + 1), False))
+            await self._complete(works, what, p2p_send=p2p_send)
+            return
+        go = torch.zeros(1, dtype=torch.uint8)  # NCCL: the body goes after the receiver's "go"
+        works.append((self._post(dist.irecv, go, dst, tag + 1), False))
+        await self._complete(works, what, p2p_send=p2p_send)
+        stage = host_tensor(body).to(self._device)
+        work = self._post(dist.isend, stage, dst, 0, 1 if self._rank < dst else 2)
+        await self._complete([(work, True)], what)
+
+    async def recv(
+        self, src: int, tag: int, header: tuple[int, int], what: tuple[object, ...]
+    ) -> Array:
+        """The message from ``src`` on ``tag``, checked against ``(epoch, identity)``."""
+        self._check_failed_send()
+        first = self._header_buffers.pop() if self._header_buffers else bytearray(_FIRST_BYTES)
+        posted = self._post(dist.irecv, torch.frombuffer(first, dtype=torch.uint8), src, tag)
+        found: list[Header] = []
+        bodies: list[Array] = []
+
+        def post_body() -> Posted | None:  # on the waiting thread, once the header is in
+            found.append(decode_header(first, *header, what))
+            nbytes = found[0][0]
+            if nbytes <= INLINE_MAX_BYTES or self._device is not None:
+                return None
+            with self._pool_lock:
+                bodies.append(raw := self._recv_pool.take(nbytes))
+            return [(self._post(dist.irecv, torch.from_numpy(raw), src, tag + 1), False)]
+
+        await self._complete([(posted, False)], what, then=post_body)
+        nbytes, dtype, shape, size, _ = found[0]
+        inline = first[size : size + nbytes] if nbytes <= INLINE_MAX_BYTES else None  # a copy
+        self._header_buffers.append(first)  # reused once its receive completed
+        if inline is not None:
+            return np.ndarray(shape, dtype, np.frombuffer(inline, dtype=np.uint8))
+        if bodies:
+            return np.ndarray(shape, dtype, bodies[0])
+        with self._pool_lock:
+            raw = self._recv_pool.take(nbytes)
+        async with self._body_locks.setdefault(src, anyio.Lock()):
+            # NCCL: post the body's receive, then say "go" (module doc)
+            stage = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            data = self._post(dist.irecv, stage, src, 0, 2 if src > self._rank else 1)
+            go = self._post(dist.isend, torch.zeros(1, dtype=torch.uint8), src, tag + 1)
+
+            def land() -> None:  # on the waiting thread, once the body is in
+                torch.from_numpy(raw).copy_(stage)
+
+            await self._complete([(go, False), (data, True)], what, then=land)
+        return np.ndarray(shape, dtype, raw)
+
+    def clear(self) -> None:
+        """Forget the receive buffers kept for reuse."""
+        self._recv_pool.clear()
+        self._header_buffers.clear()
+
+    def _send_failed(self, error: BaseException, what: tuple[object, ...]) -> None:
+        self.peer_failed = self.peer_failed or isinstance(error, WorkError)
+        self._failed_send = f"{describe(what)}: {error}"
+
+    def _check_failed_send(self) -> None:
+        if self._failed_send is not None:
+            raise RuntimeError(f"an earlier send failed: {self._failed_send}")
+
+    def _post(
+        self, op: Any, tensor: torch.Tensor, peer: int, tag: int, group: int = 0
+    ) -> dist.Work:
+        """``op`` (``dist.isend`` / ``dist.irecv``) on ``groups[group]``: its Work."""
+        work: dist.Work | None = op(tensor, peer, group=self._groups[group], tag=tag)
+        if work is None:  # only for a rank outside the group, which these groups never have
+            raise RuntimeError(f"rank {self._rank} is not a member of the transport's group")
+        return work
+
+    async def _complete(
+        self,
+        works: Posted,
+        what: tuple[object, ...],
+        then: Then | None = None,
+        p2p_send: bool = False,
+    ) -> None:
+        try:
+            await self.waiters.complete(works, then, p2p_send)
+        except WorkError as error:
+            self.peer_failed = True
+            raise RuntimeError(f"{describe(what)}: {error}") from error

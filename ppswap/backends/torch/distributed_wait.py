@@ -1,0 +1,188 @@
+"""Completing torch.distributed works for the event loop (``TorchDistTransport``'s).
+
+gloo's point-to-point ``Work`` reports ``is_completed()`` only once ``wait()`` has been
+called (torch 2.13: it stays False after the data has landed; ``get_future`` is not
+implemented for it; a ``wait(timeout)`` that expires closes every connection of the
+group). So ``Waiters.complete`` hands a message's works to a daemon thread that blocks in
+``wait()`` (which releases the GIL) and wakes the loop with ``call_soon_threadsafe`` when
+they are done; the loop itself never blocks. NCCL works do report completion, and their
+``wait()`` only orders CUDA streams, so the thread polls ``is_completed()`` for them.
+
+Threads are reused (one job at a time each) and are daemon threads: a gloo wait cannot be
+withdrawn, and one left waiting must not keep the process from exiting. A cancelled
+``complete`` returns at once; its thread waits on until gloo completes or fails the work
+(when the peer closes its group or exits, or at the group's timeout). A daemon thread
+that returns from ``wait()`` while Python finalizes kills the process (pybind11 cannot
+unwind the thread: "terminate called without an active exception", SIGABRT; measured),
+so ``close`` gives such threads a grace period to end first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.distributed as dist
+
+__all__ = ["Posted", "Then", "Waiters", "WorkError", "host_tensor"]
+
+Posted = list[tuple[dist.Work, bool]]
+"""A message's works, each with whether it is polled (NCCL) rather than waited (gloo)."""
+Then = Callable[[], Posted | None]
+"""Runs on the waiting thread once the works completed; the works it returns are waited
+too (a receive posts the body's receive once the header has arrived: one wake-up)."""
+
+_POLL_S = 50e-6
+_CLOSED = "TorchDistTransport was closed while a message was in flight"
+
+
+class WorkError(RuntimeError):
+    """A posted operation failed (gloo: the peer closed the connection, its process ended,
+    or the group's timeout passed); the message is torch's."""
+
+
+def host_tensor(array: npt.NDArray[Any]) -> torch.Tensor:
+    """The bytes of the C-contiguous ``array`` as a 1-d uint8 tensor on its memory (no copy)."""
+    raw = array.reshape(-1).view(np.uint8)
+    if raw.flags.writeable:
+        return torch.from_numpy(raw)
+    with warnings.catch_warnings():  # torch warns about read-only arrays; it only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw)
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    works: Posted
+    then: Then | None  # runs on the thread once the works completed
+    p2p_send: bool
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+
+
+class Waiters:
+    """The waiting threads of one transport. ``complete`` is called on the event loop."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.pending_sends = 0  # P2P sends whose works have not completed
+        self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # notified when a job ends
+        self._busy = 0  # jobs on a thread
+        self._idle: list[queue.SimpleQueue[_Job | None]] = []
+        self._waiting: set[asyncio.Future[None]] = set()
+
+    async def complete(
+        self, works: Posted, then: Then | None = None, p2p_send: bool = False
+    ) -> None:
+        """Wait for ``works``, run ``then`` on the thread and wait for the works it returns;
+        raise what any of them raised.
+
+        ``p2p_send`` counts the works in ``pending_sends`` until they complete. Raises
+        ``RuntimeError`` if the transport is closed, or gets closed while waiting.
+        """
+        await self._submit(works, then, p2p_send)  # cancelled: the thread waits on
+
+    def start(
+        self, works: Posted, p2p_send: bool, on_error: Callable[[BaseException], None]
+    ) -> None:
+        """Wait for ``works`` in the background (nobody awaits them); a failure goes to
+        ``on_error`` on the loop. Raises ``RuntimeError`` if the transport is closed."""
+
+        def done(future: asyncio.Future[None]) -> None:
+            error = None if future.cancelled() else future.exception()
+            if error is not None:
+                on_error(error)
+
+        self._submit(works, None, p2p_send).add_done_callback(done)
+
+    def _submit(self, works: Posted, then: Then | None, p2p_send: bool) -> asyncio.Future[None]:
+        if self.closed:
+            raise RuntimeError("TorchDistTransport is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+            self._busy += 1
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            name = "ppswap-torch-dist-wait"
+            threading.Thread(target=self._serve, args=(jobs,), name=name, daemon=True).start()
+        self.pending_sends += p2p_send
+        self._waiting.add(future)
+        future.add_done_callback(self._waiting.discard)
+        jobs.put(_Job(works, then, p2p_send, loop, future))
+        return future
+
+    def close(self) -> None:
+        """Fail every waiting ``complete`` and stop the idle threads (busy ones end later).
+
+        Call it on the loop's thread, or after the loop ended.
+        """
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+        for jobs in idle:
+            jobs.put(None)
+        for future in list(self._waiting):
+            with contextlib.suppress(RuntimeError):  # its loop is closed
+                if not future.done():
+                    future.set_exception(RuntimeError(_CLOSED))
+
+    def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every job to end; the number still on a thread."""
+        with self._lock:
+            self._ended.wait_for(lambda: self._busy == 0, timeout=timeout_s)
+            return self._busy
+
+    def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+        while (job := jobs.get()) is not None:
+            error = self._run(job)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                job.loop.call_soon_threadsafe(self._resolve, job, error)
+            del job  # no reference to a work, a tensor or a buffer while idle
+            with self._lock:
+                self._busy -= 1
+                self._ended.notify_all()
+                if self.closed:
+                    return
+                self._idle.append(jobs)
+
+    def _run(self, job: _Job) -> BaseException | None:
+        """Wait for the job's works, then for those ``then`` returns; what failed, if any."""
+        works: Posted | None = job.works
+        then = job.then
+        try:
+            while works:
+                for work, polled in works:
+                    while polled and not work.is_completed():
+                        if self.closed:
+                            raise RuntimeError(_CLOSED)
+                        time.sleep(_POLL_S)
+                    try:
+                        work.wait()  # gloo: ends by the group's timeout at the latest
+                    except Exception as exc:
+                        raise WorkError(str(exc)) from exc
+                works, then = (None if then is None else then()), None
+        except Exception as exc:
+            return exc
+        return None
+
+    def _resolve(self, job: _Job, error: BaseException | None) -> None:
+        self.pending_sends -= job.p2p_send
+        if job.future.done():  # cancelled, or failed by close()
+            return
+        if error is None:
+            job.future.set_result(None)
+        else:
+            job.future.set_exception(error)
