@@ -45,6 +45,25 @@ def _live(record: ForwardRecord) -> tuple[TorchRecord, torch.Tensor]:
     return record, record.output
 
 
+def _grad(
+    output: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    sensitivity: torch.Tensor,
+    *,
+    retain_graph: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad`` of ``output`` for ``inputs`` (None for an unused one), also
+    when there is nothing to differentiate: no inputs (a stage without trainable
+    parameters asked for dw, torch refuses an empty ``inputs``) or an output that depends
+    on nothing requiring grad (a frozen first stage)."""
+    if not inputs or not output.requires_grad:
+        return tuple(None for _ in inputs)
+    grads: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
+        output, list(inputs), sensitivity, retain_graph=retain_graph, allow_unused=True
+    )
+    return grads
+
+
 def _grads_or_zeros(
     grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, ...]:
@@ -65,7 +84,7 @@ class _PendingWeightGrads:
             raise RuntimeError("the weight gradients of this forward were already computed")
         self.record.output = None
         weights = [w for w in self.weights if w.requires_grad]
-        grads = torch.autograd.grad(output, weights, self.sensitivity, allow_unused=True)
+        grads = _grad(output, weights, self.sensitivity)
         by_weight = dict(zip(map(id, weights), grads, strict=True))
         return _grads_or_zeros([by_weight.get(id(w)) for w in self.weights], self.weights)
 
@@ -97,7 +116,7 @@ class TorchAutograd:
         rec.output = None
         wanted = [t for t in rec.inputs if t.requires_grad]
         trainable = [w for w in weights if w.requires_grad]
-        grads = torch.autograd.grad(output, [*wanted, *trainable], sensitivity, allow_unused=True)
+        grads = _grad(output, [*wanted, *trainable], sensitivity)
         by_tensor = dict(zip(map(id, [*wanted, *trainable]), grads, strict=True))
         input_grads = tuple(by_tensor.get(id(t)) if t.requires_grad else None for t in rec.inputs)
         weight_grads = _grads_or_zeros([by_tensor.get(id(w)) for w in weights], weights)
@@ -114,9 +133,7 @@ class TorchAutograd:
         wanted = [t for t in rec.inputs if t.requires_grad]
         input_grads: tuple[torch.Tensor | None, ...] = tuple(None for _ in rec.inputs)
         if wanted:
-            grads = torch.autograd.grad(
-                output, wanted, sensitivity, retain_graph=True, allow_unused=True
-            )
+            grads = _grad(output, wanted, sensitivity, retain_graph=True)
             by_tensor = dict(zip(map(id, wanted), grads, strict=True))
             input_grads = tuple(by_tensor.get(id(t)) for t in rec.inputs)
         return input_grads, _PendingWeightGrads(rec, sensitivity, tuple(weights))
