@@ -1,0 +1,125 @@
+"""Bad input to a torch run is refused with a message that names what is wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+from torch_support import GPIPE_CASE, build_stages, make_data, mse_loss, run_case
+
+from ppswap import PipelineError, PipelineInputError, PipelineStage, run_schedule
+
+Array = npt.NDArray[np.float32]
+
+
+@pytest.mark.asyncio
+async def test_a_torch_stage_mixed_with_a_mindspore_stage_is_refused() -> None:
+    """One run, one framework: a torch stage next to a MindSpore stage is a TypeError that
+    names each stage's framework, raised before anything runs."""
+    torch_stage = build_stages(2)[0]
+    mindspore_stage = PipelineStage(ms.nn.Dense(8, 8), 1, 2)
+    x, y = make_data()
+    with pytest.raises(
+        TypeError,
+        match=r"stages must all be modules of one framework, got stage 0: torch, "
+        r"stage 1: mindspore",
+    ):
+        await run_schedule(
+            [torch_stage, mindspore_stage],
+            "gpipe",
+            micro_batch_num=4,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+        )
+    assert torch_stage.generation == 0  # nothing ran
+
+
+def _float64_numpy(a: Array) -> Any:
+    return a.astype(np.float64)
+
+
+def _float64_tensor(a: Array) -> Any:
+    return torch.from_numpy(a).double()
+
+
+def _float16_tensor(a: Array) -> Any:
+    return torch.from_numpy(a).half()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("which", "convert", "dtype"),
+    [
+        ("inputs", _float64_numpy, "float64"),
+        ("inputs", _float64_tensor, "float64"),
+        ("targets", _float16_tensor, "float16"),
+    ],
+)
+async def test_a_batch_of_the_wrong_float_dtype_is_refused(
+    which: str, convert: Callable[[Array], Any], dtype: str
+) -> None:
+    """float32 stages refuse a float64 or float16 batch (numpy or torch) before running:
+    a PipelineInputError naming the batch, the expected and the given dtype."""
+    stages = build_stages(2)
+    x, y = make_data()
+    batches = {"inputs": x, "targets": y}
+    batches[which] = convert(batches[which])
+    with pytest.raises(PipelineInputError, match=rf"{which} must have dtype float32 .*got {dtype}"):
+        await run_case(stages, GPIPE_CASE, swap=True, **batches)
+    assert all(s.generation == 0 for s in stages)
+
+
+def _elementwise(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target) ** 2
+
+
+def _python_float(output: torch.Tensor, target: torch.Tensor) -> Any:
+    return float(((output - target) ** 2).mean().detach())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("loss_fn", "got"),
+    [(_elementwise, "got Tensor of shape (2, 4, 8)"), (_python_float, "got float")],
+)
+async def test_a_loss_fn_that_returns_no_scalar_tensor_is_named(
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], Any], got: str
+) -> None:
+    """A loss_fn returning a non-scalar tensor (or no tensor) ends the run at the last
+    stage's first forward, naming the loss_fn and what it returned."""
+    stages = build_stages(2)
+    with pytest.raises(PipelineError) as caught:
+        await run_case(stages, GPIPE_CASE, swap=True, loss_fn=loss_fn)
+    message, cause = str(caught.value), caught.value.__cause__
+    assert (caught.value.rank, caught.value.step) == (1, "F0.1")
+    del caught
+    assert isinstance(cause, PipelineInputError)
+    assert f"loss_fn {loss_fn.__qualname__} must return a scalar torch.Tensor (shape ())" in message
+    assert got in message
+    assert all(s.live_chunks == 0 for s in stages)
+
+
+@pytest.mark.asyncio
+async def test_a_bfloat16_batch_is_refused_with_a_clear_message() -> None:
+    """The torch backend moves batches and losses through numpy, which has no bfloat16:
+    a bfloat16 model is refused with a TypeError naming the dtype, not torch's bare
+    'Got unsupported ScalarType BFloat16'."""
+    stages = [
+        PipelineStage(s.module.to(torch.bfloat16), s.stage_index, s.stage_num)
+        for s in build_stages(2)
+    ]
+    x, y = make_data()
+    with pytest.raises(TypeError, match=r"torch\.bfloat16.*numpy has no such dtype"):
+        await run_case(
+            stages,
+            GPIPE_CASE,
+            swap=False,
+            inputs=torch.from_numpy(x).bfloat16(),
+            targets=torch.from_numpy(y).bfloat16(),
+        )
