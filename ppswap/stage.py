@@ -235,7 +235,9 @@ class PipelineStage:
         with collector.collection_context(
             self.stage_index, micro, protected=inputs_for_graph, parameters=self._module_state
         ):
-            out, recorded = autograd.record(self._forward_fn, inputs_for_graph)
+            # dx only for a previous stage: the first stage's input and the target need none
+            grad_inputs = (not self.is_first,) + (False,) * (len(inputs_for_graph) - 1)
+            out, recorded = autograd.record(self._forward_fn, inputs_for_graph, grad_inputs)
         collector.protect_aliases(self.stage_index, micro, [out])
         self._chunks[micro] = _Chunk(recorded, out if keep_output or self.is_last else None)
         return out

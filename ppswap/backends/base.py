@@ -152,6 +152,8 @@ class Autograd(Protocol):
 
     ``record`` runs ``fn(*inputs)`` recording its graph and returns its output and the
     record; the saved-tensor hooks active around it see every tensor the graph saves.
+    ``grad_inputs`` (default: every input) says which inputs' gradients a backward will
+    ask for: a backend may skip the others' (the first stage's dx, the loss's target).
     ``backward`` runs the recorded graph's backward seeded with ``sensitivity`` and
     returns ``(input_grads, weight_grads)``
     (``weight_grads`` aligned with ``weights``). ``backward_input`` is the dx half of the
@@ -163,7 +165,10 @@ class Autograd(Protocol):
     """
 
     def record(
-        self, fn: Callable[..., Tensor], inputs: Sequence[Tensor]
+        self,
+        fn: Callable[..., Tensor],
+        inputs: Sequence[Tensor],
+        grad_inputs: Sequence[bool] | None = None,
     ) -> tuple[Tensor, ForwardRecord]: ...
 
     def backward(

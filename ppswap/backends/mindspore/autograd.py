@@ -87,9 +87,13 @@ class MindSporeAutograd:
     defers_weight_grads = False
 
     def record(
-        self, fn: Callable[..., Tensor], inputs: Sequence[Tensor]
+        self,
+        fn: Callable[..., Tensor],
+        inputs: Sequence[Tensor],
+        grad_inputs: Sequence[bool] | None = None,
     ) -> tuple[Tensor, ForwardRecord]:
-        """Run ``fn(*inputs)`` recording its graph for a later backward."""
+        """Run ``fn(*inputs)`` recording its graph for a later backward. ``grad_inputs``
+        is not used: MindSpore's grad operation returns every input's gradient."""
         args = tuple(inputs)
         _pynative_executor.set_grad_flag(True)
         _pynative_executor.new_graph(fn, *args)

@@ -1,7 +1,8 @@
 """Forward now, backward later, in any order: the torch autograd seam.
 
 A forward is recorded by running it with grad mode on, on detached copies of its inputs
-that require grad where they are floating (so dx can be asked for): torch keeps each
+that require grad where they are floating and their dx is wanted (not the first stage's
+input, nor the loss's target): torch keeps each
 graph alive as long as its output is referenced, so the record is just the inputs and the
 output, and backwards may run in any order. The backward is ``torch.autograd.grad`` of the
 output seeded with the sensitivity, for the inputs that require grad and the weights: the
@@ -95,11 +96,19 @@ class TorchAutograd:
     defers_weight_grads = True
 
     def record(
-        self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]
+        self,
+        fn: Callable[..., torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        grad_inputs: Sequence[bool] | None = None,
     ) -> tuple[torch.Tensor, ForwardRecord]:
-        """Run ``fn(*inputs)`` with grad mode on; floating inputs require grad."""
+        """Run ``fn(*inputs)`` with grad mode on; floating inputs require grad, those that
+        ``grad_inputs`` marks False excepted (their dx is never computed)."""
+        wanted = [True] * len(inputs) if grad_inputs is None else list(grad_inputs)
+        if len(wanted) != len(inputs):
+            raise ValueError(f"grad_inputs has {len(wanted)} flags for {len(inputs)} inputs")
         leaves = tuple(
-            t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in inputs
+            t.detach().requires_grad_(want and (t.is_floating_point() or t.is_complex()))
+            for t, want in zip(inputs, wanted, strict=True)
         )
         with torch.enable_grad():
             output = fn(*leaves)
