@@ -173,7 +173,7 @@ class PipelineStage:
                 if not is_scalar_tensor(loss):
                     raise PipelineInputError(
                         f"loss_fn {_name_of(loss_fn)} must return a scalar {tensor_name} "
-                        f"(shape ()), got {type(loss).__name__} of shape {_shape_of(loss)}"
+                        f"(shape ()), got {_described(loss)}"
                     )
                 return loss
 
@@ -301,6 +301,13 @@ class PipelineStage:
 
 def _name_of(fn: object) -> str:
     return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
+
+
+def _described(value: object) -> str:
+    """``"Tensor of shape (2, 3)"``, or ``"float"`` for a value without a shape."""
+    shape = _shape_of(value)
+    kind = type(value).__name__
+    return kind if shape is None else f"{kind} of shape {shape}"
 
 
 def _shape_of(value: object) -> tuple[int, ...] | None:

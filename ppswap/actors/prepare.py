@@ -47,7 +47,13 @@ from ppswap.core.messages import HostArray
 from ppswap.core.transport import MultiProcessTransport, Transport
 from ppswap.errors import PipelineInputError
 from ppswap.fsdp.mesh import DeviceMesh
-from ppswap.fsdp.plan import check_mesh, replica_of, resolve_mesh, world_orders
+from ppswap.fsdp.plan import (
+    check_mesh,
+    check_process_stages,
+    replica_of,
+    resolve_mesh,
+    world_orders,
+)
 from ppswap.options import RunOptions
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost import build_orders
@@ -157,7 +163,7 @@ def prepare_run(
         fsdp=mesh is not None,
     )
     if mesh is not None:
-        check_mesh(mesh, pp, distributed=distributed is not None)
+        check_mesh(mesh, pp, distributed)
     local_ranks = _check_coverage(stage_list, config, distributed, mesh)
     _check_data(backend, stage_list, options, inputs, targets, loss_fn, mesh)
     orders = build_orders(config, options.swap_policy, options.cost_model)
@@ -252,13 +258,14 @@ def _resolve_pp(
     mesh: DeviceMesh | None,
 ) -> int:
     pp = options.pp
-    if distributed is not None:
+    if mesh is not None:
+        # check_mesh checks pp against the mesh, and the world size against mesh.world_size
+        pp = mesh.pp if pp is None else pp
+    elif distributed is not None:
         world = distributed.world_size
         if pp is not None and pp != world:
             raise ValueError(f"pp must equal the distributed world size {world}, got {pp!r}")
         pp = world
-    elif pp is None and mesh is not None:
-        pp = mesh.pp
     if pp is None:
         if options.schedule == "interleaved_1f1b":
             raise ValueError(
@@ -280,6 +287,11 @@ def _check_coverage(
     mesh: DeviceMesh | None,
 ) -> tuple[int, ...]:
     """The ranks this process runs; the stages must be exactly theirs."""
+    if distributed is not None and mesh is not None:
+        # One process per world rank: pipeline rank w % pp of dp replica w // pp.
+        rank = distributed.rank
+        check_process_stages(stages, mesh, rank, config.stages_of(mesh.coords(rank).pp))
+        return (rank,)
     if distributed is not None:
         local_ranks: tuple[int, ...] = (distributed.rank,)
         expected = set(config.stages_of(distributed.rank))
@@ -377,8 +389,15 @@ def _check_float_dtype(name: str, value: Any, stage: PipelineStage, which: str) 
         (expected,) = floating
         raise PipelineInputError(
             f"{name} must have dtype {expected} (the {which} stage's parameters), got {dtype}: "
-            f"convert the batch (e.g. {name}.astype(np.{expected}))"
+            f"convert the batch (e.g. {_conversion(backend, value, name, expected)})"
         )
+
+
+def _conversion(backend: Backend, value: Any, name: str, dtype: np.dtype[Any]) -> str:
+    """How to convert a batch to ``dtype`` in the batch's own framework."""
+    if backend.name == "torch" and not isinstance(value, np.ndarray):
+        return f"{name}.to(torch.{dtype})"
+    return f"{name}.astype(np.{dtype})"
 
 
 def split_batches(plan: RunPlan) -> Batches:

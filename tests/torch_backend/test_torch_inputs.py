@@ -54,24 +54,28 @@ def _float16_tensor(a: Array) -> Any:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    ("which", "convert", "dtype"),
+    ("which", "convert", "dtype", "hint"),
     [
-        ("inputs", _float64_numpy, "float64"),
-        ("inputs", _float64_tensor, "float64"),
-        ("targets", _float16_tensor, "float16"),
+        ("inputs", _float64_numpy, "float64", "inputs.astype(np.float32)"),
+        ("inputs", _float64_tensor, "float64", "inputs.to(torch.float32)"),
+        ("targets", _float16_tensor, "float16", "targets.to(torch.float32)"),
     ],
 )
 async def test_a_batch_of_the_wrong_float_dtype_is_refused(
-    which: str, convert: Callable[[Array], Any], dtype: str
+    which: str, convert: Callable[[Array], Any], dtype: str, hint: str
 ) -> None:
     """float32 stages refuse a float64 or float16 batch (numpy or torch) before running:
-    a PipelineInputError naming the batch, the expected and the given dtype."""
+    a PipelineInputError naming the batch, the expected and the given dtype, and how to
+    convert it in the batch's own framework."""
     stages = build_stages(2)
     x, y = make_data()
     batches = {"inputs": x, "targets": y}
     batches[which] = convert(batches[which])
-    with pytest.raises(PipelineInputError, match=rf"{which} must have dtype float32 .*got {dtype}"):
+    with pytest.raises(
+        PipelineInputError, match=rf"{which} must have dtype float32 .*got {dtype}"
+    ) as caught:
         await run_case(stages, GPIPE_CASE, swap=True, **batches)
+    assert f"(e.g. {hint})" in str(caught.value)
     assert all(s.generation == 0 for s in stages)
 
 
@@ -86,7 +90,7 @@ def _python_float(output: torch.Tensor, target: torch.Tensor) -> Any:
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("loss_fn", "got"),
-    [(_elementwise, "got Tensor of shape (2, 4, 8)"), (_python_float, "got float")],
+    [(_elementwise, "got Tensor of shape (2, 4, 8)"), (_python_float, "got float\n")],
 )
 async def test_a_loss_fn_that_returns_no_scalar_tensor_is_named(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], Any], got: str
@@ -101,7 +105,7 @@ async def test_a_loss_fn_that_returns_no_scalar_tensor_is_named(
     del caught
     assert isinstance(cause, PipelineInputError)
     assert f"loss_fn {loss_fn.__qualname__} must return a scalar torch.Tensor (shape ())" in message
-    assert got in message
+    assert got in message + "\n"
     assert all(s.live_chunks == 0 for s in stages)
 
 
