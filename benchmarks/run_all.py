@@ -98,10 +98,22 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "plan",
         "bench_plan.py",
-        "Planner time (issue 2)",
-        "Lowering time of every rank of interleaved pp32 vpp4 with FSDP and batch P2P.",
+        "Planner time",
+        "Lowering time of every rank of interleaved pp32 vpp4 m256 with FSDP, batch P2P and "
+        "swap, beside torch.distributed.pipelining's schedule construction for the same "
+        "config; growth in micro; the cost-aware policy's planning time.",
         args=("--repeats", "3"),
         quick_args=("--repeats", "1"),
+        limit_s=180.0,
+    ),
+    Benchmark(
+        "swap-check",
+        "bench_swap_check.py",
+        "In-place checks: what each swap_check mode costs",
+        "The compute thread's CPU time for swap (capture, seal, prepare, finish, release) "
+        'per chunk with `swap_check="sampled"` (the default) and `"full"`, against no swap, '
+        "on one stage of the demo LM.",
+        quick_args=("--chunks", "8", "--repeats", "1"),
         limit_s=180.0,
     ),
     Benchmark(
@@ -242,12 +254,12 @@ def machine_section(load_before: tuple[float, ...], load_after: tuple[float, ...
             f"| memory | {_memory_gib()} |",
             f"| OS | {platform.platform()} |",
             f"| Python | {platform.python_version()} |",
-            f"| mindspore / numpy / anyio | {_version('mindspore')} / {_version('numpy')} / "
-            f"{_version('anyio')} |",
+            f"| mindspore / torch / numpy / anyio | {_version('mindspore')} / "
+            f"{_version('torch')} / {_version('numpy')} / {_version('anyio')} |",
             f"| ppswap commit | {_commit()} |",
             f"| load average (1, 5, 15 min) | before: {loads}; after: {loads_after} |",
-            "| MindSpore mode | PyNative on CPU, `pynative_synchronize=True` in the memory and "
-            "cost benchmarks |",
+            "| MindSpore mode | PyNative on CPU; ppswap runs synchronous dispatch for the "
+            "duration of a run (`MindSporeBackend.run_scope`, docs/architecture.md) |",
         ]
     )
 
