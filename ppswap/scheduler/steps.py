@@ -58,6 +58,11 @@ class StepKind(enum.Enum):
     SWAP_LAUNCH_LOAD = "SWAP_LAUNCH_LOAD"
     SWAP_WAIT_LOAD = "SWAP_WAIT_LOAD"
 
+    # Members are singletons compared by identity: hash them by identity too (in C), not
+    # by Enum's Python-level hash of the name. The planner and the runtime hash a kind at
+    # almost every step (``kind in SOME_KINDS``, dicts keyed by kind).
+    __hash__ = object.__hash__
+
 
 COMPUTE_KINDS = frozenset({StepKind.FWD, StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT})
 COMPOSITE_KINDS = frozenset({StepKind.OVERLAP_B_F, StepKind.OVERLAP_F_B})
