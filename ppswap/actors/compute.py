@@ -67,7 +67,7 @@ from ppswap.actors.batch import (
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
 from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.actors.trace import FlightRecorder
-from ppswap.core.executor import DedicatedThread
+from ppswap.core.executor import DedicatedThread, JobDeadlineError
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.core.messages import (
     FutureTimeoutError,
@@ -529,9 +529,10 @@ class ComputeActor:
         interrupted: on a missed deadline the run fails and teardown waits for it).
         ``urgent``: on the thread's urgent lane, ahead of the leaves queued there."""
         submit = self._compute.run_urgent if urgent else self._compute.run
-        with anyio.move_on_after(self._timeout_s) as scope:
-            return await submit(fn, *args)
-        assert scope.cancelled_caught
+        try:
+            return await submit(fn, *args, timeout_s=self._timeout_s)
+        except JobDeadlineError:
+            pass
         name = getattr(fn, "__qualname__", repr(fn))
         current = self._current
         step = current.short() if isinstance(current, MetaStep) else str(current)

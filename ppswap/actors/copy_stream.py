@@ -34,6 +34,7 @@ import structlog
 
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEvent
+from ppswap.core.deadlines import resolve, wait_woken
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.errors import PipelineError, PipelineHangError, named_failure
 from ppswap.logs import log_step
@@ -71,17 +72,11 @@ class CopyCompletion(CopyEvent):
         woken: asyncio.Future[None] = loop.create_future()
 
         def wake() -> None:  # on the thread that sets the event
-            loop.call_soon_threadsafe(_resolve, woken)
+            loop.call_soon_threadsafe(resolve, woken)
 
         self.on_set(wake)
-        with anyio.move_on_after(timeout_s):
-            await woken
+        await wait_woken(woken, timeout_s)
         return self.is_set()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 @dataclass(slots=True)

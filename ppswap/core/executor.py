@@ -18,7 +18,9 @@ Contract:
   it would not on a device of its own.
 - Cancelling the awaiting task does not interrupt ``fn`` (nothing can interrupt a running
   Python call on another thread). The job still runs to completion; its result is dropped.
-  Deadlines are therefore set on *waits*, and teardown waits for the job in flight.
+  Deadlines are therefore set on *waits* (``timeout_s``: the wait raises
+  ``JobDeadlineError`` when the job has not finished by then), and teardown waits for the
+  job in flight.
 - Completion is signalled to the event loop with ``loop.call_soon_threadsafe``: this module
   needs the asyncio backend (what pytest-asyncio and MindSpore users run).
 - ``stop()`` enqueues a sentinel; the thread finishes the jobs before it and exits. The
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -41,9 +44,16 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
-__all__ = ["DedicatedThread", "ThreadStats"]
+from ppswap.core.deadlines import wait_woken
+
+__all__ = ["DedicatedThread", "JobDeadlineError", "ThreadStats"]
 
 T = TypeVar("T")
+
+
+class JobDeadlineError(TimeoutError):
+    """A job submitted with ``timeout_s`` had not finished when the deadline passed (it
+    may still be running on the thread)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +67,7 @@ class ThreadStats:
 
 
 class _Job(Generic[T]):
-    __slots__ = ("args", "error", "fn", "future", "loop", "result")
+    __slots__ = ("args", "error", "finished", "fn", "future", "loop", "result")
 
     def __init__(
         self, fn: Callable[..., T], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop
@@ -69,9 +79,11 @@ class _Job(Generic[T]):
         self.future: asyncio.Future[None] = loop.create_future()
         self.result: T | None = None
         self.error: BaseException | None = None
+        self.finished = False
 
     def finish(self) -> None:
         """Event loop: wake the awaiting task (unless it was cancelled meanwhile)."""
+        self.finished = True
         if not self.future.done():
             self.future.set_result(None)
 
@@ -155,20 +167,27 @@ class DedicatedThread:
         return ThreadStats(self.name, self._jobs_run, self._busy_s, self.is_alive)
 
     # -- work -------------------------------------------------------------------------
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any, timeout_s: float = math.inf) -> T:
         """Run ``fn(*args)`` on the thread and return its result (see module docstring)."""
-        return await self._submit(fn, args, urgent=False)
+        return await self._submit(fn, args, urgent=False, timeout_s=timeout_s)
 
-    async def run_urgent(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run_urgent(
+        self, fn: Callable[..., T], *args: Any, timeout_s: float = math.inf
+    ) -> T:
         """``run``, served ahead of every ``run`` job still queued (see module docstring)."""
-        return await self._submit(fn, args, urgent=True)
+        return await self._submit(fn, args, urgent=True, timeout_s=timeout_s)
 
-    async def _submit(self, fn: Callable[..., T], args: tuple[Any, ...], urgent: bool) -> T:
+    async def _submit(
+        self, fn: Callable[..., T], args: tuple[Any, ...], *, urgent: bool, timeout_s: float
+    ) -> T:
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError(f"thread {self.name!r} is not running")
         job: _Job[T] = _Job(fn, args, asyncio.get_running_loop())
         self._put(job, urgent=urgent)
-        await job.future
+        await wait_woken(job.future, timeout_s)
+        if not job.finished:
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise JobDeadlineError(f"job {name} not finished within {timeout_s}s")
         if job.error is not None:
             raise job.error
         return job.result  # type: ignore[return-value]

@@ -7,13 +7,14 @@ exactly once by the actor that serves it and awaited (with a deadline) by the re
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
-import anyio
 import numpy.typing as npt
 
+from ppswap.core.deadlines import resolve, wait_woken
 from ppswap.scheduler.steps import MetaStep
 
 __all__ = [
@@ -48,17 +49,17 @@ class ReplyFuture(Generic[T]):
 
     Resolve with ``set_result`` / ``set_exception`` from the event loop thread only.
     ``wait(timeout)`` raises ``FutureTimeoutError`` when the deadline passes, so no
-    waiter can hang. ``result()`` reads a resolved future without waiting. The wake-up
-    event is made only when someone has to wait (most replies are there before anyone
-    asks for them).
+    waiter can hang. ``result()`` reads a resolved future without waiting. A waiter's
+    loop future is made only when someone has to wait (most replies are there before
+    anyone asks for them); the deadline is one loop timer (``core.deadlines``).
     """
 
-    __slots__ = ("_done", "_error", "_event", "_result", "label")
+    __slots__ = ("_done", "_error", "_result", "_waiters", "label")
 
     def __init__(self, label: str) -> None:
         self.label = label
         self._done = False
-        self._event: anyio.Event | None = None
+        self._waiters: list[asyncio.Future[None]] = []
         self._result: T | None = None
         self._error: BaseException | None = None
 
@@ -85,8 +86,8 @@ class ReplyFuture(Generic[T]):
 
     def _resolve(self) -> None:
         self._done = True
-        if self._event is not None:
-            self._event.set()
+        for waiter in self._waiters:
+            resolve(waiter)
 
     def result(self) -> T:
         """The value (or raise the error) of a resolved future."""
@@ -98,10 +99,12 @@ class ReplyFuture(Generic[T]):
 
     async def wait(self, timeout: float = math.inf) -> T:
         if not self._done:
-            if self._event is None:
-                self._event = anyio.Event()
-            with anyio.move_on_after(timeout):
-                await self._event.wait()
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await wait_woken(waiter, timeout)
+            finally:
+                self._waiters.remove(waiter)
             if not self._done:
                 raise FutureTimeoutError(f"{self.label} not resolved within {timeout}s")
         return self.result()
