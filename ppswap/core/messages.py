@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeAlias, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, TypeAlias, TypeVar
 
 import numpy.typing as npt
 
@@ -110,13 +110,13 @@ class ReplyFuture(Generic[T]):
         return self.result()
 
 
-@dataclass(frozen=True, slots=True)
-class MessageKey:
+class MessageKey(NamedTuple):
     """Identifies one P2P message of a run: direction, receiving stage, micro-batch.
 
     ``direction`` is ``"F"`` (activation, stage s-1 -> s) or ``"B"`` (gradient,
     stage s+1 -> s); ``stage`` is always the *receiving* stage, so a SEND_F(s, i) travels
-    under ``MessageKey("F", s + 1, i)``.
+    under ``MessageKey("F", s + 1, i)``. A named tuple: made, hashed and compared in C
+    (keys are made and looked up several times per step).
     """
 
     direction: str
