@@ -1,11 +1,14 @@
-"""What a run does differently when each rank is its own process (MPI).
+"""What a run does differently when each rank is its own process (MPI, torch.distributed).
 
 - Before the actors start, the transport gets the run's tag layout
   (``configure(num_stages, micro_count)``, which also starts a new message epoch, so a stale
   message of an earlier run is an error, never a wrong tensor).
-- After the run every rank all-gathers a small float64 record (its RankStats, then the
-  last stage's losses, NaN elsewhere), so every process returns the same RunResult: the
-  losses of the last stage and the stats of every rank. Rank 0 prints, say.
+- After the run every rank all-gathers a small float64 record (its RankStats, a flag, then
+  the last stage's losses where it holds the last stage), so every process returns the
+  same RunResult: per micro-batch the mean over the ranks holding the last stage (one
+  rank, or with FSDP one per dp replica, in world-rank order: the in-process run's sum
+  and division, so the value is bit-identical to it) and the stats of every rank,
+  indexed by world rank. Rank 0 prints, say.
 - When a rank fails, waiting peers would only notice at their watchdog deadline. A
   transport with ``abort_on_failure`` (MPITransport) ends the whole job instead: the
   failing rank writes its PipelineError to stderr, naming itself, then aborts every
@@ -56,23 +59,28 @@ async def gather_results(
 
     ``stats`` is this rank's RankStats: a dataclass of numbers and of mappings of numbers
     (the compute-job times), laid out alike on every rank (same fields, same mapping keys
-    in the same order). Returns the losses (from whichever rank had them) and the stats
-    of every rank, indexed by rank.
+    in the same order). ``losses`` is this rank's per micro-batch loss, empty unless it
+    holds the last stage. Returns per micro-batch the mean over the ranks that had losses
+    (in rank order; one rank without FSDP, one per dp replica with it) and the stats of
+    every rank, indexed by rank.
     """
     template = [getattr(stats, field.name) for field in dataclasses.fields(stats)]
     fields = _flatten(template)
-    record = np.full(len(fields) + micro_count, math.nan, dtype=np.float64)
-    record[: len(fields)] = fields
+    flag = len(fields)
+    record = np.full(flag + 1 + micro_count, math.nan, dtype=np.float64)
+    record[:flag] = fields
+    record[flag] = 1.0 if losses else 0.0
     if losses:
-        record[len(fields) :] = losses
+        record[flag + 1 :] = losses
     group = tuple(range(transport.world_size))
     records = await transport.all_gather(transport.rank, group, _RESULT_KEY, record)
-    everyone = [RankStats(*_unflatten(template, r[: len(fields)].tolist())) for r in records]
-    gathered_losses: list[float] = []
-    for r in records:
-        tail = r[len(fields) :]
-        if not np.isnan(tail).all():
-            gathered_losses = [float(v) for v in tail]
+    everyone = [RankStats(*_unflatten(template, r[:flag].tolist())) for r in records]
+    holders = [r[flag + 1 :].tolist() for r in records if r[flag] == 1.0]
+    # As the in-process run (runtime._collect_losses): a sum in rank (= dp) order, divided.
+    gathered_losses = [
+        sum(held[m] for held in holders) / len(holders)
+        for m in range(micro_count if holders else 0)
+    ]
     return gathered_losses, everyone
 
 

@@ -10,12 +10,15 @@ What is checked (docs/reliability.md lists the tests):
 - the options: ``RunOptions`` checked each field when it was made; here what depends on
   the stages: ``pp`` against ``stage_num`` (and the distributed transport's world size),
   the schedule's own rules (``ScheduleConfig``: interleaved ``vpp``, ``overlap_b_f``
-  with GPipe...), the FSDP mesh against the stages' shards; ``trace`` a path;
+  with GPipe...), the FSDP mesh against the stages' shards (and, across processes,
+  against the transport: one process per world rank); ``trace`` a path;
 - the backend: every stage's module of one framework (``ppswap.backends``: a module of no
   supported framework is refused at ``PipelineStage``, a mix here), and that framework
   ready to run a pipeline (MindSpore in PYNATIVE_MODE);
 - the stages: PipelineStage objects agreeing on ``stage_num``, covering the stage indices
-  of the run exactly once (once per dp replica with FSDP);
+  of the run exactly once (once per dp replica with FSDP; across processes with FSDP, the
+  stages of this process's world rank ``w``: pipeline rank ``w % pp``, dp replica
+  ``w // pp``);
 - the data: ``inputs`` (first stage) and ``targets`` (last stage) are tensors of the
   stages' framework or numpy arrays of a numeric dtype, with a non-empty batch dimension
   divisible by ``micro_batch_num``, of the same batch size; floating inputs have the

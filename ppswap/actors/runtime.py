@@ -110,8 +110,11 @@ async def run_schedule(
     ``trace``: a path for a Chrome trace of the run.
 
     FSDP (docs/fsdp.md): when the stages' modules are ``fully_shard()``-ed, ``stages`` lists
-    every (stage, dp replica) and the run has ``pp * dp`` ranks in this process. The batch
-    is split into dp contiguous blocks, then each block into micro-batches.
+    every (stage, dp replica) and the run has ``pp * dp`` ranks in this process; with a
+    distributed transport of ``pp * dp`` processes, this process is world rank ``w`` and
+    ``stages`` lists the stages of pipeline rank ``w % pp`` in replica ``w // pp``. The
+    batch (the whole batch, in every process) is split into dp contiguous blocks, then
+    each block into micro-batches.
     """
     if schedule is not UNSET:
         option_fields["schedule"] = schedule

@@ -15,6 +15,7 @@ from ppswap.fsdp.shard import (
     full_gradients,
     full_parameters,
     fully_shard,
+    gather_full_gradients,
 )
 
 __all__ = [
@@ -28,5 +29,6 @@ __all__ = [
     "full_gradients",
     "full_parameters",
     "fully_shard",
+    "gather_full_gradients",
     "order_for_world_rank",
 ]

@@ -4,8 +4,10 @@ Used by ``ppswap.actors.prepare`` (before anything runs) and ``ppswap.actors.run
 
 - ``resolve_mesh``: the mesh of a run, read from its stages (every stage sharded with one
   mesh, or none) and checked against an explicit ``mesh=`` argument;
-- ``check_mesh``: the mesh must match the run's ranks (``mesh.pp`` pipeline ranks,
-  in this process);
+- ``check_mesh``: the mesh must match the run's ranks (``mesh.pp`` pipeline ranks; across
+  processes, one process per world rank over a transport with collectives);
+- ``check_process_stages``: across processes, this process's stages must be those of its
+  world rank (pipeline rank ``w % pp`` of dp replica ``w // pp``);
 - ``replica_of``: the dp replica a stage belongs to (0 for an unsharded stage);
 - ``world_orders``: the pipeline ranks' orders as every world rank runs them;
 - ``collectives_for``: the collective side of a transport (None for a P2P-only one);
@@ -16,7 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ppswap.core.transport import CollectiveTransport, Transport
+from ppswap.core.transport import (
+    CollectiveTransport,
+    DistributedTransport,
+    MultiProcessTransport,
+    Transport,
+)
 from ppswap.fsdp.mesh import DeviceMesh, order_for_world_rank
 from ppswap.fsdp.shard import fsdp_state_of
 from ppswap.scheduler.steps import Order
@@ -24,6 +31,7 @@ from ppswap.stage import PipelineStage
 
 __all__ = [
     "check_mesh",
+    "check_process_stages",
     "collectives_for",
     "param_storage_bytes",
     "replica_of",
@@ -74,17 +82,55 @@ def resolve_mesh(stages: Sequence[PipelineStage], mesh: object) -> DeviceMesh | 
     return found
 
 
-def check_mesh(mesh: DeviceMesh, pp: int, *, distributed: bool) -> None:
-    """The mesh must match the run's ranks: ``mesh.pp == pp``; all ranks in this process."""
-    if distributed:
-        raise ValueError(
-            f"fully_shard()-ed stages (mesh={mesh!r}) run in one process only for now: "
-            "pass transport=None (the in-process transport); FSDP over MPI is not wired yet"
-        )
+def check_mesh(mesh: DeviceMesh, pp: int, transport: MultiProcessTransport | None) -> None:
+    """The mesh must match the run's ranks: ``mesh.pp == pp``. ``transport`` is the
+    multi-process transport (None in one process): then every world rank is its own
+    process, so its world size must be ``mesh.world_size``, and it must have the
+    collectives and be configured per run (``MPITransport``, ``TorchDistTransport``)."""
     if mesh.pp != pp:
         raise ValueError(
             f"mesh={mesh!r} does not match the run's ranks: mesh.pp * mesh.dp = "
             f"{mesh.world_size} ranks need mesh.pp == pp, got pp={pp} pipeline ranks"
+        )
+    if transport is None:
+        return
+    if not (
+        isinstance(transport, CollectiveTransport) and isinstance(transport, DistributedTransport)
+    ):
+        raise TypeError(
+            f"transport must have collectives (all_gather, reduce_scatter_sum) and configure "
+            f"for fully_shard()-ed stages across processes (MPITransport, TorchDistTransport), "
+            f"got {type(transport).__name__}"
+        )
+    if transport.world_size != mesh.world_size:
+        raise ValueError(
+            f"the transport's world size must equal mesh.pp * mesh.dp = {mesh.world_size} "
+            f"for mesh={mesh!r} (one process per world rank), got world_size="
+            f"{transport.world_size}"
+        )
+
+
+def check_process_stages(
+    stages: Sequence[PipelineStage], mesh: DeviceMesh, rank: int, expected: Sequence[int]
+) -> None:
+    """Across processes: world rank ``rank`` runs the stage indices ``expected`` (those of
+    its pipeline rank ``rank % pp``), each once, as dp replica ``rank // pp``."""
+    coords = mesh.coords(rank)
+    where = (
+        f"world rank {rank}, pipeline rank {coords.pp} of dp replica {coords.dp} "
+        f"(mesh={mesh!r}: world rank w is pipeline rank w % pp of replica w // pp)"
+    )
+    wrong = sorted((s.stage_index, replica_of(s)) for s in stages if replica_of(s) != coords.dp)
+    if wrong:
+        raise ValueError(
+            f"stages must be fully_shard()-ed with dp_rank={coords.dp} for {where}, got "
+            f"(stage, dp_rank) pairs {wrong}"
+        )
+    given = sorted(s.stage_index for s in stages)
+    if given != sorted(expected):
+        raise ValueError(
+            f"stages must cover stage indices {sorted(expected)} exactly once for {where}, "
+            f"got {given}"
         )
 
 

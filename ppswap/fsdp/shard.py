@@ -15,7 +15,9 @@ the same initial weights (the same seed): each keeps only its own rows of *its* 
 
 Between uses a parameter holds its shard (shape ``(rows, *dims[1:])``), and after a run
 ``stage.grads`` holds the gradient of that shard (same shape): an optimizer steps on the
-shards. ``full_parameters`` / ``full_gradients`` reassemble the full tensors (tests).
+shards. ``full_parameters`` / ``full_gradients`` reassemble the full tensors from the
+replicas held in this process (tests); ``gather_full_gradients`` does it across processes
+(one process per world rank), over the transport's collectives.
 
 The state machine (``FsdpState``; every method that touches a tensor runs on the compute
 thread during a run)::
@@ -40,6 +42,7 @@ import numpy.typing as npt
 
 from ppswap.backends import backend_for
 from ppswap.backends.base import Backend, Module, Tensor
+from ppswap.core.transport import CollectiveTransport, MultiProcessTransport
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.stage import PipelineStage
 
@@ -51,6 +54,7 @@ __all__ = [
     "full_gradients",
     "full_parameters",
     "fully_shard",
+    "gather_full_gradients",
 ]
 
 Array = npt.NDArray[np.generic]
@@ -379,3 +383,63 @@ def full_gradients(replicas: Sequence[PipelineStage]) -> list[Array]:
         state.spec_of(param).join([replica[index] for replica in grads])
         for index, param in enumerate(ordered[0].parameters)
     ]
+
+
+async def gather_full_gradients(stage: PipelineStage, transport: object) -> list[Array]:
+    """Across processes: the full gradients of ``stage``, joined from the shard gradients
+    of every dp replica of it; aligned with ``trainable_params()``, equal to what
+    ``full_gradients`` gives for the same replicas in one process.
+
+    ``stage`` is this process's replica (``fully_shard()``-ed with dp_rank
+    ``transport.rank // mesh.pp``), after a run. ``transport`` is the run's multi-process
+    transport with collectives (``MPITransport``, ``TorchDistTransport``). A collective
+    call: every member of the stage's dp group (``mesh.dp_group(transport.rank)``) calls
+    it for the same stage, in the same order; the shard gradients of a stage go in one
+    ``all_gather``.
+    """
+    state = fsdp_state_of(stage.module)
+    if state is None:
+        raise ValueError(
+            f"stage {stage.stage_index} must be fully_shard()-ed, got an unsharded one"
+        )
+    if not (
+        isinstance(transport, MultiProcessTransport) and isinstance(transport, CollectiveTransport)
+    ):
+        raise TypeError(
+            "transport must be a multi-process transport with collectives (MPITransport, "
+            f"TorchDistTransport), got {type(transport).__name__}"
+        )
+    mesh, rank = state.mesh, transport.rank
+    if transport.world_size != mesh.world_size or mesh.coords(rank).dp != state.dp_rank:
+        raise ValueError(
+            f"stage {stage.stage_index} is dp replica {state.dp_rank} of mesh={mesh!r}; world "
+            f"rank {rank} of {transport.world_size} holds replica {rank // mesh.pp} of a mesh of "
+            f"{mesh.world_size} ranks (world rank w is pipeline rank w % pp of replica w // pp)"
+        )
+    specs = [state.spec_of(param) for param in stage.parameters]
+    grads = list(stage.grads)
+    if len(grads) != len(specs):
+        raise ValueError(
+            f"stage {stage.stage_index} has {len(grads)} gradients for {len(specs)} trainable "
+            "parameters: gather after a training run"
+        )
+    parts: list[Array] = []
+    for spec, grad in zip(specs, grads, strict=True):
+        host = np.ascontiguousarray(state.backend.to_host(grad, copy=True), dtype=spec.dtype)
+        if host.nbytes != spec.shard_nbytes:
+            name = state.backend.parameter_name(spec.param)
+            raise ValueError(
+                f"the gradient of {name!r} has shape {host.shape}; a shard gradient has the "
+                f"shard's shape {spec.shard_shape}"
+            )
+        parts.append(host.reshape(-1).view(np.uint8))
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+    key = f"full_grads.s{stage.stage_index}"
+    gathered = await transport.all_gather(rank, mesh.dp_group(rank), key, flat)
+    joined: list[Array] = []
+    offset = 0
+    for spec in specs:
+        end = offset + spec.shard_nbytes
+        joined.append(spec.join([g[offset:end].view(spec.dtype) for g in gathered]))
+        offset = end
+    return joined

@@ -8,26 +8,8 @@ from fsdp_support import DIM, batch, sharded_stages
 from mindspore import Tensor
 
 from ppswap import PipelineError, PipelineInputError, PipelineStage, run_schedule
-from ppswap.core.messages import HostArray, MessageKey
-from ppswap.core.transport import TransportStats
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.fsdp import DeviceMesh, fsdp_state_of, full_gradients, fully_shard
-
-
-class _OneRankTransport:
-    """A P2P-only transport of a 2-process job (never used: the run is refused first)."""
-
-    rank = 0
-    world_size = 2
-
-    async def send(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
-        raise AssertionError("must not run")
-
-    async def recv(self, dst: int, src: int, key: MessageKey) -> HostArray:
-        raise AssertionError("must not run")
-
-    def stats(self) -> TransportStats:
-        return TransportStats(0, 0, 0, 0)
 
 
 def _unsharded(stage_num: int) -> list[PipelineStage]:
@@ -88,12 +70,6 @@ CASES = [
         {"mesh": (2, 2)},
         TypeError,
         "mesh must be a ppswap.DeviceMesh or None, got tuple",
-    ),
-    (
-        lambda: sharded_stages(2, DeviceMesh(pp=2, dp=2)),
-        {"transport": _OneRankTransport()},
-        ValueError,
-        "run in one process only for now",
     ),
 ]
 
