@@ -59,9 +59,8 @@ from ppswap.fsdp.plan import (
 )
 from ppswap.options import RunOptions
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.cost import build_orders
+from ppswap.scheduler.planning import planned_orders
 from ppswap.scheduler.steps import Order, StepKind, iter_leaves
-from ppswap.scheduler.validate import validate_all
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap.tensor import CheckMode
 
@@ -169,8 +168,7 @@ def prepare_run(
         check_mesh(mesh, pp, distributed)
     local_ranks = _check_coverage(stage_list, config, distributed, mesh)
     _check_data(backend, stage_list, options, inputs, targets, loss_fn, mesh)
-    orders = build_orders(config, options.swap_policy, options.cost_model)
-    validate_all(config, orders)
+    orders = planned_orders(config, options.swap_policy, options.cost_model)
     orders = world_orders(orders, mesh)
     return RunPlan(
         options=options,
