@@ -1,70 +1,23 @@
 """TorchDistTransport across processes: ``torchrun --standalone --nproc_per_node N``.
 
 Each test launches a script from ``tests/torch_dist/scripts`` with torchrun in its own
-process group, with a deadline; on timeout the whole group is killed, so a hang fails the
-test instead of leaving stray ranks behind.
+process group, with a deadline (``launch.py``); on timeout the whole group is killed, so a
+hang fails the test instead of leaving stray ranks behind.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from launch import launch
 
 pytest.importorskip("torch.distributed")
 
 pytestmark = pytest.mark.slow
 
-SCRIPTS = Path(__file__).parent / "scripts"
-REPO = Path(__file__).resolve().parents[2]
 ABORT_DEADLINE_S = 10.0
-
-
-@dataclass(frozen=True)
-class Launch:
-    returncode: int
-    output: str
-    elapsed_s: float
-
-
-def launch(ranks: int, script: str, *argv: str, timeout_s: float) -> Launch:
-    """``torchrun --standalone --nproc_per_node ranks script argv...``; killed (the whole
-    process group) at the deadline."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(ranks),
-        str(SCRIPTS / script),
-        *argv,
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    start = time.monotonic()
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"torchrun --nproc_per_node {ranks} {script} hung for {timeout_s}s:\n{output}")
-    return Launch(process.returncode, output, time.monotonic() - start)
 
 
 @pytest.mark.timeout(150)

@@ -1,0 +1,319 @@
+"""Run under ``torchrun --nproc_per_node N``: torch pipelines over TorchDistTransport.
+
+    pipeline.py [--perturb CASE=swap|unsplit ...] CASE [CASE ...]
+
+A case is ``SCHEDULE-P2P[-dw][-overlap][-big]``: SCHEDULE ``gpipe``, ``1f1b`` or
+``interleaved`` (vpp 2), P2P ``plain``, ``batch`` or ``boundary``, ``-dw`` for
+``split_dw``, ``-overlap`` for ``overlap_b_f``. The run has pp = N ranks, N * vpp stages
+and 2 * N micro-batches of 2 samples (``-big``: 160 samples, so every activation and
+gradient between ranks is 20 KiB, above the transport's 16 KiB inline limit, and travels
+as a header and a body), ``min_swap_gap=2`` (so 1F1B at pp 2 swaps too).
+
+Every process builds all stages from one seed (the attention + MLP stage model of
+``tests/torch_backend/torch_support.py``, both blocks swap-wrapped), keeps its own
+(``stage_index % N == rank``) and runs each case twice over one transport, swap off then
+on. Per case and rank it checks:
+
+1. swap on is bit-identical to swap off: the losses and this rank's gradients, byte for
+   byte;
+2. both equal one unsplit torch model computed here (the same seed, every stage in one
+   ``nn.Sequential``, the whole batch): each micro-batch's loss and this rank's
+   gradients of the mean loss, rtol 1e-5 (atol 1e-6);
+3. swap moved bytes on exactly the ranks where the plan swaps a chunk, and loaded all of
+   them back (from every rank's stats, which every process gets back);
+4. on rank 0 only: every rank's swap-on gradients (all-gathered over the transport) and
+   the losses are bit-identical to the same pipeline run in this process
+   (``InProcessTransport``, all stages, swap on).
+
+It prints ``rank R case NAME OK ...`` per passed case and ``rank R case NAME MISMATCH:
+...`` per failed check; after the last case every rank exits 1 if any rank found a
+mismatch. ``--perturb CASE=swap`` adds one ulp to a gradient of the swap-on run on the
+last rank (checks 1 and 4 must fail); ``--perturb CASE=unsplit`` scales a gradient of
+both runs on the last rank by 1 + 1e-3 (check 1 passes, 2 and 4 must fail): the test's
+proof that the checks can fail. An exception ends the job through the runtime's abort
+(every process exits non-zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import nn
+
+from ppswap import PipelineStage, RankStats, run_schedule
+from ppswap.backends.torch.distributed import TorchDistTransport
+from ppswap.scheduler.config import P2PMode, ScheduleConfig, ScheduleName
+from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.swap_plan import eligible_chunks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch_backend"))
+from torch_support import build_modules, make_data, mse_loss
+
+Array = npt.NDArray[Any]
+RTOL, ATOL = 1e-5, 1e-6
+MIN_SWAP_GAP = 2
+SCHEDULES: dict[str, ScheduleName] = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved": "interleaved_1f1b",
+}
+CASE_NAME = re.compile(r"(gpipe|1f1b|interleaved)-(plain|batch|boundary)(-dw)?(-overlap)?(-big)?")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    schedule: ScheduleName
+    p2p: P2PMode
+    split_dw: bool
+    overlap_b_f: bool
+    samples: int  # per micro-batch
+
+    @classmethod
+    def parse(cls, name: str) -> Case:
+        match = CASE_NAME.fullmatch(name)
+        if match is None:
+            raise SystemExit(f"bad case {name!r}: expected SCHEDULE-P2P[-dw][-overlap][-big]")
+        schedule, p2p, dw, overlap, big = match.groups()
+        mode = cast(P2PMode, p2p)
+        samples = 160 if big else 2
+        return cls(name, SCHEDULES[schedule], mode, dw is not None, overlap is not None, samples)
+
+    def sizes(self, world: int) -> tuple[int, int, int]:
+        """(vpp, stage_num, micro) for a run of ``world`` ranks."""
+        vpp = 2 if self.schedule == "interleaved_1f1b" else 1
+        return vpp, world * vpp, 2 * world
+
+
+@dataclass
+class Outcome:
+    losses: list[float]
+    grads: dict[int, list[Array]]  # this rank's stages: stage index -> gradients
+    ranks: list[RankStats]
+
+
+async def run(
+    case: Case, world: int, *, swap: bool, transport: TorchDistTransport | None
+) -> Outcome:
+    """The case over ``transport`` (this rank's stages), or in this process (None: every
+    stage, ``pp=world``)."""
+    _, stage_num, micro = case.sizes(world)
+    modules = build_modules(stage_num)
+    stages = [
+        PipelineStage(m, i, stage_num)
+        for i, m in enumerate(modules)
+        if transport is None or i % world == transport.rank
+    ]
+    x, y = make_data(case.samples * micro)
+    result = await run_schedule(
+        stages,
+        case.schedule,
+        micro_batch_num=micro,
+        inputs=x,
+        targets=y,
+        loss_fn=mse_loss,
+        swap=swap,
+        split_dw=case.split_dw,
+        overlap_b_f=case.overlap_b_f,
+        p2p=case.p2p,
+        min_swap_gap=MIN_SWAP_GAP,
+        pp=world,
+        transport=transport,
+        step_timeout=60.0,
+    )
+    grads = {s.stage_index: [g.detach().numpy().copy() for g in s.grads] for s in stages}
+    return Outcome(list(result.losses), grads, list(result.ranks))
+
+
+def unsplit(case: Case, world: int) -> tuple[list[float], list[list[Array]]]:
+    """One torch model of every stage on the whole batch: each micro-batch's loss, and the
+    gradients of their mean per stage."""
+    _, stage_num, micro = case.sizes(world)
+    modules = build_modules(stage_num, wrap=False)
+    model = nn.Sequential(*modules)
+    x, y = make_data(case.samples * micro)
+    out = model(torch.from_numpy(x))
+    target = torch.from_numpy(y)
+    losses = [mse_loss(o, t) for o, t in zip(out.chunk(micro), target.chunk(micro), strict=True)]
+    params = [[p for p in m.parameters() if p.requires_grad] for m in modules]
+    flat = torch.autograd.grad(torch.stack(losses).mean(), [p for ps in params for p in ps])
+    grads: list[list[Array]] = []
+    start = 0
+    for ps in params:
+        grads.append([g.numpy() for g in flat[start : start + len(ps)]])
+        start += len(ps)
+    return [float(loss.detach()) for loss in losses], grads
+
+
+def flat_grads(grads: dict[int, list[Array]], world: int, rank: int) -> Array:
+    """The gradients of ``rank``'s stages, in stage order, as one byte string."""
+    parts = [
+        g.reshape(-1).view(np.uint8) for i in sorted(grads) if i % world == rank for g in grads[i]
+    ]
+    return np.concatenate(parts)
+
+
+async def in_process_differences(
+    case: Case, transport: TorchDistTransport, on: Outcome
+) -> list[str]:
+    """Check 4: rank 0 gets every rank's gradient bytes and compares them, and the
+    losses, with the case run in this process."""
+    rank, world = transport.rank, transport.world_size
+    mine = flat_grads(on.grads, world, rank)
+    gathered = await transport.all_gather(rank, tuple(range(world)), f"grads {case.name}", mine)
+    if rank != 0:
+        return []
+    local = await run(case, world, swap=True, transport=None)
+    found = []
+    if np.array(local.losses).tobytes() != np.array(on.losses).tobytes():
+        found.append(f"losses {on.losses} != in-process {local.losses}")
+    for r, got in enumerate(gathered):
+        if got.tobytes() != flat_grads(local.grads, world, r).tobytes():
+            found.append(f"rank {r}'s gradients are not bit-identical to the in-process run")
+    return found
+
+
+def say(line: str) -> None:
+    """One line to stdout in one write: every rank writes to the same pipe, and print's
+    separate write of the newline let another rank's line land in the middle."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
+def digest(outcome: Outcome) -> str:
+    h = hashlib.sha256(np.array(outcome.losses, dtype=np.float64).tobytes())
+    for index in sorted(outcome.grads):
+        for g in outcome.grads[index]:
+            h.update(g.tobytes())
+    return h.hexdigest()[:16]
+
+
+def perturb(outcome: Outcome, kind: str) -> None:
+    """Change the first element of the first gradient of this rank's first stage."""
+    first = outcome.grads[min(outcome.grads)][0].reshape(-1)
+    if kind == "swap":
+        first[0] = np.nextafter(first[0], np.float32(np.inf))
+    else:
+        first[0] *= np.float32(1 + 1e-3)
+
+
+def bit_differences(off: Outcome, on: Outcome) -> list[str]:
+    found = []
+    if np.array(on.losses).tobytes() != np.array(off.losses).tobytes():
+        found.append(f"losses {on.losses} != {off.losses}")
+    for index, grads in off.grads.items():
+        for k, (g_off, g_on) in enumerate(zip(grads, on.grads[index], strict=True)):
+            if g_off.dtype != g_on.dtype or g_off.tobytes() != g_on.tobytes():
+                delta = np.abs(g_on.astype(np.float64) - g_off).max()
+                found.append(f"stage {index} grad {k} not bit-identical (max |d| {delta:.3g})")
+    return found
+
+
+def unsplit_differences(
+    outcome: Outcome, ref_losses: list[float], ref_grads: list[list[Array]]
+) -> list[str]:
+    found = []
+    if not np.allclose(outcome.losses, ref_losses, rtol=RTOL, atol=0):
+        found.append(f"losses {outcome.losses} != unsplit {ref_losses}")
+    for index, grads in outcome.grads.items():
+        for k, (g, g_ref) in enumerate(zip(grads, ref_grads[index], strict=True)):
+            if g.shape != g_ref.shape or not np.allclose(g, g_ref, rtol=RTOL, atol=ATOL):
+                found.append(f"stage {index} grad {k} differs from the unsplit model")
+    return found
+
+
+def swap_differences(case: Case, world: int, off: Outcome, on: Outcome) -> list[str]:
+    """Bytes moved on exactly the ranks whose plan swaps a chunk, all loaded back."""
+    vpp, _, micro = case.sizes(world)
+    config = ScheduleConfig(
+        schedule=case.schedule,
+        pp=world,
+        vpp=vpp,
+        micro=micro,
+        split_dw=case.split_dw,
+        overlap_b_f=case.overlap_b_f,
+        p2p=case.p2p,
+        swap=True,
+        min_swap_gap=MIN_SWAP_GAP,
+    )
+    plan = [bool(eligible_chunks(order)) for order in build_all_orders(config)]
+    found = []
+    if not any(plan):
+        found.append("the plan swaps nothing: the case does not exercise swap")
+    for r, (swaps, s_off, s_on) in enumerate(zip(plan, off.ranks, on.ranks, strict=True)):
+        if s_off.offloaded_bytes or s_off.loaded_bytes:
+            found.append(f"rank {r} moved bytes with swap off")
+        if (s_on.offloaded_bytes > 0) != swaps or s_on.loaded_bytes != s_on.offloaded_bytes:
+            found.append(
+                f"rank {r}: offloaded {s_on.offloaded_bytes}, loaded {s_on.loaded_bytes} "
+                f"bytes; the plan swaps {'some' if swaps else 'no'} chunk"
+            )
+    return found
+
+
+async def main(transport: TorchDistTransport, cases: list[Case], perturbed: dict[str, str]) -> int:
+    rank, world = transport.rank, transport.world_size
+    failed = np.zeros(len(cases), dtype=np.bool_)
+    for index, case in enumerate(cases):
+        off = await run(case, world, swap=False, transport=transport)
+        on = await run(case, world, swap=True, transport=transport)
+        kind = perturbed.get(case.name)
+        if kind is not None and rank == world - 1:
+            perturb(on, kind)
+            if kind == "unsplit":
+                perturb(off, kind)
+        ref_losses, ref_grads = unsplit(case, world)
+        found = [f"swap on != swap off: {d}" for d in bit_differences(off, on)]
+        found += [f"swap off: {d}" for d in unsplit_differences(off, ref_losses, ref_grads)]
+        found += [f"swap on: {d}" for d in unsplit_differences(on, ref_losses, ref_grads)]
+        found += swap_differences(case, world, off, on)
+        found += [
+            f"distributed != in-process: {d}"
+            for d in await in_process_differences(case, transport, on)
+        ]
+        for message in found:
+            say(f"rank {rank} case {case.name} MISMATCH: {message}")
+        failed[index] = bool(found)
+        if not found:
+            moved = on.ranks[rank].offloaded_bytes
+            say(f"rank {rank} case {case.name} OK offloaded={moved} digest={digest(on)}")
+    # Every rank has printed its lines before any exits (torchrun ends the others at the
+    # first non-zero exit); each returns the number of cases that failed on any rank.
+    everyone = await transport.all_gather(rank, tuple(range(world)), "failed", failed)
+    return int(np.logical_or.reduce(everyone).sum())
+
+
+def parse() -> tuple[list[Case], dict[str, str]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="+")
+    parser.add_argument("--perturb", action="append", default=[], metavar="CASE=KIND")
+    args = parser.parse_args()
+    perturbed = dict(item.split("=", 1) for item in args.perturb)
+    if not set(perturbed.values()) <= {"swap", "unsplit"}:
+        raise SystemExit(f"--perturb CASE=swap|unsplit, got {args.perturb}")
+    return [Case.parse(name) for name in args.cases], perturbed
+
+
+if __name__ == "__main__":
+    chosen, perturbations = parse()
+    with TorchDistTransport(timeout_s=120) as torch_transport:
+        try:
+            failed = anyio.run(main, torch_transport, chosen, perturbations)
+        except BaseException:
+            print(f"rank {torch_transport.rank} FAILED", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            torch_transport.abort(1)
+    if failed:
+        say(f"rank {torch_transport.rank}: {failed} of {len(chosen)} cases failed")
+        sys.exit(1)

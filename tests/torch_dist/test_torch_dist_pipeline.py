@@ -1,0 +1,102 @@
+"""torch pipelines over TorchDistTransport, one process per rank (``torchrun``, gloo).
+
+``scripts/pipeline.py`` runs each case swap off and on and checks, per rank: swap on is
+bit-identical to swap off; losses and gradients equal one unsplit torch model (rtol 1e-5);
+bytes moved exactly where the plan swaps; and (rank 0) every rank's gradients are
+bit-identical to the same run in one process. It prints one OK line per case and rank.
+
+At 2 processes every case: GPipe, 1F1B and Interleaved (vpp 2) in every P2P mode, each
+with ``split_dw``, and 1F1B and Interleaved with ``overlap_b_f`` with and without
+``split_dw``. At 4 processes every family in every P2P mode, and each variant of each
+family once (the P2P mode rotating). Both also run three cases with activations above the
+transport's 16 KiB inline limit (one per P2P mode). A last launch perturbs two cases'
+results on purpose and must fail, naming them, so the checks cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from launch import Launch, launch
+
+pytest.importorskip("torch.distributed")
+
+pytestmark = pytest.mark.slow
+
+P2P_MODES = ("plain", "batch", "boundary")
+VARIANTS = {
+    "gpipe": ("", "-dw"),  # GPipe has no steady state to overlap (overlap_b_f is refused)
+    "1f1b": ("", "-dw", "-overlap", "-dw-overlap"),
+    "interleaved": ("", "-dw", "-overlap", "-dw-overlap"),
+}
+EVERY_CASE = [
+    f"{f}-{p2p}{v}" for f, variants in VARIANTS.items() for p2p in P2P_MODES for v in variants
+]
+FOUR_RANK_CASES = [f"{f}-{p2p}" for f in VARIANTS for p2p in P2P_MODES] + [
+    f"{f}-{P2P_MODES[i % len(P2P_MODES)]}{v}"
+    for f, variants in VARIANTS.items()
+    for i, v in enumerate(variants[1:])
+]
+# Micro-batches of 160 samples: activations and gradients of 20 KiB, sent as a header and
+# a body (above the transport's 16 KiB inline limit), in each P2P mode.
+BIG_CASES = ["gpipe-boundary-big", "1f1b-plain-overlap-big", "interleaved-batch-dw-overlap-big"]
+CASES_BY_RANKS = {2: EVERY_CASE + BIG_CASES, 4: FOUR_RANK_CASES + BIG_CASES}
+
+
+def ok_lines(result: Launch, rank: int) -> dict[str, str]:
+    """The cases ``rank`` reported OK, each with the rest of its line."""
+    pattern = rf"^rank {rank} case (\S+) OK (.*)$"
+    return {m[1]: m[2] for m in re.finditer(pattern, result.output, flags=re.MULTILINE)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_pipeline_cases_match_swap_off_unsplit_and_in_process(ranks: int) -> None:
+    cases = CASES_BY_RANKS[ranks]
+    assert len(set(cases)) == len(cases)
+    result = launch(ranks, "pipeline.py", *cases, timeout_s=240)
+    assert result.returncode == 0, result.output
+    assert "MISMATCH" not in result.output, result.output
+    swapped = set()
+    for rank in range(ranks):
+        reported = ok_lines(result, rank)
+        assert sorted(reported) == sorted(cases), result.output
+        swapped |= {case for case, rest in reported.items() if "offloaded=0 " not in rest}
+    assert swapped == set(cases)  # every case moved activations on some rank
+
+
+@pytest.mark.timeout(150)
+def test_a_perturbed_result_fails_the_run_naming_the_case() -> None:
+    """One ulp on a swap-on gradient breaks bit-identity (swap off and in-process); a
+    gradient scaled by 1 + 1e-3 in both runs breaks the unsplit and in-process checks
+    only. The unperturbed case still passes; every rank exits non-zero."""
+    ulp, scaled, clean = "gpipe-plain", "interleaved-batch-dw-overlap", "1f1b-boundary"
+    result = launch(
+        2,
+        "pipeline.py",
+        ulp,
+        scaled,
+        clean,
+        "--perturb",
+        f"{ulp}=swap",
+        "--perturb",
+        f"{scaled}=unsplit",
+        timeout_s=120,
+    )
+    out = result.output
+    assert result.returncode != 0, out
+    mismatches = set(re.findall(r"^(rank \d case \S+ MISMATCH: .*?)(?: \(max.*)?$", out, re.M))
+    assert mismatches == {
+        f"rank 1 case {ulp} MISMATCH: swap on != swap off: stage 1 grad 0 not bit-identical",
+        f"rank 0 case {ulp} MISMATCH: distributed != in-process: "
+        "rank 1's gradients are not bit-identical to the in-process run",
+        f"rank 1 case {scaled} MISMATCH: swap off: stage 1 grad 0 differs from the unsplit model",
+        f"rank 1 case {scaled} MISMATCH: swap on: stage 1 grad 0 differs from the unsplit model",
+        f"rank 0 case {scaled} MISMATCH: distributed != in-process: "
+        "rank 1's gradients are not bit-identical to the in-process run",
+    }, out
+    for rank in range(2):
+        assert sorted(ok_lines(result, rank)) == [clean], out
+    # (the first rank to exit makes torchrun end the other, which may not get to print it)
+    assert re.search(r"^rank \d: 2 of 3 cases failed$", out, re.M), out
