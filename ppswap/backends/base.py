@@ -13,7 +13,9 @@ What a backend provides, grouped as the runtime uses it:
   a swap-capturing wrapper around a module (``swap_wrapper``);
 - tensors: storage identity and size (:class:`StorageRef`), exact view identity
   (:class:`ViewKey`), the in-place modification counter where the framework has one,
-  host views and tensors made from host arrays (P2P payloads, restored activations);
+  host views and tensors made from host arrays (P2P payloads, restored activations), a
+  byte range of a storage and views rebuilt into a restored one (how the views of one
+  storage move together);
 - capture: saved-tensor hooks around a forward;
 - autograd: a stage's forward recorded now and its backward run later, in any order,
   with the dx/dw split (:class:`Autograd`);
@@ -77,13 +79,31 @@ class StorageRef:
 
 @dataclass(frozen=True, slots=True)
 class ViewKey:
-    """Exact identity of a view: same storage, offset, shape, strides and dtype."""
+    """Exact identity of a view: same storage, offset, shape, strides and dtype.
+
+    ``offset`` and ``strides`` count elements (as the frameworks report them), ``dtype`` is
+    the framework's name of the element type and ``itemsize`` its size in bytes (implied
+    by ``dtype``; it lets the framework-free swap layer place the view in its storage's
+    bytes, :meth:`byte_range`).
+    """
 
     storage_ptr: int
     offset: int
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     dtype: str
+    itemsize: int
+
+    def byte_range(self) -> tuple[int, int]:
+        """``(first, end)``: the bytes of its storage the view's elements occupy, counted
+        from the storage's first byte (``first == end`` for a view without elements)."""
+        first = self.offset * self.itemsize
+        if any(n == 0 for n in self.shape):
+            return first, first
+        reach = [(n - 1) * s for n, s in zip(self.shape, self.strides, strict=True)]
+        low = self.offset + sum(r for r in reach if r < 0)
+        high = self.offset + sum(r for r in reach if r > 0)
+        return low * self.itemsize, (high + 1) * self.itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +347,20 @@ class Backend(Protocol):
     def storage_of(self, tensor: Tensor) -> StorageRef: ...
 
     def view_key(self, tensor: Tensor, storage: StorageRef) -> ViewKey: ...
+
+    def storage_bytes(self, tensor: Tensor, start: int, nbytes: int) -> Tensor | None:
+        """A 1-D ``uint8`` tensor over bytes ``[start, start + nbytes)`` of ``tensor``'s
+        storage (counted from the storage's first byte), sharing its memory and keeping
+        it alive: what a storage span is copied from. None where the framework cannot
+        view those bytes through ``tensor`` (the storage then stays on device)."""
+        ...
+
+    def views_of(self, block: Tensor, places: Sequence[tuple[int, ViewKey]]) -> list[Tensor]:
+        """For each ``(offset, key)``, a tensor ``offset`` bytes into ``block`` (a 1-D
+        ``uint8`` tensor: a restored storage span) with ``key``'s shape, strides and
+        dtype, sharing ``block``'s memory (one storage, where the framework has views):
+        the saved views of one storage, rebuilt as views of its restored span."""
+        ...
 
     def data_nbytes(self, tensor: Tensor) -> int:
         """Bytes of the view's own elements (what a copy moves)."""

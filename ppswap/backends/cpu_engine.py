@@ -38,6 +38,7 @@ __all__ = [
     "EmulatedDevice",
     "HostPool",
     "PoolStats",
+    "aligned_empty",
     "contiguous_strides",
     "fresh_array",
     "size_class",
@@ -343,13 +344,24 @@ def fresh_array(like: Array, strides: tuple[int, ...] | None) -> Array:
     elements; None or C-contiguous ones: a plain contiguous array)."""
     shape = like.shape
     if strides is None or tuple(strides) == contiguous_strides(shape):
-        return np.empty(shape, dtype=like.dtype)
+        return aligned_empty(shape, like.dtype)
     if any(n == 0 for n in shape):
         return np.empty(shape, dtype=like.dtype)
     span = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
     base = np.empty(span, dtype=like.dtype)
     byte_strides = tuple(s * like.itemsize for s in strides)
     fresh: Array = np.lib.stride_tricks.as_strided(base, shape=shape, strides=byte_strides)
+    return fresh
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
+    """An uninitialised C-contiguous array starting at a :data:`HOST_ALIGNMENT` boundary,
+    as device allocators hand out memory: the views rebuilt into a restored span then
+    sit at the same alignment as before the offload."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + HOST_ALIGNMENT, dtype=np.uint8)
+    skip = -raw.ctypes.data % HOST_ALIGNMENT
+    fresh: Array = raw[skip : skip + nbytes].view(dtype).reshape(shape)
     return fresh
 
 

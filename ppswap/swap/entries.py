@@ -3,7 +3,9 @@
 :class:`EntryTable` is the collection half of a :class:`~ppswap.swap.group.SwapGroup`:
 it turns saved tensors into :class:`SwapTensor` entries (one per exact view), records
 which are *selected* for swap and which are *pinned* (never move), and at :meth:`seal`
-settles what may move. The copy lifecycle lives in ``group.py``.
+settles what may move: the views of each movable storage become one
+:class:`~ppswap.swap.spans.StorageSpan`, the unit the copies move (``spans.py``). The copy
+lifecycle lives in ``group.py``.
 
 Phases of a group; calls out of order raise :class:`SwapStateError`::
 
@@ -19,13 +21,13 @@ import threading
 from ppswap.backends.base import Backend, CopyEngine, StorageRef, Tensor, ViewKey
 from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.errors import SwapStateError
+from ppswap.swap.spans import StorageSpan
 from ppswap.swap.tensor import (
     CHECK_MODES,
     CheckMode,
     EntryOwner,
     SwapState,
     SwapTensor,
-    content_digest,
 )
 from ppswap.swap.validation import check_bool, check_int
 
@@ -81,6 +83,7 @@ class EntryTable:
         self._entries: list[SwapTensor] = []
         self._by_key: dict[ViewKey, SwapTensor] = {}
         self._by_storage: dict[int, list[SwapTensor]] = {}
+        self._spans: dict[int, StorageSpan] = {}
         self._pinned_storages: set[int] = set()
         self._tags: set[str] = set()
 
@@ -96,6 +99,11 @@ class EntryTable:
     def entries(self) -> tuple[SwapTensor, ...]:
         with self._lock:
             return tuple(self._entries)
+
+    def spans(self) -> tuple[StorageSpan, ...]:
+        """The storage spans that may move (made at :meth:`seal`), in capture order."""
+        with self._lock:
+            return tuple(self._spans.values())
 
     def __len__(self) -> int:
         with self._lock:
@@ -189,8 +197,13 @@ class EntryTable:
             for entry in self._by_storage.get(storage_ptr, ()):
                 if not entry.pinned and entry.state is SwapState.DEVICE:
                     entry.pinned = True
-                    entry.storage.source = None  # a pinned entry is never copied
                     pinned += 1
+            span = self._spans.get(storage_ptr)
+            if span is not None and span.state is SwapState.DEVICE:
+                del self._spans[storage_ptr]  # a pinned storage is never copied
+                span.source = None
+                for entry in span.entries:
+                    entry.storage.span = None
             return pinned
 
     def seal(self) -> None:
@@ -199,10 +212,12 @@ class EntryTable:
         Unselected entries, and those the engine cannot move (a CPU tensor a CUDA stage
         saved), are pinned; then every entry on a storage that has a pinned
         entry is pinned too (a storage only leaves the device when the group owns every
-        saved view of it, otherwise the copy would free nothing). Movable entries get
-        their copy source and, where the framework's version counter does not work, their
-        content digest (the reference for every later check): O(1) per tensor unless
-        ``check="full"``.
+        saved view of it, otherwise the copy would free nothing). The views of each
+        movable storage become one :class:`StorageSpan` with its copy source (the
+        storage's bytes the views use, ``Backend.storage_bytes``; a storage the framework
+        cannot view that way is pinned) and, where the framework's version counter does
+        not work, each view's content digest (the reference for every later check): O(1)
+        per view unless ``check="full"``.
         """
         with self._lock:
             self._expect(GroupPhase.COLLECTING, GroupPhase.SEALED)
@@ -210,20 +225,37 @@ class EntryTable:
                 device = entry.storage.device
                 if not entry.selected or (device is not None and not self.engine.can_move(device)):
                     entry.pinned = True
-            for entries in self._by_storage.values():
-                if any(e.pinned for e in entries):
+            for ptr, entries in self._by_storage.items():
+                if any(e.pinned or e.storage.device is None for e in entries):
                     for entry in entries:
                         entry.pinned = True
-            for entry in self._entries:
-                storage = entry.storage
-                if entry.pinned or storage.device is None:
                     continue
-                storage.source = self.engine.source(storage.device)
-                host = self.engine.host_view(storage.source)
-                needs_digest = storage.fingerprint is None or storage.fingerprint.version is None
-                if needs_digest and host is not None:
-                    storage.digest = content_digest(host, self.check)
+                span = self._make_span(ptr, entries)
+                if span is None:
+                    for entry in entries:
+                        entry.pinned = True
+                    continue
+                self._spans[ptr] = span
             self._phase = GroupPhase.SEALED
+
+    def _make_span(self, ptr: int, entries: list[SwapTensor]) -> StorageSpan | None:
+        """The span of one storage's views, with its copy source and reference digests;
+        None if the backend cannot view the span's bytes."""
+        span = StorageSpan.of(ptr, entries)
+        for entry in entries:
+            data = self.backend.storage_bytes(entry.storage.device, span.start, span.nbytes)
+            if data is not None:
+                break
+        else:
+            for entry in entries:
+                entry.storage.span = None
+            return None
+        span.source = self.engine.source(data)
+        host = self.engine.host_view(span.source)
+        fingerprint = entries[0].storage.fingerprint
+        if host is not None and (fingerprint is None or fingerprint.version is None):
+            span.take_digests(host, self.check)
+        return span
 
     def _expect(self, phase: GroupPhase, target: GroupPhase) -> None:
         if self._phase is not phase:

@@ -5,11 +5,14 @@ by exact view identity (the collection half, :class:`EntryTable`, is in ``entrie
 with the phases; ``release`` is legal from any phase when no copy job is in flight,
 ``discard`` always).
 
-Copies: an entry with ``bulk=False`` gets its own pooled host buffer; ``bulk=True``
-entries (``group_swap=True``) are packed, in capture order, into contiguous host buckets
-of at most ``bucket_bytes`` (32 MiB), one memcpy per tensor into its 64-byte aligned
-slice; a tensor larger than a bucket gets a bucket of its own. A bucket is loaded with one
-memcpy into fresh device memory and every member is restored as a slice of it.
+Copies move storage spans (``spans.py``): the bytes of one storage that its captured views
+use, once however many views overlap them. A span with ``bulk=False`` gets its own pooled
+host buffer; ``bulk=True`` spans (``group_swap=True``) are packed, in capture order, into
+contiguous host buckets of at most ``bucket_bytes`` (32 MiB), one memcpy per span into its
+64-byte aligned slice; a span larger than a bucket gets a bucket of its own. A bucket is
+loaded with one memcpy into fresh device memory and every span is a slice of it. A loaded
+span becomes one framework tensor (``CopyEngine.restore``) and its views are rebuilt as
+views of it (``Backend.views_of``), so they share one allocation as before the offload.
 
 Pinned entries never move. Everything the copy thread needs is handed to it inside the
 job; the copy thread touches the group only at the very end of a job, under the group
@@ -27,6 +30,7 @@ from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.entries import EntryTable, GroupPhase
 from ppswap.swap.errors import SwapError, SwapStateError
 from ppswap.swap.jobs import CopyJob, JobKind
+from ppswap.swap.spans import StorageSpan
 from ppswap.swap.tensor import CheckMode, SwapState, SwapTensor
 from ppswap.swap.transfer import (
     CopySlot,
@@ -81,7 +85,7 @@ class SwapGroup(EntryTable):
         self._offload_copied = False
         self._host_buckets: list[HostBucket] = []
         self._load_job: CopyJob | None = None
-        self._load_slots: dict[SwapTensor, CopySlot] = {}
+        self._load_slots: dict[StorageSpan, CopySlot] = {}
 
     def jobs(self) -> tuple[CopyJob, ...]:
         with self._lock:
@@ -94,7 +98,8 @@ class SwapGroup(EntryTable):
     # -- offload ------------------------------------------------------------------------
 
     def prepare_offload(self) -> CopyJob:
-        """DEVICE -> D2H for every unpinned entry; return the job the copy thread runs.
+        """DEVICE -> D2H for every unpinned entry; return the job the copy thread runs
+        (one copy per storage span).
 
         Every entry's storage identity and version are checked first (O(1) each); if one
         changed, nothing moves and :class:`SwapError` is raised. The content checks run on
@@ -102,12 +107,13 @@ class SwapGroup(EntryTable):
         """
         with self._lock:
             self._expect(GroupPhase.SEALED, GroupPhase.OFFLOAD_PREPARED)
-            movable = [e for e in self._entries if not e.pinned and e.state is SwapState.DEVICE]
-            for entry in movable:
-                entry.check_unchanged(self.backend, "before its offload")
-            slots = [CopySlot(entry=e, src=e.storage.source) for e in movable]
-            single = [s for s in slots if not s.entry.bulk]
-            buckets = pack_buckets([s for s in slots if s.entry.bulk], self.bucket_bytes)
+            movable = [span for span in self._spans.values() if span.movable()]
+            for span in movable:
+                for entry in span.entries:
+                    entry.check_unchanged(self.backend, "before its offload")
+            slots = [CopySlot(span=span, src=span.source) for span in movable]
+            single = [s for s in slots if not s.span.bulk]
+            buckets = pack_buckets([s for s in slots if s.span.bulk], self.bucket_bytes)
             engine, check = self.engine, self.check
 
             def work() -> None:
@@ -124,15 +130,16 @@ class SwapGroup(EntryTable):
                 CopyJob(
                     kind=JobKind.OFFLOAD,
                     group=self.name,
-                    nbytes=sum(s.entry.nbytes for s in slots),
+                    nbytes=sum(s.span.nbytes for s in slots),
                     work=work,
                 )
                 if slots
                 else CopyJob.empty(JobKind.OFFLOAD, self.name)
             )
             for slot in slots:
-                slot.entry.transition(SwapState.D2H)
-                slot.entry.storage.job = job
+                slot.span.transition(SwapState.D2H)
+                for entry in slot.span.entries:
+                    entry.storage.job = job
             self._offload_slots = slots
             self._offload_buckets = buckets
             self._offload_job = job
@@ -150,18 +157,21 @@ class SwapGroup(EntryTable):
             self._expect(GroupPhase.OFFLOAD_PREPARED, GroupPhase.OFFLOADED)
             job = self._finished_job(self._offload_job, SwapState.D2H, SwapState.HOST)
             for slot in self._offload_slots:
-                entry, storage = slot.entry, slot.entry.storage
-                entry.check_unchanged(self.backend, "before its device memory was released")
-                entry.verify(self.engine.host_view(storage.source), self.check, "after its copy")
+                span = slot.span
+                for entry in span.entries:
+                    entry.check_unchanged(self.backend, "before its device memory was released")
+                span.verify(self.engine.host_view(span.source), self.check, "after its copy")
             before = self.accounting.resident_bytes
             bucket_of = {id(s): b for b in self._offload_buckets for s, _ in b.members}
             for slot in self._offload_slots:
-                storage = slot.entry.storage
-                slot.entry.transition(SwapState.HOST)
-                storage.host, slot.host = slot.host, None
-                storage.host_bucket = bucket_of.get(id(slot))
-                storage.job = None
-                self._drop_device(slot.entry)
+                span = slot.span
+                span.transition(SwapState.HOST)
+                span.host, slot.host = slot.host, None
+                span.host_bucket = bucket_of.get(id(slot))
+                span.source = None
+                for entry in span.entries:
+                    entry.storage.job = None
+                    self._drop_device(entry)
             for bucket in self._offload_buckets:
                 bucket.holding = len(bucket.members)
             self._host_buckets = self._offload_buckets
@@ -176,24 +186,25 @@ class SwapGroup(EntryTable):
         if storage.device_block is not None:
             self.accounting.drop(storage.device_block, entry)
         storage.device = None
-        storage.source = None
         storage.device_block = None
 
     # -- load ---------------------------------------------------------------------------
 
     def prepare_load(self) -> CopyJob:
-        """HOST -> H2D for every offloaded entry; return the job the copy thread runs.
+        """HOST -> H2D for every offloaded entry; return the job the copy thread runs
+        (one copy per storage span, or per bucket).
 
-        The destination memory is counted as resident from here (the copy allocates it).
-        Entries the backward already loaded through the safety net are skipped.
+        The destination memory is counted as resident from here (the copy allocates it):
+        one block per span (or bucket), held by every view in it. Spans the backward
+        already loaded through the safety net are skipped.
         """
         with self._lock:
             self._expect(GroupPhase.OFFLOADED, GroupPhase.LOAD_PREPARED)
             plan = LoadPlan.build(
                 [
-                    e
-                    for e in self._entries
-                    if e.state is SwapState.HOST and e.storage.host_bucket is None
+                    span
+                    for span in self._spans.values()
+                    if span.state is SwapState.HOST and span.host_bucket is None
                 ],
                 self._host_buckets,
                 self.accounting.new_loaded_block,
@@ -221,14 +232,16 @@ class SwapGroup(EntryTable):
                 else CopyJob.empty(JobKind.LOAD, self.name)
             )
             for slot in slots:
-                storage = slot.entry.storage
+                span = slot.span
                 assert slot.block is not None
-                self.accounting.hold(slot.block, slot.block_nbytes, slot.entry, self.chunk)
-                slot.entry.transition(SwapState.H2D)
-                storage.host, storage.host_bucket = None, None
-                storage.device_block = slot.block
-                storage.job = job
-            self._load_slots = {s.entry: s for s in slots}
+                for entry in span.entries:
+                    self.accounting.hold(slot.block, slot.block_nbytes, entry, self.chunk)
+                span.transition(SwapState.H2D)
+                span.host, span.host_bucket = None, None
+                for entry in span.entries:
+                    entry.storage.device_block = slot.block
+                    entry.storage.job = job
+            self._load_slots = {s.span: s for s in slots}
             self._load_job = job
             self._phase = GroupPhase.LOAD_PREPARED
             return job
@@ -238,16 +251,17 @@ class SwapGroup(EntryTable):
             plan.release(engine)
 
     def finish_load(self) -> int:
-        """H2D -> DEVICE (the engine's ``restore``); return the bytes restored by this call."""
+        """H2D -> DEVICE (the engine's ``restore``, then the views); return the span bytes
+        restored by this call."""
         with self._lock:
             self._expect(GroupPhase.LOAD_PREPARED, GroupPhase.LOADED)
             self._finished_job(self._load_job, SwapState.H2D, SwapState.DEVICE)
             restored = 0
-            for entry, slot in self._load_slots.items():
-                if entry.state is SwapState.H2D:
-                    self._complete_load(entry, slot.loaded)
+            for span, slot in self._load_slots.items():
+                if span.state is SwapState.H2D:
+                    self._complete_load(span, slot.loaded)
                     slot.loaded = None
-                    restored += entry.nbytes
+                    restored += span.nbytes
             self._load_slots = {}
             self._phase = GroupPhase.LOADED
             return restored
@@ -273,15 +287,18 @@ class SwapGroup(EntryTable):
                 f"{job.kind.value} of group {self.name!r} failed: {job.error}"
             ) from job.error
 
-    def _complete_load(self, entry: SwapTensor, loaded: Array | None) -> Tensor:
+    def _complete_load(self, span: StorageSpan, loaded: Array | None) -> None:
+        """The loaded span as one framework tensor, every view rebuilt into it."""
         if loaded is None:
-            raise SwapError(f"group {self.name!r} tensor {entry.tag!r}: load produced no data")
-        tensor = self.engine.restore(loaded)
-        entry.transition(SwapState.DEVICE)
-        entry.storage.device = tensor
-        entry.storage.job = None
-        self.accounting.add_loaded(entry.nbytes)
-        return tensor
+            raise SwapError(
+                f"group {self.name!r} tensor {span.entries[0].tag!r}: load produced no data"
+            )
+        views = self.backend.views_of(self.engine.restore(loaded), span.places())
+        span.transition(SwapState.DEVICE)
+        for entry, view in zip(span.entries, views, strict=True):
+            entry.storage.device = view
+            entry.storage.job = None
+        self.accounting.add_loaded(span.nbytes)
 
     # -- backward's unpack (the safety net) ---------------------------------------------
 
@@ -289,8 +306,9 @@ class SwapGroup(EntryTable):
         """The tensor backward needs, complete and verified (see SwapTensor.materialize).
 
         DEVICE: the live tensor. D2H: the still-alive device tensor. HOST (load never
-        launched): a synchronous load. H2D: wait for the load job (bounded), then finish
-        this entry's load. A released group raises :class:`SwapStateError`.
+        launched): a synchronous load of the entry's span. H2D: wait for the load job
+        (bounded), then finish the load of the entry's span. Either way the other views
+        of the storage come back with it. A released group raises :class:`SwapStateError`.
         """
         storage = entry.storage
         with self._lock:
@@ -302,8 +320,12 @@ class SwapGroup(EntryTable):
                 if state is SwapState.D2H:
                     self.accounting.count_device_fallback()
                 return storage.device
+            span = storage.span
+            assert span is not None
             if state is SwapState.HOST:
-                return self._load_now(entry)
+                self._load_now(span)
+                assert storage.device is not None
+                return storage.device
             job = storage.job
         assert job is not None
         was_pending = not job.done.is_set()
@@ -315,12 +337,13 @@ class SwapGroup(EntryTable):
                 assert storage.device is not None
                 return storage.device
             self._raise_if_failed(job)
-            slot = self._load_slots[entry]
-            tensor = self._complete_load(entry, slot.loaded)
+            slot = self._load_slots[span]
+            self._complete_load(span, slot.loaded)
             slot.loaded = None
             if was_pending:
                 self.accounting.count_waited_load()
-            return tensor
+            assert storage.device is not None
+            return storage.device
 
     def _released(self, entry: SwapTensor, detail: str) -> SwapStateError:
         return SwapStateError(
@@ -331,16 +354,18 @@ class SwapGroup(EntryTable):
             detail=detail,
         )
 
-    def _load_now(self, entry: SwapTensor) -> Tensor:
-        storage = entry.storage
-        host, bucket = storage.host, storage.host_bucket
+    def _load_now(self, span: StorageSpan) -> None:
+        """Backward's synchronous load of a span the load job never took."""
+        host, bucket = span.host, span.host_bucket
         assert host is not None
-        loaded = self.engine.load_now(host, entry.key.strides, entry.key.dtype)
-        entry.verify(self.engine.host_view(loaded), self.check, "while it was on the host")
-        entry.transition(SwapState.H2D)
-        storage.device_block = self.accounting.new_loaded_block()
-        self.accounting.hold(storage.device_block, entry.nbytes, entry, self.chunk)
-        storage.host, storage.host_bucket = None, None
+        loaded = self.engine.load_now(host)
+        span.verify(self.engine.host_view(loaded), self.check, "while it was on the host")
+        span.transition(SwapState.H2D)
+        block = self.accounting.new_loaded_block()
+        for entry in span.entries:
+            entry.storage.device_block = block
+            self.accounting.hold(block, span.nbytes, entry, self.chunk)
+        span.host, span.host_bucket = None, None
         if bucket is None:
             self.engine.release_host(host)
         else:
@@ -350,7 +375,7 @@ class SwapGroup(EntryTable):
                 bucket.raw = None
                 self._host_buckets = [b for b in self._host_buckets if b is not bucket]
         self.accounting.count_sync_load()
-        return self._complete_load(entry, loaded)
+        self._complete_load(span, loaded)
 
     # -- teardown -----------------------------------------------------------------------
 
@@ -391,20 +416,22 @@ class SwapGroup(EntryTable):
         engine = self.engine
         if self._offload_copied:
             release_offload_buffers(engine, self._offload_slots, self._offload_buckets)
-        for entry in self._entries:
-            if entry.storage.host is not None and entry.storage.host_bucket is None:
-                engine.release_host(entry.storage.host)
+        for span in self._spans.values():
+            if span.host is not None and span.host_bucket is None:
+                engine.release_host(span.host)
+            span.source, span.host, span.host_bucket = None, None, None
         for bucket in self._host_buckets:
             if bucket.raw is not None:
                 engine.release_host(bucket.raw)
                 bucket.raw = None
         for entry in self._entries:
             self._drop_device(entry)
-            entry.storage.host, entry.storage.host_bucket = None, None
+            entry.storage.span = None
             entry.storage.job = None
             entry.storage.released = True
         self._by_key.clear()
         self._by_storage.clear()
+        self._spans.clear()
         self._offload_slots, self._offload_buckets, self._host_buckets = [], [], []
         self._load_slots = {}
         self._offload_job = self._load_job = None

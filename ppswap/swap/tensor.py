@@ -17,8 +17,10 @@ A :class:`SwapTensor` is the *handle* the autograd graph keeps (the pack hook re
 the graph never holds the device tensor itself, which is what lets ``finish_offload``
 really release memory. Backward's unpack calls :meth:`SwapTensor.materialize`, which
 returns the live tensor or, through its owner (the group), waits for or performs the load
-(the safety net). A materialized tensor is rebuilt by the copy engine from the loaded
-bytes; it has the captured shape and dtype and is bit-identical.
+(the safety net). A materialized tensor is a view rebuilt into the loaded bytes of its
+storage's span (``ppswap.swap.spans``): it has the captured shape, strides, offset and
+dtype, shares that memory with the other restored views of its storage, and is
+bit-identical.
 
 In-place modification (docs/swap.md has the measured trade-off): at capture the storage's
 address and size and the framework's version counter are recorded (:class:`Fingerprint`)
@@ -38,12 +40,15 @@ import enum
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import numpy as np
 
 from ppswap.backends.base import Backend, HostArray, StorageRef, Tensor, ViewKey
 from ppswap.swap.errors import SwapError, SwapStateError
+
+if TYPE_CHECKING:
+    from ppswap.swap.spans import StorageSpan
 
 __all__ = [
     "CHECK_MODES",
@@ -125,13 +130,15 @@ def content_digest(array: HostArray, mode: CheckMode = "sampled") -> int:
 
 
 class Storage:
-    """The bytes of one captured view across the tiers, and their state.
+    """One captured view across the tiers: its state and its device tensor.
 
-    Fields are owned by the compute thread; the copy thread never touches a Storage (copy
-    jobs carry their own buffers). :meth:`transition` is atomic under the storage's lock
-    so a concurrent reader of :attr:`state` always sees a legal state. ``source`` is what
-    the copy thread reads the device bytes from (taken when the forward ends), ``digest``
-    the reference content digest (MindSpore; None where the version counter is used).
+    Its bytes move with the other captured views of the same storage, as one
+    :class:`~ppswap.swap.spans.StorageSpan` (``span``, set when the forward ends; it holds
+    the copy source and the host copy). Fields are owned by the compute thread; the copy
+    thread only reads a Storage's reference digest (copy jobs carry their own buffers).
+    :meth:`transition` is atomic under the storage's lock so a concurrent reader of
+    :attr:`state` always sees a legal state. ``digest`` is the view's reference content
+    digest (MindSpore; None where the version counter is used).
     """
 
     __slots__ = (
@@ -143,13 +150,11 @@ class Storage:
         "dtype",
         "fingerprint",
         "group",
-        "host",
-        "host_bucket",
         "job",
         "nbytes",
         "released",
         "shape",
-        "source",
+        "span",
         "tag",
     )
 
@@ -163,9 +168,7 @@ class Storage:
         self._state = SwapState.DEVICE
         self.device: Tensor | None = None
         self.device_block: tuple[str, int] | None = None
-        self.source: Any = None
-        self.host: HostArray | None = None
-        self.host_bucket: Any = None
+        self.span: StorageSpan | None = None
         self.job: Any = None
         self.fingerprint: Fingerprint | None = None
         self.digest: int | None = None
@@ -175,6 +178,11 @@ class Storage:
     def state(self) -> SwapState:
         with self._lock:
             return self._state
+
+    @property
+    def host_bucket(self) -> Any:
+        """The host bucket holding this view's span while it is on the host, if any."""
+        return None if self.span is None else self.span.host_bucket
 
     def transition(self, to_state: SwapState) -> SwapState:
         """Move to ``to_state``; return the previous state. Illegal moves raise."""

@@ -2,14 +2,15 @@
 
 These functions run on the copy thread. They only see what a job carries: the copy
 sources, the host buffers, the buckets, and move bytes with the engine's primitives. They
-take no locks; the group wraps them. After each copy they compare content digests where
-the group keeps them (``SwapTensor.verify``): the host copy against the reference taken
-when the forward ended, the source again after the copy (a write during the copy), a
-load against the host copy.
+take no locks; the group wraps them. The unit they move is a storage span
+(``spans.py``): one copy per span, of its bytes as ``uint8``. After each copy they compare
+content digests where the group keeps them (``StorageSpan.verify``, per view): the host
+copy against the reference taken when the forward ended, the source again after the copy
+(a write during the copy), a load against the host copy.
 
-Bucket layout (``group_swap=True``): members are placed in capture order at 64-byte
-aligned offsets; a bucket never exceeds ``bucket_bytes`` unless it holds one tensor that
-is larger by itself (such a tensor gets a bucket of its own).
+Bucket layout (``group_swap=True``): spans are placed in capture order at 64-byte aligned
+offsets; a bucket never exceeds ``bucket_bytes`` unless it holds one span that is larger
+by itself (such a span gets a bucket of its own).
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ppswap.backends.base import CopyEngine
 from ppswap.backends.cpu_engine import HOST_ALIGNMENT, Array
-from ppswap.swap.tensor import CheckMode, SwapTensor
+from ppswap.swap.spans import StorageSpan
+from ppswap.swap.tensor import CheckMode
 
 __all__ = [
     "CopySlot",
@@ -39,21 +39,21 @@ __all__ = [
 
 @dataclass(eq=False)
 class CopySlot:
-    """What one entry's copy needs: source, destination, place in its bucket."""
+    """What one span's copy needs: source, destination, place in its bucket."""
 
-    entry: SwapTensor
-    src: Array | None = None
+    span: StorageSpan
+    src: Any = None
     host: Array | None = None
-    loaded: Array | None = None
+    loaded: Any = None
     block: tuple[str, int] | None = None
     block_nbytes: int = 0
     offset: int = 0
-    dtype: np.dtype[Any] | None = None
 
 
 @dataclass(eq=False)
 class HostBucket:
-    """A contiguous host buffer holding several entries of one group."""
+    """A contiguous host buffer holding several spans of one group; ``holding`` counts
+    the spans still in it."""
 
     nbytes: int
     members: list[tuple[CopySlot, int]] = field(default_factory=list)
@@ -71,7 +71,7 @@ def pack_buckets(slots: list[CopySlot], bucket_bytes: int) -> list[HostBucket]:
     buckets: list[HostBucket] = []
     current: HostBucket | None = None
     for slot in slots:
-        size = slot.entry.nbytes
+        size = slot.span.nbytes
         if current is not None and aligned(current.nbytes) + size <= bucket_bytes:
             offset = aligned(current.nbytes)
         else:
@@ -84,14 +84,14 @@ def pack_buckets(slots: list[CopySlot], bucket_bytes: int) -> list[HostBucket]:
 
 
 def _verify_offloaded(engine: CopyEngine, slot: CopySlot, check: CheckMode) -> None:
-    slot.entry.verify(slot.host, check, "after capture")
-    slot.entry.verify(engine.host_view(slot.src), check, "while its offload copy ran")
+    slot.span.verify(slot.host, check, "after capture")
+    slot.span.verify(engine.host_view(slot.src), check, "while its offload copy ran")
 
 
 def run_offload(
     engine: CopyEngine, single: list[CopySlot], buckets: list[HostBucket], check: CheckMode
 ) -> None:
-    """Copy every source to host: one pooled buffer per single slot, one per bucket."""
+    """Copy every span to host: one pooled buffer per single slot, one per bucket."""
     for slot in single:
         assert slot.src is not None
         slot.host = engine.d2h(slot.src)
@@ -102,9 +102,9 @@ def run_offload(
         for slot, offset in bucket.members:
             src = slot.src
             assert src is not None
-            dst = bucket.raw[offset : offset + src.nbytes]
+            dst = bucket.raw[offset : offset + slot.span.nbytes]
             engine.d2h_into(src, dst)
-            slot.host = dst.view(src.dtype).reshape(src.shape)
+            slot.host = dst
             _verify_offloaded(engine, slot, check)
             slot.src = None
 
@@ -115,23 +115,22 @@ def run_load(
     buckets: list[tuple[HostBucket, list[CopySlot]]],
     check: CheckMode,
 ) -> None:
-    """Copy host data to fresh device memory; bucket members become slices of one block."""
+    """Copy host spans to fresh device memory; a bucket's spans become slices of one
+    block."""
+    where = "while it was on the host (load)"
     for slot in single:
         assert slot.host is not None
-        key = slot.entry.key
-        loaded = engine.h2d(slot.host, key.strides, key.dtype)
-        slot.entry.verify(engine.host_view(loaded), check, "while it was on the host (load)")
+        loaded = engine.h2d(slot.host)
+        slot.span.verify(engine.host_view(loaded), check, where)
         slot.loaded = loaded
     for bucket, bucket_slots in buckets:
         assert bucket.raw is not None
         raw = bucket.raw
         block = engine.h2d(raw)
         for slot in bucket_slots:
-            key = slot.entry.key
-            host = raw[slot.offset : slot.offset + slot.entry.nbytes]
-            typed = host.view(slot.dtype).reshape(slot.entry.storage.shape)
-            loaded = engine.member(block, slot.offset, typed, key.strides, key.dtype)
-            slot.entry.verify(engine.host_view(loaded), check, "while it was on the host (load)")
+            host = raw[slot.offset : slot.offset + slot.span.nbytes]
+            loaded = engine.member(block, slot.offset, host)
+            slot.span.verify(engine.host_view(loaded), check, where)
             slot.loaded = loaded
 
 
@@ -156,7 +155,7 @@ def release_offload_buffers(
 ) -> None:
     """Give an offload job's host buffers back (used when its group was discarded)."""
     for slot in slots:
-        if slot.host is not None and not slot.entry.bulk:
+        if slot.host is not None and not slot.span.bulk:
             engine.release_host(slot.host)
         slot.host = None
     for bucket in buckets:
@@ -167,10 +166,10 @@ def release_offload_buffers(
 
 @dataclass(eq=False)
 class LoadPlan:
-    """What one load job moves: single entries, and buckets with their moving members.
+    """What one load job moves: single spans, and buckets with their moving spans.
 
-    Each slot gets the device block its data will land in: a block per single entry, one
-    block per bucket (shared by its members, sized as the whole bucket).
+    Each slot gets the device block its data will land in: a block per single span, one
+    block per bucket (shared by its spans, sized as the whole bucket).
     """
 
     single: list[CopySlot]
@@ -179,25 +178,22 @@ class LoadPlan:
     @classmethod
     def build(
         cls,
-        host_entries: list[SwapTensor],
+        host_spans: list[StorageSpan],
         host_buckets: list[HostBucket],
         new_block: Callable[[], tuple[str, int]],
     ) -> LoadPlan:
-        """Plan the load of ``host_entries`` (HOST, not bucketed) and of ``host_buckets``."""
-        single = []
-        for entry in host_entries:
-            block = new_block()
-            single.append(
-                CopySlot(
-                    entry=entry, host=entry.storage.host, block=block, block_nbytes=entry.nbytes
-                )
-            )
+        """Plan the load of ``host_spans`` (on the host, not bucketed) and of the spans
+        still in ``host_buckets``."""
+        single = [
+            CopySlot(span=span, host=span.host, block=new_block(), block_nbytes=span.nbytes)
+            for span in host_spans
+        ]
         buckets: list[tuple[HostBucket, list[CopySlot]]] = []
         for bucket in host_buckets:
             moving = [
-                (member.entry, offset)
+                (member.span, offset)
                 for member, offset in bucket.members
-                if member.entry.storage.host is not None
+                if member.span.host is not None
             ]
             if not moving:
                 continue
@@ -206,16 +202,8 @@ class LoadPlan:
                 (
                     bucket,
                     [
-                        CopySlot(
-                            entry=entry,
-                            block=block,
-                            block_nbytes=bucket.nbytes,
-                            offset=offset,
-                            dtype=entry.storage.host.dtype
-                            if entry.storage.host is not None
-                            else None,
-                        )
-                        for entry, offset in moving
+                        CopySlot(span=span, block=block, block_nbytes=bucket.nbytes, offset=offset)
+                        for span, offset in moving
                     ],
                 )
             )
@@ -227,7 +215,7 @@ class LoadPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.entry.nbytes for s in self.single) + sum(b.nbytes for b, _ in self.buckets)
+        return sum(s.span.nbytes for s in self.single) + sum(b.nbytes for b, _ in self.buckets)
 
     def run(self, engine: CopyEngine, check: CheckMode) -> None:
         run_load(engine, self.single, self.buckets, check)

@@ -13,7 +13,7 @@ from ppswap.swap.transfer import CopySlot, pack_buckets
 
 @dataclass
 class _Sized:
-    """Stands in for a SwapTensor: packing only reads ``nbytes``."""
+    """Stands in for a StorageSpan: packing only reads ``nbytes``."""
 
     nbytes: int
 
@@ -24,7 +24,7 @@ class _Sized:
     bucket_bytes=st.integers(min_value=HOST_ALIGNMENT, max_value=4096),
 )
 def test_buckets_are_bounded_aligned_ordered_and_disjoint(sizes, bucket_bytes):
-    slots = [CopySlot(entry=_Sized(n)) for n in sizes]  # type: ignore[arg-type]
+    slots = [CopySlot(span=_Sized(n)) for n in sizes]  # type: ignore[arg-type]
     buckets = pack_buckets(slots, bucket_bytes)
     placed = [slot for bucket in buckets for slot, _ in bucket.members]
     assert placed == slots  # every slot once, in capture order
@@ -34,11 +34,11 @@ def test_buckets_are_bounded_aligned_ordered_and_disjoint(sizes, bucket_bytes):
         end = 0
         for slot, offset in bucket.members:
             assert offset % HOST_ALIGNMENT == 0 and offset >= end
-            end = offset + slot.entry.nbytes
+            end = offset + slot.span.nbytes
         assert end == bucket.nbytes
 
 
-def test_a_tensor_larger_than_a_bucket_gets_its_own():
-    slots = [CopySlot(entry=_Sized(n)) for n in (100, 10_000, 100)]  # type: ignore[arg-type]
+def test_a_span_larger_than_a_bucket_gets_its_own():
+    slots = [CopySlot(span=_Sized(n)) for n in (100, 10_000, 100)]  # type: ignore[arg-type]
     buckets = pack_buckets(slots, 1024)
-    assert [[s.entry.nbytes for s, _ in b.members] for b in buckets] == [[100], [10_000], [100]]
+    assert [[s.span.nbytes for s, _ in b.members] for b in buckets] == [[100], [10_000], [100]]

@@ -7,6 +7,11 @@ Facts this relies on (measured on mindspore 2.10, CPU):
   both False): identity is by storage (``untyped_storage().data_ptr()``).
 - ``asnumpy()`` of a contiguous CPU tensor is a view of its memory (it keeps the device
   address alive); ``Tensor.from_numpy`` shares memory the other way.
+- View ops (``transpose``, ``unbind``, slicing, ``reshape``) return views sharing their
+  input's storage, but every tensor autograd saves arrives contiguous, at offset 0, in a
+  storage of its own (views are copied first): two saved tensors never share a storage,
+  so each storage span the swap layer moves is one saved tensor. ``asnumpy()`` of a
+  strided tensor is a copy, and ``Tensor.from_numpy`` of a strided array copies too.
 - ``_version`` is never bumped (not by ``add_``, ``mul_``, ``__setitem__`` or numpy writes
   through ``asnumpy()`` views): :meth:`MindSporeBackend.version_of` returns None and the
   swap layer checks content digests instead.
@@ -25,7 +30,7 @@ Facts this relies on (measured on mindspore 2.10, CPU):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -34,6 +39,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn
 from mindspore import context as ms_context
 from mindspore._c_expression import ms_ctx_param
+from mindspore.common import dtype as mstype
 
 from ppswap.backends.base import (
     Autograd,
@@ -50,6 +56,31 @@ from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.backends.mindspore.autograd import MindSporeAutograd
 
 __all__ = ["MindSporeBackend", "SwapWrapperCell"]
+
+
+def _numpy_dtypes() -> dict[str, np.dtype[Any]]:
+    """``str(dtype)`` (``"Float32"``) -> numpy dtype, for every MindSpore dtype numpy can
+    hold. Built once: the public ``dtype_to_nptype`` logs a deprecation warning on every
+    call (mindspore 2.7+), which cost a write to stderr per restored tensor."""
+    convert = getattr(mstype, "_dtype_to_nptype", None) or mstype.dtype_to_nptype
+    table = {}
+    for dtype in mstype.all_types:
+        try:
+            table[str(dtype)] = np.dtype(convert(dtype))
+        except (KeyError, TypeError):  # int4, float8 kinds: no numpy dtype
+            continue
+    return table
+
+
+_NUMPY_DTYPES = _numpy_dtypes()
+
+
+def _numpy_dtype_named(name: str) -> np.dtype[Any]:
+    """The numpy dtype of the MindSpore dtype ``str(dtype)`` names (``"Float32"``)."""
+    dtype = _NUMPY_DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"{name!r} names no MindSpore dtype that numpy can hold")
+    return dtype
 
 
 class SwapWrapperCell(nn.Cell):  # type: ignore[misc]
@@ -139,7 +170,34 @@ class MindSporeBackend:
             tuple(tensor.shape),
             tuple(tensor.stride()),
             str(tensor.dtype),
+            int(tensor.itemsize),
         )
+
+    def storage_bytes(self, tensor: Tensor, start: int, nbytes: int) -> Tensor | None:
+        # Only through a contiguous tensor covering those bytes (asnumpy() of a strided
+        # tensor is a copy). Enough here: the saved tensors arrive contiguous, each in
+        # a storage of its own (module docstring), so a span is one tensor's bytes.
+        first = int(tensor.storage_offset()) * int(tensor.itemsize)
+        if not tensor.is_contiguous() or start < first or start + nbytes > first + tensor.nbytes:
+            return None
+        flat = tensor.asnumpy().reshape(-1).view(np.uint8)
+        return Tensor.from_numpy(flat[start - first : start - first + nbytes])
+
+    def views_of(self, block: Tensor, places: Sequence[tuple[int, ViewKey]]) -> list[Tensor]:
+        # Tensors from numpy views of the block's memory (from_numpy shares it; a strided
+        # view would come back as a contiguous copy, but saved tensors are contiguous).
+        data = block.asnumpy()
+        views = []
+        for offset, key in places:
+            array: HostArray = np.ndarray(
+                key.shape,
+                dtype=_numpy_dtype_named(key.dtype),
+                buffer=data,
+                offset=offset,
+                strides=tuple(s * key.itemsize for s in key.strides),
+            )
+            views.append(Tensor.from_numpy(array))
+        return views
 
     def data_nbytes(self, tensor: Tensor) -> int:
         return int(tensor.nbytes)

@@ -5,6 +5,11 @@ Facts this relies on (torch 2.11-2.14):
 - ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor the graph saves;
   parameters arrive as plain tensors sharing the parameter's storage (``t is w`` is
   False): identity is by storage (``untyped_storage().data_ptr()``), as on MindSpore.
+- Saved tensors can be views sharing one storage (q, k and v of an ``unbind``, ``k``
+  transposed, a 4-D ``matmul``'s operand as it is and reshaped), at offsets and with any
+  strides. The swap layer moves a storage's used bytes once
+  (:meth:`TorchBackend.storage_bytes`) and rebuilds every view on the restored span with
+  ``set_`` (:meth:`TorchBackend.views_of`): the views share one storage again.
 - ``_version`` counts in-place modifications of a tensor and every view of its storage:
   the swap layer compares it before the copy and before the device tensor is dropped, so
   no content digest is needed.
@@ -32,7 +37,7 @@ Facts this relies on (torch 2.11-2.14):
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -128,6 +133,14 @@ def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
     except TypeError:  # bfloat16 and other dtypes numpy lacks
         return None
     return found
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    """The torch dtype ``str(dtype)`` names (``"torch.float32"``)."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} names no torch dtype")
+    return dtype
 
 
 def _numpy_of(tensor: torch.Tensor) -> HostArray:
@@ -250,7 +263,30 @@ class TorchBackend:
             tuple(tensor.shape),
             tuple(tensor.stride()),
             str(tensor.dtype),
+            int(tensor.element_size()),
         )
+
+    def storage_bytes(self, tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+        span = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        return span.set_(tensor.untyped_storage(), start, (nbytes,), (1,))
+
+    def views_of(
+        self, block: torch.Tensor, places: Sequence[tuple[int, ViewKey]]
+    ) -> list[torch.Tensor]:
+        # set_ onto the block's storage: every view shares that one storage (and its
+        # allocation), as the saved views shared theirs before the offload.
+        storage, base = block.untyped_storage(), int(block.storage_offset())
+        views = []
+        for offset, key in places:
+            first = base + offset
+            if first % key.itemsize:
+                raise ValueError(
+                    f"a {key.dtype} view cannot start at byte {first} of a restored span "
+                    f"(not a multiple of its {key.itemsize}-byte elements)"
+                )
+            view = torch.empty(0, dtype=_dtype_named(key.dtype), device=block.device)
+            views.append(view.set_(storage, first // key.itemsize, key.shape, key.strides))
+        return views
 
     def data_nbytes(self, tensor: torch.Tensor) -> int:
         return int(tensor.numel() * tensor.element_size())

@@ -12,18 +12,24 @@ back, on a copy stream of their own.
   (``torch.empty(..., pin_memory=True)``, handed out as numpy views: the swap layer's
   bucket layout and checks work on them) with ``non_blocking=True`` and wait for the copy
   on that thread, so the job's completion means the bytes are on the host.
-- ``h2d`` (copy thread) allocates the destination on the copy stream with the original
-  strides, copies and waits; ``restore`` (compute thread) marks the tensor as used by the
-  compute stream (``record_stream``): the caching allocator then never hands its memory
-  to the copy stream while compute kernels may still read it. A bucket's members are
-  views of its one loaded block (``member``).
+- What moves is a storage span (``ppswap/swap/spans.py``): the source is a ``uint8``
+  tensor over the bytes of a storage its saved views use (``TorchBackend.storage_bytes``),
+  the host copy one ``uint8`` buffer, the destination one ``uint8`` block.
+- ``h2d`` (copy thread) allocates the destination on the copy stream (with the given
+  strides, if any), copies and waits; ``restore`` (compute thread) marks the tensor as
+  used by the compute stream (``record_stream``): the caching allocator then never hands
+  its memory to the copy stream while compute kernels may still read it. The saved views
+  are rebuilt on the restored block with ``set_`` (``TorchBackend.views_of``), so they
+  share its storage and allocation, and with it that mark. A bucket's spans are slices of
+  its one loaded block (``member``).
 - A tensor the engine cannot move (a CPU tensor a CUDA stage saved, such as an RNG state)
   stays where it is (``can_move``).
 - Device memory of an offloaded tensor is released when the swap layer drops its last
   reference after the offload completed (the copy stream is done reading it by then).
 
 dtypes: host buffers are numpy views, so a dtype numpy has no type for (bfloat16) travels
-as 16-bit integers and is viewed back by name (``ViewKey.dtype``) on the way in.
+as 16-bit integers and is viewed back by name (``ViewKey.dtype``) on the way in (the swap
+layer moves spans as bytes and rebuilds the views by that name).
 """
 
 from __future__ import annotations

@@ -1,0 +1,161 @@
+"""Storage spans: what a group's copies move, one per storage.
+
+Autograd saves views, and several saved views can share one storage: ``q, k, v =
+qkv.unbind(0)`` (three views at offsets), ``k.transpose(1, 2)`` (a strided view), a 4-D
+``matmul``'s operand as it is and reshaped (two views of the same bytes). A group keeps one
+entry (:class:`SwapTensor`) per exact view, the handle the graph holds, but moves bytes per
+storage: a :class:`StorageSpan` is the byte range of one storage that covers every view of
+it the group captured, from the first byte any of them reads to the last.
+
+- The offload copies the span once, into one host buffer (or one slice of a bucket).
+- The load copies it into one fresh device block, and every view is rebuilt as a view into
+  that block (``Backend.views_of``) at its offset relative to the span's start, with its
+  shape, strides and dtype: views that overlapped before the offload share one allocation
+  again, and the device holds the span once, not once per view.
+- The span's start is rounded down so that it keeps its address's alignment to
+  :data:`SPAN_ALIGNMENT` bytes (where the storage's base allows): a restored block starts
+  at such a boundary, so every view sits at the alignment it had (kernels may pick their
+  code path by alignment).
+- The integrity checks stay per view: each view's digest is taken on its own elements,
+  read out of the span's bytes (:meth:`StorageSpan.views`).
+
+All entries of a span are in the same state at every moment: they move together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ppswap.backends.base import HostArray, ViewKey
+from ppswap.swap.tensor import CheckMode, SwapState, SwapTensor, content_digest
+
+__all__ = ["SPAN_ALIGNMENT", "StorageSpan", "span_layout", "view_array"]
+
+SPAN_ALIGNMENT = 64
+
+
+def span_layout(storage_ptr: int, keys: Sequence[ViewKey]) -> tuple[int, int, list[int]]:
+    """``(start, nbytes, offsets)``: the span of ``keys`` (views of the storage at
+    ``storage_ptr``) as a byte range of the storage, and each view's byte offset in it.
+
+    ``start`` keeps the address's alignment to :data:`SPAN_ALIGNMENT` when the storage's
+    base allows it, and is always a multiple of every view's element size (so each view
+    starts on an element boundary of the span). A view without elements is placed at
+    offset 0 and does not widen the span.
+    """
+    ranges = [key.byte_range() for key in keys]
+    used = [(first, end) for first, end in ranges if end > first]
+    if not used:
+        return 0, 0, [0] * len(keys)
+    low, high = min(first for first, _ in used), max(end for _, end in used)
+    unit = math.lcm(*(key.itemsize for key in keys))
+    start = low - (storage_ptr + low) % SPAN_ALIGNMENT
+    if start < 0 or start % unit:
+        start = low - low % unit
+    offsets = [
+        key.offset * key.itemsize - start if end > first else 0
+        for key, (first, end) in zip(keys, ranges, strict=True)
+    ]
+    return start, high - start, offsets
+
+
+def view_array(span: HostArray, offset: int, key: ViewKey) -> HostArray:
+    """The elements of view ``key`` in ``span`` (a contiguous ``uint8`` array holding a
+    span's bytes), ``offset`` bytes in: a numpy view, with void elements of the view's
+    size (the digests read bytes, not values)."""
+    return np.ndarray(
+        key.shape,
+        dtype=np.dtype((np.void, key.itemsize)),
+        buffer=span,
+        offset=offset,
+        strides=tuple(s * key.itemsize for s in key.strides),
+    )
+
+
+@dataclass(eq=False)
+class StorageSpan:
+    """The used bytes of one storage in a group, and the views (entries) in them.
+
+    ``start`` / ``nbytes``: the byte range of the storage (``storage_ptr``) that moves;
+    ``members``: each entry with its view's byte offset in the span. ``bulk``: packed into
+    a host bucket (every member asked for ``group_swap``). ``source``: what the copy
+    thread reads the span's device bytes from (from the end of the forward to
+    ``finish_offload``); ``host``: the host copy (a ``uint8`` array: a pooled buffer of
+    its own, or a slice of ``host_bucket``), from ``finish_offload`` to the load.
+    """
+
+    storage_ptr: int
+    start: int
+    nbytes: int
+    members: list[tuple[SwapTensor, int]]
+    bulk: bool
+    source: Any = None
+    host: HostArray | None = None
+    host_bucket: Any = None
+
+    @classmethod
+    def of(cls, storage_ptr: int, entries: Sequence[SwapTensor]) -> StorageSpan:
+        """The span of ``entries`` (every captured view of one storage)."""
+        start, nbytes, offsets = span_layout(storage_ptr, [e.key for e in entries])
+        span = cls(
+            storage_ptr=storage_ptr,
+            start=start,
+            nbytes=nbytes,
+            members=list(zip(entries, offsets, strict=True)),
+            bulk=all(e.bulk for e in entries),
+        )
+        for entry in entries:
+            entry.storage.span = span
+        return span
+
+    @property
+    def entries(self) -> list[SwapTensor]:
+        return [entry for entry, _ in self.members]
+
+    @property
+    def state(self) -> SwapState:
+        """The members' state (they move together)."""
+        return self.members[0][0].state
+
+    def places(self) -> list[tuple[int, ViewKey]]:
+        """``(offset, key)`` per member: what ``Backend.views_of`` rebuilds."""
+        return [(offset, entry.key) for entry, offset in self.members]
+
+    def movable(self) -> bool:
+        """Whether the span may leave the device now: no member pinned, all on device."""
+        return all(not e.pinned and e.state is SwapState.DEVICE for e in self.entries)
+
+    def transition(self, to_state: SwapState) -> None:
+        """Move every member to ``to_state`` (legal moves only; all or, on a refused
+        move, the members before it)."""
+        for entry in self.entries:
+            entry.transition(to_state)
+
+    def views(self, array: HostArray) -> list[HostArray]:
+        """Each member's elements in ``array`` (a contiguous ``uint8`` copy of the span)."""
+        return [view_array(array, offset, entry.key) for entry, offset in self.members]
+
+    def take_digests(self, array: HostArray, mode: CheckMode) -> None:
+        """Record each member's reference digest from ``array`` (the span's device bytes
+        as the host sees them, when the forward ended)."""
+        for (entry, _), view in zip(self.members, self.views(array), strict=True):
+            entry.storage.digest = content_digest(view, mode)
+
+    def verify(self, array: HostArray | None, mode: CheckMode, where: str) -> None:
+        """Raise ``SwapError`` if a member's elements in ``array`` (a copy of the span)
+        differ from its reference digest; no-op without a host-visible array."""
+        if array is None or not any(e.storage.digest is not None for e in self.entries):
+            return
+        for (entry, _), view in zip(self.members, self.views(array), strict=True):
+            entry.verify(view, mode, where)
+
+    def __repr__(self) -> str:
+        return (
+            f"StorageSpan(storage_ptr={self.storage_ptr:#x}, start={self.start}, "
+            f"nbytes={self.nbytes}, views={len(self.members)})"
+        )
