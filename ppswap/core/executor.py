@@ -22,7 +22,9 @@ Contract:
   ``JobDeadlineError`` when the job has not finished by then), and teardown waits for the
   job in flight.
 - Completion is signalled to the event loop with ``loop.call_soon_threadsafe``: this module
-  needs the asyncio backend (what pytest-asyncio and MindSpore users run).
+  needs the asyncio backend (what pytest-asyncio and MindSpore users run). Completions
+  that pile up before the loop gets to them are delivered by one callback (one wake-up of
+  the loop for a burst of jobs: in-process ranks queue their jobs on the one thread).
 - ``stop()`` enqueues a sentinel; the thread finishes the jobs before it and exits. The
   thread is never a daemon: the owner joins it (``join_s`` bounds that wait). A thread
   started inside an event loop tells that loop when it exits, so ``join`` needs no helper
@@ -98,6 +100,9 @@ class DedicatedThread:
         self.name = name
         self._join_s = join_s
         self._ready = threading.Condition()
+        self._delivery = threading.Lock()
+        # Per loop, finished jobs whose delivery callback is scheduled and has not run yet.
+        self._finished: dict[asyncio.AbstractEventLoop, list[_Job[Any]]] = {}
         self._urgent: deque[_Job[Any]] = deque()
         self._normal: deque[Any] = deque()  # jobs and the stop sentinel
         self._thread: threading.Thread | None = None
@@ -171,9 +176,7 @@ class DedicatedThread:
         """Run ``fn(*args)`` on the thread and return its result (see module docstring)."""
         return await self._submit(fn, args, urgent=False, timeout_s=timeout_s)
 
-    async def run_urgent(
-        self, fn: Callable[..., T], *args: Any, timeout_s: float = math.inf
-    ) -> T:
+    async def run_urgent(self, fn: Callable[..., T], *args: Any, timeout_s: float = math.inf) -> T:
         """``run``, served ahead of every ``run`` job still queued (see module docstring)."""
         return await self._submit(fn, args, urgent=True, timeout_s=timeout_s)
 
@@ -228,6 +231,26 @@ class DedicatedThread:
                 self._busy_s += time.perf_counter() - started
                 self._jobs_run += 1
                 self._current = None
-            # A closed loop raises RuntimeError: then nobody awaits this job any more.
-            with contextlib.suppress(RuntimeError):
-                job.loop.call_soon_threadsafe(job.finish)
+            self._notify(job)
+
+    def _notify(self, job: _Job[Any]) -> None:
+        """Thread: hand a finished job to its loop; one callback per burst (module doc)."""
+        loop = job.loop
+        with self._delivery:
+            burst = self._finished.get(loop)
+            if burst is not None:
+                burst.append(job)
+                return
+            self._finished[loop] = [job]
+        try:
+            loop.call_soon_threadsafe(self._deliver, loop)
+        except RuntimeError:  # the loop is closed: nobody awaits these jobs any more
+            with self._delivery:
+                self._finished.pop(loop, None)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Event loop: wake the tasks awaiting every job finished since the last call."""
+        with self._delivery:
+            jobs = self._finished.pop(loop, [])
+        for job in jobs:
+            job.finish()
