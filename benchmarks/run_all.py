@@ -8,8 +8,9 @@ its standard output (markdown) becomes one section of the document, with its com
 wall time. A benchmark that fails or outruns its limit leaves a note with the end of its
 error output instead of a table; the others still run. The document starts with the
 machine (CPU, cores, memory, load average before and after), the software versions, the
-commit, and a headline table assembled from the memory and cost benchmarks' JSON output,
-so every figure it quotes comes from this command. ``--quick`` runs shorter variants (for
+commit, and a headline table assembled from the memory and cost benchmarks' JSON output
+(and the torch peer benchmark's one-line comparison from its JSON), so every figure it
+quotes comes from this command. ``--quick`` runs shorter variants (for
 checking the pipeline, not for publishing). The whole run takes about 8 minutes on the
 2-core development machine (under ``--quick`` about 3.5).
 """
@@ -143,6 +144,21 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "than the source, as a ratio to `d = 0`.",
         quick_args=("--rounds", "2", "--sizes-mib", "1"),
         limit_s=120.0,
+    ),
+    Benchmark(
+        "torch-peer",
+        "bench_torch_peer.py",
+        "Against torch.distributed.pipelining (pp2, gloo, one process per rank)",
+        "The same torch model, batch, micro-batches and loss under torch.distributed."
+        "pipelining (`PipelineStage` with `ScheduleGPipe`, `Schedule1F1B`, "
+        "`ScheduleInterleaved1F1B`) and under ppswap over `TorchDistTransport`, swap off "
+        "and on, in one torchrun job, the contenders alternating round by round: median "
+        "step time and the ratios ppswap / torch (targets: 1.10x without swap, 1.15x with), "
+        "and peak saved-activation bytes per rank counted the same way for both, beside the "
+        "planner's predicted cut.",
+        quick_args=("--quick",),
+        limit_s=420.0,
+        json_out=True,
     ),
 )
 
@@ -302,6 +318,14 @@ def headline(outcomes: Sequence[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def peer_headline(outcomes: Sequence[Outcome]) -> str:
+    """The torch peer benchmark's one line (its JSON's ``headline``), if it ran."""
+    peer = next((o for o in outcomes if o.bench.name == "torch-peer"), None)
+    if peer is None or peer.data is None:
+        return "(the torch peer benchmark did not run)"
+    return str(peer.data["headline"])
+
+
 def render(outcomes: Sequence[Outcome], machine: str, total_s: float, quick: bool) -> str:
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
@@ -329,6 +353,8 @@ def render(outcomes: Sequence[Outcome], machine: str, total_s: float, quick: boo
         "sections below.",
         "",
         headline(outcomes),
+        "",
+        peer_headline(outcomes),
         "",
     ]
     for outcome in outcomes:

@@ -1,0 +1,741 @@
+"""ppswap against torch.distributed.pipelining: step time and peak saved-activation bytes.
+
+    python benchmarks/bench_torch_peer.py [--pp 2] [--rounds 15] [--warmup 2] [--quick]
+                                          [--json PATH] [--timeout-s 360]
+
+The same per-stage torch model, batch, micro-batches and loss run one training step
+(forward and backward of every micro-batch, no optimizer) per round under three
+contenders, one process per pipeline rank over gloo, launched here with ``torchrun
+--standalone --nproc_per_node PP`` (this script again, with ``--worker``):
+
+- ``torch``: ``torch.distributed.pipelining`` (``PipelineStage`` per stage,
+  ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``) on the default
+  process group;
+- ``ppswap``: ``run_schedule`` over ``TorchDistTransport`` (its own gloo group) without
+  swap, every other option at its default (``p2p="plain"``);
+- ``ppswap+swap``: the same with ``swap=True`` (every block ``swap_wrapper``-ed, the
+  default gap plan, ``EmulatedDevice`` without throttling: host memory is the "device").
+
+Schedules: GPipe and 1F1B with ``PP`` stages, Interleaved 1F1B with ``2 PP`` (vpp 2),
+``MICRO`` micro-batches each. The model (``DIM``, ``BLOCKS`` pre-norm residual MLP blocks
+with a 4x hidden layer, split evenly over the stages) is sized so saved activations
+dominate the parameters (20 MiB against 2 MiB per rank under GPipe at pp2) and a step
+computes for about 60 ms per rank on this CPU. Every process uses one intra-op thread.
+
+Step time: all ranks meet at a barrier, rank 0 starts its clock, every rank runs the step,
+all meet at a barrier again and rank 0 stops its clock (the barrier's own cost falls on
+every contender alike). After ``--warmup`` unmeasured rounds, ``--rounds`` rounds run
+each contender once, in an order rotated round by round, so load drifts fall on all
+three alike. Reported: the median step time per contender, the ratios of the medians
+ppswap / torch, and the median of the per-round ratios (paired within a round). Targets
+(issue 17): without swap <= 1.10x torch, with swap <= 1.15x. Beside it, each step's CPU
+time (``time.process_time`` of the whole process, every thread, summed over the ranks)
+and its main thread's share (``time.thread_time``): on a shared machine the wall clock
+also counts the time a rank waited for a core, and the kernel shares the cores among
+runnable *threads*, so under load the contender with more threads (ppswap: event loop,
+compute thread, copy thread, the transport's waiting threads) gets a larger share of the
+machine than a single-threaded one: the wall-clock ratio then flatters ppswap, the CPU
+ratio does not.
+
+Memory: peak saved-activation bytes per rank, counted the same way for both. ppswap's is
+``RankStats.peak_saved_bytes``: the distinct device storages (whole storage size, each
+counted once however many saved views it has) that the rank's live chunks hold for
+backward, parameters and module state excluded; with swap, what is offloaded no longer
+counts. torch's is counted by ``saved_tensors_hooks`` installed around each stage's
+forward and the loss in one extra step after the timed rounds: a pack hook holds each
+saved tensor's storage (parameters and buffers excluded) until autograd drops the packed
+handle (after that micro-batch's backward), by storage, with the same rule; torch's
+micro-batches are views of the whole batch, so a saved view of the batch counts by its
+own extent, as ppswap's micro-batch (a copy) does. The
+prediction is the planner's (``ppswap.scheduler.simulate.memory_table``): the peak
+resident chunks per rank without and with swap, converted to bytes with ppswap's measured
+bytes per chunk (no-swap peak / no-swap peak chunks), as ``bench_memory.py`` does.
+
+Also checked in every run: ppswap's per-micro-batch losses equal torch's (rtol 1e-6) and
+swap on equals swap off bit for bit. ``--quick``: a smaller model, one warm-up round and
+two measured rounds (checks the pipeline, not for publishing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ppswap.scheduler.config import ScheduleName
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEDULES: tuple[tuple[str, ScheduleName], ...] = (
+    ("GPipe", "gpipe"),
+    ("1F1B", "1f1b"),
+    ("Interleaved vpp2", "interleaved_1f1b"),
+)
+CONTENDERS = ("torch", "ppswap", "ppswap+swap")
+TARGETS = {"ppswap": 1.10, "ppswap+swap": 1.15}
+LOSS_RTOL = 1e-6
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model and batch: ``blocks`` blocks of width ``dim`` split over the stages;
+    ``micro`` micro-batches of ``micro_batch`` sequences of ``seq`` tokens."""
+
+    dim: int
+    blocks: int
+    micro: int
+    micro_batch: int
+    seq: int
+
+    @property
+    def hidden(self) -> int:
+        return 4 * self.dim
+
+
+FULL = Model(dim=128, blocks=8, micro=8, micro_batch=8, seq=16)
+QUICK = Model(dim=64, blocks=8, micro=8, micro_batch=2, seq=8)
+
+
+# -- the worker: one pipeline rank under torchrun ------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank: every schedule, every contender, rounds; rank 0 writes the JSON."""
+    import anyio
+
+    return anyio.run(_worker, args)
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from ppswap.backends.torch.distributed import TorchDistTransport
+
+    torch.set_num_threads(1)
+    model = Model(**json.loads(args.model))
+    # torch.distributed.pipelining needs the default group; the transport then uses it
+    # (with a gloo group of its own for its tags) instead of initializing one itself.
+    dist.init_process_group(backend="gloo")
+    transport = TorchDistTransport()
+    try:
+        results = [
+            await _measure_schedule(name, schedule, model, transport, args)
+            for name, schedule in SCHEDULES
+        ]
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        print(f"rank {transport.rank}: failed, aborting the job", flush=True)
+        transport.abort(1)
+    finally:
+        transport.close()
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    dist.destroy_process_group()
+    return 0
+
+
+class SavedBytes:
+    """Peak device bytes of the storages autograd saved for backward, by storage: a pack
+    hook holds each saved tensor's storage until autograd drops the packed handle; a
+    storage counts once (its whole size) however many saved views point into it.
+    ``exclude``: storages never counted (parameters, buffers). ``batches``: the storages
+    of the whole-batch inputs and targets; torch's micro-batches are views of them, which
+    count by their own extent, as ppswap's micro-batches (copies, one storage each) do."""
+
+    def __init__(self, exclude: set[int], batches: set[int]) -> None:
+        self.exclude = exclude
+        self.batches = batches
+        self.holders: dict[Hashable, int] = {}
+        self.sizes: dict[Hashable, int] = {}
+        self.resident = 0
+        self.peak = 0
+        self.enabled = False
+
+    def pack(self, tensor: Any) -> Any:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.exclude or storage.nbytes() == 0:
+            return tensor
+        if ptr in self.batches:  # a micro-batch: its own extent, keyed by its offset
+            key = (ptr, tensor.storage_offset())
+            return _Held(self, tensor, key, tensor.numel() * tensor.element_size())
+        return _Held(self, tensor, ptr, storage.nbytes())
+
+    @staticmethod
+    def unpack(packed: Any) -> Any:
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def hold(self, ptr: Hashable, nbytes: int) -> None:
+        count = self.holders.get(ptr, 0)
+        if count == 0:
+            self.sizes[ptr] = nbytes
+            self.resident += nbytes
+            self.peak = max(self.peak, self.resident)
+        self.holders[ptr] = count + 1
+
+    def drop(self, ptr: Hashable) -> None:
+        count = self.holders[ptr] - 1
+        if count:
+            self.holders[ptr] = count
+            return
+        del self.holders[ptr]
+        self.resident -= self.sizes.pop(ptr)
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        """The hooks while ``enabled``; nothing otherwise (timed steps run without them)."""
+        if not self.enabled:
+            yield
+            return
+        import torch
+
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield
+
+
+class _Held:
+    """A saved tensor held for backward; counted while autograd keeps this handle."""
+
+    __slots__ = ("counter", "ptr", "tensor")
+
+    def __init__(self, counter: SavedBytes, tensor: Any, ptr: Hashable, nbytes: int) -> None:
+        self.counter, self.tensor, self.ptr = counter, tensor, ptr
+        counter.hold(ptr, nbytes)
+
+    def __del__(self) -> None:
+        self.counter.drop(self.ptr)
+
+
+def _build_modules(model: Model, stage_num: int, *, wrap: bool) -> list[Any]:
+    """``stage_num`` stage modules (``model.blocks // stage_num`` blocks each) from seed 0;
+    ``wrap``: each block ``swap_wrapper``-ed."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from ppswap.swap import swap_wrapper
+
+    class Block(nn.Module):
+        """Pre-norm residual MLP block: ``x + fc2(gelu(fc1(norm(x))))``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(model.dim)
+            self.fc1 = nn.Linear(model.dim, model.hidden)
+            self.fc2 = nn.Linear(model.hidden, model.dim)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+            return out
+
+    per_stage = model.blocks // stage_num
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return [
+            nn.Sequential(*(swap_wrapper(Block()) if wrap else Block() for _ in range(per_stage)))
+            for _ in range(stage_num)
+        ]
+
+
+def _mse(output: Any, target: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.mse_loss(output, target)
+
+
+def _data(model: Model) -> tuple[Any, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    shape = (model.micro * model.micro_batch, model.seq, model.dim)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+class PeerRunner:
+    """torch.distributed.pipelining for one schedule on this rank, with the saved-bytes
+    counter around every stage forward and the loss (off unless ``counter.enabled``)."""
+
+    def __init__(
+        self, schedule: str, model: Model, rank: int, pp: int, stage_num: int, batch: Sequence[Any]
+    ) -> None:
+        import torch
+        from torch import nn
+        from torch.distributed import pipelining
+
+        modules = _build_modules(model, stage_num, wrap=False)
+        self.mine = [s for s in range(stage_num) if s % pp == rank]
+        self.modules = [modules[s] for s in self.mine]
+        self.has_first, self.has_last = 0 in self.mine, stage_num - 1 in self.mine
+        state = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
+        self.counter = SavedBytes(
+            {t.untyped_storage().data_ptr() for t in state},
+            {t.untyped_storage().data_ptr() for t in batch},
+        )
+        counter = self.counter
+
+        class Counted(nn.Module):
+            def __init__(self, inner: nn.Module) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                with counter.counting():
+                    out: torch.Tensor = self.inner(x)
+                return out
+
+        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            with counter.counting():
+                value: torch.Tensor = _mse(output, target)
+            return value
+
+        cpu = torch.device("cpu")
+        stages: list[Any] = [
+            pipelining.PipelineStage(Counted(m), s, stage_num, cpu)
+            for s, m in zip(self.mine, self.modules, strict=True)
+        ]
+        if schedule == "interleaved_1f1b":
+            self.runner: Any = pipelining.ScheduleInterleaved1F1B(
+                stages, n_microbatches=model.micro, loss_fn=loss
+            )
+        else:
+            kind: Callable[..., Any] = {
+                "gpipe": pipelining.ScheduleGPipe,
+                "1f1b": pipelining.Schedule1F1B,
+            }[schedule]
+            self.runner = kind(stages[0], n_microbatches=model.micro, loss_fn=loss)
+
+    def zero_grad(self) -> None:
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
+
+    def step(self, x: Any, y: Any) -> list[float]:
+        losses: list[Any] = []
+        args = (x,) if self.has_first else ()
+        if self.has_last:
+            self.runner.step(*args, target=y, losses=losses)
+        else:
+            self.runner.step(*args)
+        return [float(loss.detach()) for loss in losses]
+
+
+async def _measure_schedule(
+    name: str, schedule: ScheduleName, model: Model, transport: Any, args: argparse.Namespace
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from ppswap import PipelineStage, RunResult, run_schedule
+    from ppswap.scheduler.config import ScheduleConfig
+    from ppswap.scheduler.simulate import memory_table
+    from ppswap.swap import EmulatedDevice
+
+    rank, pp = transport.rank, transport.world_size
+    vpp = 2 if schedule == "interleaved_1f1b" else 1
+    stage_num = pp * vpp
+    x, y = _data(model)
+    peer = PeerRunner(schedule, model, rank, pp, stage_num, (x, y))
+    stages = [
+        PipelineStage(m, s, stage_num)
+        for s, m in enumerate(_build_modules(model, stage_num, wrap=True))
+        if s % pp == rank
+    ]
+    engines = {"ppswap": EmulatedDevice(), "ppswap+swap": EmulatedDevice()}
+    inputs, targets = x.numpy(), y.numpy()
+
+    async def run_ppswap(contender: str) -> RunResult:
+        return await run_schedule(
+            stages,
+            schedule,
+            micro_batch_num=model.micro,
+            inputs=inputs,
+            targets=targets,
+            loss_fn=_mse,
+            swap=contender == "ppswap+swap",
+            device=engines[contender],
+            transport=transport,
+            step_timeout=300,
+        )
+
+    times: dict[str, list[float]] = {c: [] for c in CONTENDERS}
+    cpu: dict[str, list[float]] = {c: [] for c in CONTENDERS}
+    cpu_main: dict[str, list[float]] = {c: [] for c in CONTENDERS}
+    peaks: dict[str, list[int]] = {c: [] for c in CONTENDERS[1:]}
+    losses: dict[str, list[float]] = {}
+    offloaded: list[int] = []
+    for round_index in range(args.warmup + args.rounds):
+        shift = round_index % len(CONTENDERS)
+        for contender in CONTENDERS[shift:] + CONTENDERS[:shift]:
+            peer.zero_grad()
+            dist.barrier()
+            started, cpu_started = time.perf_counter(), time.process_time()
+            main_started = time.thread_time()
+            if contender == "torch":
+                got = peer.step(x, y)
+            else:
+                result = await run_ppswap(contender)
+                got = result.losses
+            cpu_s = time.process_time() - cpu_started
+            main_s = time.thread_time() - main_started
+            dist.barrier()
+            elapsed = time.perf_counter() - started
+            losses[contender] = got
+            if round_index < args.warmup:
+                continue
+            times[contender].append(elapsed)
+            cpu[contender].append(cpu_s)
+            cpu_main[contender].append(main_s)
+            if contender != "torch":
+                peaks[contender].append(result.ranks[rank].peak_saved_bytes)
+                if contender == "ppswap+swap":
+                    offloaded.append(result.ranks[rank].offloaded_bytes)
+    # torch's saved bytes: one more step with the counter on (not timed)
+    peer.zero_grad()
+    peer.counter.enabled = True
+    dist.barrier()
+    peer.step(x, y)
+    peer.counter.enabled = False
+    if peer.counter.resident != 0:
+        raise RuntimeError(f"rank {rank}: {peer.counter.resident} saved bytes left after a step")
+    mine = {
+        "rank": rank,
+        "torch_peak": peer.counter.peak,
+        "ppswap_peak": max(peaks["ppswap"]),
+        "ppswap_peak_min": min(peaks["ppswap"]),
+        "swap_peak": max(peaks["ppswap+swap"]),
+        "swap_peak_min": min(peaks["ppswap+swap"]),
+        "offloaded": max(offloaded),
+        "losses": losses,
+        "cpu_s": cpu,
+        "cpu_main_s": cpu_main,
+    }
+    every: list[dict[str, Any]] = [{} for _ in range(pp)]
+    dist.all_gather_object(every, mine)
+    config = ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=model.micro)
+    table = memory_table(config)
+    ranks = []
+    for got_rank, prediction in zip(every, table, strict=True):
+        chunks_no_swap = prediction["peak_chunks_no_swap"]
+        chunk_bytes = got_rank["ppswap_peak"] / chunks_no_swap if chunks_no_swap else 0.0
+        ranks.append(
+            {
+                **{k: v for k, v in got_rank.items() if k not in ("losses", "cpu_s", "cpu_main_s")},
+                "eligible": prediction["eligible"],
+                "chunks_no_swap": chunks_no_swap,
+                "chunks_swap": prediction["peak_chunks_swap"],
+                "chunk_bytes": chunk_bytes,
+                "predicted_swap": prediction["peak_chunks_swap"] * chunk_bytes,
+            }
+        )
+    last = every[-1]["losses"]  # the last rank holds the last stage under both
+    return {
+        "schedule": name,
+        "pp": pp,
+        "vpp": vpp,
+        "times_s": times,
+        "cpu_s": {  # per round, summed over the ranks
+            c: [sum(r["cpu_s"][c][i] for r in every) for i in range(args.rounds)]
+            for c in CONTENDERS
+        },
+        "cpu_main_s": {  # the main thread alone (ppswap: the event loop), summed likewise
+            c: [sum(r["cpu_main_s"][c][i] for r in every) for i in range(args.rounds)]
+            for c in CONTENDERS
+        },
+        "losses_equal": bool(
+            len(last["torch"]) == model.micro
+            and all(
+                abs(a - b) <= LOSS_RTOL * abs(a)
+                for a, b in zip(last["torch"], last["ppswap"], strict=True)
+            )
+        ),
+        "losses_bit_identical": last["torch"] == last["ppswap"],
+        "swap_bit_identical": last["ppswap"] == last["ppswap+swap"],
+        "ranks": ranks,
+    }
+
+
+# -- the driver: launch, collect, report ---------------------------------------------------------
+
+
+def launch(model: Model, args: argparse.Namespace, out: Path) -> None:
+    """``torchrun --standalone --nproc_per_node PP`` this script as the workers; the whole
+    process group is killed at the deadline."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.pp),
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--out",
+        str(out),
+        "--model",
+        json.dumps(asdict(model)),
+        "--rounds",
+        str(args.rounds),
+        "--warmup",
+        str(args.warmup),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise SystemExit(f"torchrun did not finish within {args.timeout_s} s:\n{output}") from None
+    if process.returncode != 0 or not out.exists():
+        raise SystemExit(f"torchrun exited with status {process.returncode}:\n{output}")
+
+
+def ppswap_source() -> str:
+    """The ppswap measured: the commit of the repository it was imported from, and whether
+    its ``ppswap/`` had uncommitted changes."""
+    import ppswap
+
+    where = Path(ppswap.__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        command = ["git", "-C", str(where), *args]
+        return subprocess.run(command, capture_output=True, text=True, check=False).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "ppswap")
+    place = "" if where == ROOT else f" (imported from {where})"
+    return f"{commit}{', with uncommitted changes in ppswap/' if dirty else ''}{place}"
+
+
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per schedule: median step time per contender, ratios of medians, paired ratios."""
+    rows = []
+    for result in results:
+        times, cpu = result["times_s"], result["cpu_s"]
+        medians = {c: statistics.median(times[c]) for c in CONTENDERS}
+        cpu_medians = {c: statistics.median(cpu[c]) for c in CONTENDERS}
+        main_medians = {c: statistics.median(result["cpu_main_s"][c]) for c in CONTENDERS}
+        row: dict[str, Any] = {
+            "schedule": result["schedule"],
+            "median_s": medians,
+            "cpu_median_s": cpu_medians,
+            "cpu_main_median_s": main_medians,
+        }
+        for contender in CONTENDERS[1:]:
+            paired = [a / b for a, b in zip(times[contender], times["torch"], strict=True)]
+            row[f"{contender}/torch"] = medians[contender] / medians["torch"]
+            row[f"{contender}/torch paired"] = statistics.median(paired)
+            row[f"{contender}/torch cpu"] = cpu_medians[contender] / cpu_medians["torch"]
+        rows.append(row)
+    return rows
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}"
+
+
+def _cut(before: float, after: float) -> str:
+    return f"{100 * (before - after) / before:.0f}%" if before else "-"
+
+
+def _verdict(ratio: float, target: float) -> str:
+    return "PASS" if ratio <= target else "FAIL"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    model, rows, results = report["model"], report["summary"], report["results"]
+    params_per_block = 2 * model["dim"] * 4 * model["dim"] + 7 * model["dim"]
+    lines = [
+        f"pp{report['pp']}, one process per rank, gloo; {model['blocks']} blocks of width "
+        f"{model['dim']} (hidden {4 * model['dim']}, {params_per_block * 4 / 2**20:.2f} MiB "
+        f"of parameters each) split evenly over the stages; {model['micro']} micro-batches "
+        f"of {model['micro_batch']} x {model['seq']} tokens; ppswap with its default "
+        f"options (p2p plain, the gap plan); warm-up rounds: {report['warmup']}, "
+        f"measured rounds: {report['rounds']}, "
+        f"the contenders alternating; torch {report['torch']}; ppswap {report['ppswap']}.",
+        "",
+        f"Load average (1, 5, 15 min) before: {report['load_before']}; after: "
+        f"{report['load_after']}, on {report['cores']} logical cores. The {report['pp']} "
+        "ranks, ppswap's compute, copy and transport threads and whatever else runs on the "
+        "machine share those cores, so the wall clock also counts time spent waiting for "
+        "one; with the load above the core count, read the wall-clock ratios with the CPU "
+        "times below.",
+        "",
+        "Step time (median over rounds) and ppswap / torch (ratio of the medians; in "
+        "brackets the median of the per-round ratios):",
+        "",
+        "| schedule | torch ms | ppswap ms | ppswap+swap ms | ppswap / torch (target 1.10) "
+        "| ppswap+swap / torch (target 1.15) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        medians = row["median_s"]
+        cells = []
+        for contender in CONTENDERS[1:]:
+            ratio, paired = row[f"{contender}/torch"], row[f"{contender}/torch paired"]
+            verdict = _verdict(ratio, TARGETS[contender])
+            cells.append(f"{ratio:.2f}x ({paired:.2f}x) {verdict}")
+        lines.append(
+            f"| {row['schedule']} pp{report['pp']} m{model['micro']} | "
+            f"{1e3 * medians['torch']:.1f} | {1e3 * medians['ppswap']:.1f} | "
+            f"{1e3 * medians['ppswap+swap']:.1f} | {' | '.join(cells)} |"
+        )
+    lines += [
+        "",
+        "CPU time per step (process CPU time of every thread, summed over the ranks; "
+        "median over rounds): what each contender computes, less sensitive to other load "
+        "than the wall clock. In brackets the main thread's share: torch runs everything "
+        "there (compute, its schedule, posting P2P); ppswap's main thread is the event loop "
+        "(actors, transport calls), its compute runs on the compute thread and the rest on "
+        "the transport's waiting threads and the copy thread:",
+        "",
+        "| schedule | torch CPU ms | ppswap CPU ms | ppswap+swap CPU ms | ppswap / torch "
+        "| ppswap+swap / torch |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        cpu, main = row["cpu_median_s"], row["cpu_main_median_s"]
+        cells = [f"{1e3 * cpu[c]:.1f} ({1e3 * main[c]:.1f})" for c in CONTENDERS]
+        lines.append(
+            f"| {row['schedule']} pp{report['pp']} m{model['micro']} | {' | '.join(cells)} | "
+            f"{row['ppswap/torch cpu']:.2f}x | {row['ppswap+swap/torch cpu']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Peak saved-activation bytes per rank, counted the same way for both (distinct "
+        "storages held for backward, parameters excluded): torch by saved-tensor hooks, "
+        "ppswap by `RankStats.peak_saved_bytes` (with swap: not offloaded); predicted: "
+        "the planner's peak chunks times ppswap's measured bytes per chunk:",
+        "",
+        "| schedule | rank | torch MiB | ppswap MiB | ppswap+swap MiB | measured cut vs torch "
+        "| predicted chunks (no swap -> swap) | predicted swap MiB | predicted cut | "
+        "swap offloaded MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        for rank in result["ranks"]:
+            swap = _mib(rank["swap_peak"])
+            if rank["swap_peak_min"] != rank["swap_peak"]:
+                swap = f"{_mib(rank['swap_peak_min'])}-{swap}"
+            lines.append(
+                f"| {result['schedule']} | {rank['rank']} | {_mib(rank['torch_peak'])} | "
+                f"{_mib(rank['ppswap_peak'])} | {swap} | "
+                f"{_cut(rank['torch_peak'], rank['swap_peak'])} | "
+                f"{rank['chunks_no_swap']} -> {rank['chunks_swap']} | "
+                f"{_mib(rank['predicted_swap'])} | "
+                f"{_cut(rank['chunks_no_swap'], rank['chunks_swap'])} | "
+                f"{_mib(rank['offloaded'])} |"
+            )
+    checks = [
+        f"{r['schedule']}: losses {'bit-identical' if r['losses_bit_identical'] else 'equal'}"
+        if r["losses_equal"]
+        else f"{r['schedule']}: losses DIFFER"
+        for r in results
+    ]
+    swap_same = all(r["swap_bit_identical"] for r in results)
+    lines += [
+        "",
+        f"Losses, ppswap against torch (rtol {LOSS_RTOL:g}): {'; '.join(checks)}. "
+        f"Swap on = off bit for bit: {'yes' if swap_same else 'NO'}.",
+        "",
+        headline(report),
+    ]
+    return "\n".join(lines)
+
+
+def headline(report: dict[str, Any]) -> str:
+    """One line: the ratios per schedule, the line ``run_all``'s headline quotes."""
+    parts = [
+        f"{row['schedule']} {row['ppswap/torch']:.2f}x / {row['ppswap+swap/torch']:.2f}x "
+        f"(CPU time {row['ppswap/torch cpu']:.2f}x / {row['ppswap+swap/torch cpu']:.2f}x)"
+        for row in report["summary"]
+    ]
+    return (
+        f"Against torch.distributed.pipelining (pp{report['pp']}, gloo, median step time, "
+        f"ppswap without / with swap over torch; targets 1.10x / 1.15x; load average "
+        f"{report['load_before'].split(',')[0]} on {report['cores']} cores): "
+        f"{', '.join(parts)}."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
+    parser.add_argument("--rounds", type=int, default=None, help="measured rounds (15)")
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured rounds (2)")
+    parser.add_argument("--quick", action="store_true", help="small model, 1 + 2 rounds")
+    parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=360.0,
+        help="kill the torchrun job (its whole process group) after this long",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.pp < 2:
+        parser.error(f"--pp must be >= 2, got {args.pp}")
+    model = QUICK if args.quick else FULL
+    if model.blocks % (2 * args.pp):
+        parser.error(f"--pp {args.pp}: {model.blocks} blocks do not split over {2 * args.pp}")
+    args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 15)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ppswap-peer-") as scratch:
+        out = Path(scratch) / "results.json"
+        launch(model, args, out)
+        results = json.loads(out.read_text())
+    from importlib import metadata
+
+    report = {
+        "pp": args.pp,
+        "model": asdict(model),
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "quick": args.quick,
+        "torch": metadata.version("torch"),
+        "cores": os.cpu_count(),
+        "ppswap": ppswap_source(),
+        "load_before": ", ".join(f"{v:.2f}" for v in load_before),
+        "load_after": ", ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "summary": summarize(results),
+        "results": results,
+    }
+    report["headline"] = headline(report)
+    print(markdown(report))
+    print(f"\n({time.perf_counter() - started:.0f} s)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+    bad = [r["schedule"] for r in results if not r["losses_equal"] or not r["swap_bit_identical"]]
+    if bad:
+        print(f"losses differ: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
