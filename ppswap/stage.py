@@ -89,6 +89,7 @@ class PipelineStage:
         self.generation = 0
         self._params: tuple[Tensor, ...] = backend.trainable_parameters(module)
         self._grads: list[Tensor | None] = [None] * len(self._params)
+        self._summed = [False] * len(self._params)  # the gradient is a sum this stage made
         self._chunks: dict[int, _Chunk] = {}
         self._pending_dw: dict[int, WeightGrads] = {}
         self._loss_fn: LossFn | None = None
@@ -140,6 +141,7 @@ class PipelineStage:
         if not forward_only:
             self._params = self.backend.trainable_parameters(self.module)
             self._grads = [None] * len(self._params)
+            self._summed = [False] * len(self._params)
         # Parameters, buffers and plain tensor attributes (a shared mask, a rotary table):
         # module state that swap must never move.
         self._module_state = tuple(self.backend.module_state(self.module))
@@ -287,6 +289,7 @@ class PipelineStage:
                 f"(one per trainable parameter), got {len(grads)}"
             )
         self._grads = list(grads)
+        self._summed = [False] * len(self._params)
 
     def _accumulate(self, weight_grads: Sequence[Tensor]) -> None:
         if len(weight_grads) != len(self._grads):
@@ -294,9 +297,19 @@ class PipelineStage:
                 f"stage {self.stage_index}: got {len(weight_grads)} weight gradients for "
                 f"{len(self._grads)} parameters"
             )
+        # The first micro-batch's gradient is kept as it is (autograd's own tensor), the
+        # second makes a sum this stage owns, and later ones are added into that sum (in
+        # place where the backend can: one allocation per parameter and run, not per micro).
+        add_into, summed = self.backend.add_into, self._summed
         for index, grad in enumerate(weight_grads):
             current = self._grads[index]
-            self._grads[index] = grad if current is None else current + grad
+            if current is None:
+                self._grads[index] = grad
+            elif summed[index]:
+                self._grads[index] = add_into(current, grad)
+            else:
+                self._grads[index] = current + grad
+                summed[index] = True
 
 
 def _name_of(fn: object) -> str:

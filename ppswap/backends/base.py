@@ -402,6 +402,12 @@ class Backend(Protocol):
 
     def zeros_like(self, tensor: Tensor) -> Tensor: ...
 
+    def add_into(self, total: Tensor, addend: Tensor) -> Tensor:
+        """``total + addend``. ``total`` is a sum the caller made and nothing else refers
+        to, so a backend may add in place and return it (torch); the result must be
+        bit-identical to ``total + addend``."""
+        ...
+
     def numpy_dtype(self, obj: object) -> np.dtype[Any] | None:
         """The numpy dtype of a tensor or array (None when numpy has no such dtype)."""
         ...

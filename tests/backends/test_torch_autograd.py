@@ -40,3 +40,17 @@ def test_an_input_without_wanted_grad_is_not_differentiated() -> None:
 def test_grad_inputs_must_match_the_inputs() -> None:
     with pytest.raises(ValueError, match="grad_inputs has 1 flags for 2 inputs"):
         TORCH.autograd.record(torch.add, (torch.ones(2), torch.ones(2)), (True,))
+
+
+def test_add_into_adds_in_place_bit_identically() -> None:
+    generator = torch.Generator().manual_seed(7)
+    parts = [torch.randn(64, 64, generator=generator) for _ in range(5)]
+    expected = parts[0] + parts[1]
+    for part in parts[2:]:
+        expected = expected + part
+    total = parts[0] + parts[1]
+    first = total
+    for part in parts[2:]:
+        total = TORCH.add_into(total, part)
+    assert total is first  # no allocation per micro-batch
+    assert torch.equal(total, expected)

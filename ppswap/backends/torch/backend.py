@@ -270,6 +270,16 @@ class TorchBackend:
         span = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         return span.set_(tensor.untyped_storage(), start, (nbytes,), (1,))
 
+    def host_bytes(self, tensor: torch.Tensor, start: int, nbytes: int) -> HostArray | None:
+        if tensor.device.type != "cpu":
+            return None
+        return _numpy_of(self.storage_bytes(tensor, start, nbytes))
+
+    def host_views(
+        self, block: HostArray, places: Sequence[tuple[int, ViewKey]]
+    ) -> list[torch.Tensor]:
+        return self.views_of(torch.from_numpy(block), places)
+
     def views_of(
         self, block: torch.Tensor, places: Sequence[tuple[int, ViewKey]]
     ) -> list[torch.Tensor]:
@@ -328,6 +338,9 @@ class TorchBackend:
 
     def zeros_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(tensor)
+
+    def add_into(self, total: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+        return total.add_(addend)
 
     def numpy_dtype(self, obj: object) -> np.dtype[Any] | None:
         if isinstance(obj, np.ndarray):
