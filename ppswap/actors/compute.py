@@ -48,7 +48,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import anyio
@@ -65,15 +64,14 @@ from ppswap.actors.batch import (
     run_batch,
 )
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
+from ppswap.actors.local_steps import LAUNCH_OF_WAIT, LocalSteps, RankInputs
 from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.executor import DedicatedThread, JobDeadlineError
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.core.messages import (
     FutureTimeoutError,
-    HostArray,
     MessageKey,
-    Payload,
     ReplyFuture,
 )
 from ppswap.errors import (
@@ -113,24 +111,12 @@ class ComputeStats:
     batches: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class RankInputs:
-    """The micro-batches this rank's first/last stages consume (host arrays)."""
-
-    inputs: Sequence[HostArray]
-    targets: Sequence[HostArray] | None
-
-
 _LEAVES = frozenset({StepKind.FWD, StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT})
 _LAUNCHES = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
-_WAITS = {
-    StepKind.SWAP_WAIT_OFFLOAD: StepKind.SWAP_LAUNCH_OFFLOAD,
-    StepKind.SWAP_WAIT_LOAD: StepKind.SWAP_LAUNCH_LOAD,
-}
+_WAITS = LAUNCH_OF_WAIT
 _LOCAL = _LEAVES | _LAUNCHES | frozenset(_WAITS)
 _RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
 _POSTS = _RECVS | frozenset({StepKind.SEND_F, StepKind.SEND_B, StepKind.BATCH_SEND_RECV})
-_JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_input"}
 
 
 class ComputeActor:
@@ -171,7 +157,7 @@ class ComputeActor:
         self._log_steps = log_steps
         self._log = structlog.get_logger("ppswap").bind(rank=rank, actor=self.actor_name)
         record = not config.forward_only
-        self._bodies = StepBodies(
+        bodies = StepBodies(
             session,
             copies,
             host_payloads=host_payloads,
@@ -181,6 +167,7 @@ class ComputeActor:
         )
         self._faults = faults
         self._mail = RankMail(p2p, self._failure)
+        self._local = LocalSteps(stages, data, self._mail, bodies, session, self._failure)
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
         self.losses: dict[int, float] = {}
         self._steps_executed = 0
@@ -277,7 +264,7 @@ class ComputeActor:
                 jobs and self._fsdp is not None and step.kind in _LEAVES
             ):
                 break
-            job = self._job_if_ready(step, launched)
+            job = self._local.job_if_ready(step, launched)
             if job is None:
                 break
             jobs.append(job)
@@ -292,73 +279,7 @@ class ComputeActor:
         await self._execute(jobs, posted)
         return index
 
-    # -- local steps --------------------------------------------------------------------
-    def _job_if_ready(self, step: MetaStep, launched: set[CopyKey]) -> StepJob | None:
-        """The compute-thread job of a local step, or None while its inputs are not
-        there (``launched``: copies launched earlier in the batch being built)."""
-        kind = step.kind
-        if kind is StepKind.FWD:
-            return self._fwd_job_if_ready(step)
-        if kind is StepKind.BWD or kind is StepKind.BWD_INPUT:
-            return self._bwd_job_if_ready(step)
-        if kind is StepKind.BWD_WEIGHT:
-            stage = self._stages[step.stage]
-            body = partial(self._bodies.backward_weight, stage, step.micro)
-            return StepJob(step, "backward_weight", body)
-        if kind in _LAUNCHES:
-            launched.add((kind, step.stage, step.micro))
-            prepare = (
-                self._session.prepare_offload
-                if kind is StepKind.SWAP_LAUNCH_OFFLOAD
-                else self._session.prepare_load
-            )
-            return StepJob(step, "swap_prepare", partial(self._bodies.launch, step, prepare))
-        launch_key = (_WAITS[kind], step.stage, step.micro)
-        copies = self._mail.copies
-        completion = copies.get(launch_key)
-        if completion is None:
-            if launch_key in launched:
-                return None
-            raise self._failure(step, f"{step.short()} waits for a copy that was never launched")
-        if not completion.is_set():
-            return None
-        if completion.error is not None:
-            raise completion.error
-        del copies[launch_key]
-        finish = (
-            self._session.finish_offload
-            if kind is StepKind.SWAP_WAIT_OFFLOAD
-            else self._session.finish_load
-        )
-        return StepJob(step, "swap_finish", partial(finish, step.stage, step.micro))
-
-    def _fwd_job_if_ready(self, step: MetaStep) -> StepJob | None:
-        stage = self._stages[step.stage]
-        payload: Payload = None
-        if stage.is_first:
-            payload = self._data.inputs[step.micro]
-        else:
-            arrived, payload = self._mail.take(MessageKey("F", step.stage, step.micro), step)
-            if not arrived:
-                return None
-        target = None
-        if stage.is_last:
-            assert self._data.targets is not None
-            target = self._data.targets[step.micro]
-        body = partial(self._bodies.forward, stage, step.micro, payload, target)
-        return StepJob(step, "forward", body)
-
-    def _bwd_job_if_ready(self, step: MetaStep) -> StepJob | None:
-        stage = self._stages[step.stage]
-        grad: Payload = None
-        if not stage.is_last:
-            arrived, grad = self._mail.take(MessageKey("B", step.stage, step.micro), step)
-            if not arrived:
-                return None
-        split = step.kind is StepKind.BWD_INPUT
-        body = partial(self._bodies.backward, stage, step.micro, grad, split)
-        return StepJob(step, _JOB_OF_BACKWARD[step.kind], body)
-
+    # -- waiting for a local step's inputs -------------------------------------------------
     async def _until_ready(self, step: MetaStep) -> None:
         """Wait for what the local ``step`` needs (a received payload, a copy)."""
         kind = step.kind
@@ -454,10 +375,10 @@ class ComputeActor:
             await handler(self, step)
 
     async def _local_step(self, step: MetaStep) -> None:
-        job = self._job_if_ready(step, set())
+        job = self._local.job_if_ready(step, set())
         while job is None:
             await self._until_ready(step)
-            job = self._job_if_ready(step, set())
+            job = self._local.job_if_ready(step, set())
         if self._fsdp is not None and step.kind in _LEAVES:
             await self._fsdp.before_compute(step)
         await self._execute([job])

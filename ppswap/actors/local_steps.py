@@ -1,0 +1,120 @@
+"""LocalSteps: the compute-thread job of each local step of a rank, once it is ready.
+
+A local step (FWD, BWD, BWD_INPUT, BWD_WEIGHT and the four swap steps) needs no other
+actor to run, only its inputs: a FWD/BWD its received payload (or the rank's own batch on
+the first and last stage), a SWAP_WAIT_* the completion of the copy its launch started.
+``job_if_ready`` returns the step's ``StepJob`` (taking its payload from the mail, or the
+copy's completion) or None while an input is missing; the compute actor batches the jobs
+(``ppswap.actors.batch``). Everything here runs on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from ppswap.actors.batch import StepBodies, StepJob, SwapDriver
+from ppswap.actors.mail import CopyKey, RankMail
+from ppswap.core.messages import HostArray, MessageKey, Payload
+from ppswap.errors import PipelineError
+from ppswap.scheduler.steps import MetaStep, StepKind
+from ppswap.stage import PipelineStage
+
+__all__ = ["LAUNCH_OF_WAIT", "LocalSteps", "RankInputs"]
+
+LAUNCH_OF_WAIT = {
+    StepKind.SWAP_WAIT_OFFLOAD: StepKind.SWAP_LAUNCH_OFFLOAD,
+    StepKind.SWAP_WAIT_LOAD: StepKind.SWAP_LAUNCH_LOAD,
+}
+_JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_input"}
+
+
+@dataclass(frozen=True, slots=True)
+class RankInputs:
+    """The micro-batches this rank's first/last stages consume (host arrays)."""
+
+    inputs: Sequence[HostArray]
+    targets: Sequence[HostArray] | None
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSteps:
+    """Jobs of a rank's local steps (module docstring). ``failure(step, message)`` makes
+    the error for an order that cannot run (a wait for a copy never launched)."""
+
+    stages: Mapping[int, PipelineStage]
+    data: RankInputs
+    mail: RankMail
+    bodies: StepBodies
+    session: SwapDriver
+    failure: Callable[[MetaStep, str], PipelineError]
+
+    def job_if_ready(self, step: MetaStep, launched: set[CopyKey]) -> StepJob | None:
+        """The compute-thread job of a local step, or None while its inputs are not
+        there (``launched``: copies launched earlier in the batch being built)."""
+        kind = step.kind
+        if kind is StepKind.FWD:
+            return self._forward(step)
+        if kind is StepKind.BWD or kind is StepKind.BWD_INPUT:
+            return self._backward(step)
+        if kind is StepKind.BWD_WEIGHT:
+            stage = self.stages[step.stage]
+            body = partial(self.bodies.backward_weight, stage, step.micro)
+            return StepJob(step, "backward_weight", body)
+        if kind is StepKind.SWAP_LAUNCH_OFFLOAD or kind is StepKind.SWAP_LAUNCH_LOAD:
+            launched.add((kind, step.stage, step.micro))
+            prepare = (
+                self.session.prepare_offload
+                if kind is StepKind.SWAP_LAUNCH_OFFLOAD
+                else self.session.prepare_load
+            )
+            return StepJob(step, "swap_prepare", partial(self.bodies.launch, step, prepare))
+        return self._swap_wait(step, launched)
+
+    def _swap_wait(self, step: MetaStep, launched: set[CopyKey]) -> StepJob | None:
+        launch_key = (LAUNCH_OF_WAIT[step.kind], step.stage, step.micro)
+        copies = self.mail.copies
+        completion = copies.get(launch_key)
+        if completion is None:
+            if launch_key in launched:
+                return None
+            raise self.failure(step, f"{step.short()} waits for a copy that was never launched")
+        if not completion.is_set():
+            return None
+        if completion.error is not None:
+            raise completion.error
+        del copies[launch_key]
+        finish = (
+            self.session.finish_offload
+            if step.kind is StepKind.SWAP_WAIT_OFFLOAD
+            else self.session.finish_load
+        )
+        return StepJob(step, "swap_finish", partial(finish, step.stage, step.micro))
+
+    def _forward(self, step: MetaStep) -> StepJob | None:
+        stage = self.stages[step.stage]
+        payload: Payload = None
+        if stage.is_first:
+            payload = self.data.inputs[step.micro]
+        else:
+            arrived, payload = self.mail.take(MessageKey("F", step.stage, step.micro), step)
+            if not arrived:
+                return None
+        target = None
+        if stage.is_last:
+            assert self.data.targets is not None
+            target = self.data.targets[step.micro]
+        body = partial(self.bodies.forward, stage, step.micro, payload, target)
+        return StepJob(step, "forward", body)
+
+    def _backward(self, step: MetaStep) -> StepJob | None:
+        stage = self.stages[step.stage]
+        grad: Payload = None
+        if not stage.is_last:
+            arrived, grad = self.mail.take(MessageKey("B", step.stage, step.micro), step)
+            if not arrived:
+                return None
+        split = step.kind is StepKind.BWD_INPUT
+        body = partial(self.bodies.backward, stage, step.micro, grad, split)
+        return StepJob(step, _JOB_OF_BACKWARD[step.kind], body)
