@@ -146,6 +146,26 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         limit_s=120.0,
     ),
     Benchmark(
+        "soak",
+        "bench_soak.py",
+        "Soak: RSS growth per run, ppswap beside the framework",
+        "576 pipeline runs (1F1B pp4 m8, a 4-block width-64 MLP; swap on and swap off, each "
+        "cycling ok, failed, ok, cancelled) beside a plain `mindspore.value_and_grad` loop "
+        "over the unsplit model, in interleaved blocks in one process: each series' RSS "
+        "growth per run (least-squares slope, median block rate, per kind of run) and the "
+        "pipeline's minus the baseline's, what ppswap adds. Curves: "
+        "`docs/diagrams/soak_rss.png`.",
+        args=(
+            "--runs=576",
+            "--block=48",
+            "--settle=8",
+            "--quiet",
+            "--plot=docs/diagrams/soak_rss.png",
+        ),
+        quick_args=("--runs=96", "--block=16", "--settle=4", "--quiet"),
+        limit_s=2400.0,
+    ),
+    Benchmark(
         "torch-peer",
         "bench_torch_peer.py",
         "Against torch.distributed.pipelining (pp2, gloo, one process per rank)",
