@@ -6,22 +6,39 @@ consecutive steps that are ready and need no other actor as *one* job: a FWD and
 launch that follows it, a swap wait whose copy is done and the BWD after it. The job runs
 the steps' bodies in order and times each one on the thread; the first body that raises
 ends the job, and the outcome says which step it was. ``StepBodies`` holds those bodies.
+
+A job whose result is sent to another rank (a FWD or BWD followed by its SEND) is
+*announced*: its result goes to the event loop as soon as the body returns, so the send
+leaves while the batch's later steps still run. A batch *yields* before a compute leaf
+when other work waits for the thread (``yield_to``: the ranks of one process share it):
+it returns what it ran, and the actor queues the rest again. So a batch grows only while
+the thread would otherwise be idle, and the ranks' leaves still interleave when they
+compete for it (as a copy's start does: swap steps go on the urgent lane).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
 from ppswap.core.messages import Payload
-from ppswap.scheduler.steps import MetaStep
+from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage, StageCollector
 from ppswap.swap.jobs import CopyJob
 
-__all__ = ["JOB_KINDS", "BatchOutcome", "StepBodies", "StepJob", "SwapDriver", "run_batch"]
+__all__ = [
+    "JOB_KINDS",
+    "BatchOutcome",
+    "EarlySends",
+    "StepBodies",
+    "StepJob",
+    "SwapDriver",
+    "payload_maker",
+    "run_batch",
+]
 
 JOB_KINDS = (
     "forward",
@@ -35,21 +52,55 @@ JOB_KINDS = (
 ``CostModel``'s leaf and swap-step times are measured from)."""
 
 SWAP_JOB_KINDS = frozenset({"swap_prepare", "swap_finish"})
+COMPUTE_JOB_KINDS = frozenset(JOB_KINDS) - SWAP_JOB_KINDS
 
 
 @dataclass(frozen=True, slots=True)
 class StepJob:
-    """The compute-thread body of one step: ``run()`` (its result goes back to the loop)."""
+    """The compute-thread body of one step: ``run()`` (its result goes back to the loop;
+    ``announce``: as soon as it returns, not with the batch's outcome)."""
 
     step: MetaStep
     kind: str
     run: Callable[[], Any]
+    announce: bool = False
+
+
+_MAKES_PAYLOAD_OF = {
+    StepKind.SEND_F: frozenset({StepKind.FWD}),
+    StepKind.SEND_B: frozenset({StepKind.BWD, StepKind.BWD_INPUT}),
+}
+
+
+def payload_maker(jobs: Sequence[StepJob], send: MetaStep) -> int | None:
+    """The index of the job in ``jobs`` that makes the payload of ``send``, if any."""
+    makers = _MAKES_PAYLOAD_OF[send.kind]
+    for index in range(len(jobs) - 1, -1, -1):
+        step = jobs[index].step
+        if step.kind in makers and step.stage == send.stage and step.micro == send.micro:
+            return index
+    return None
+
+
+@dataclass(slots=True, eq=False)
+class EarlySends:
+    """A batch's announced jobs (event loop side): by job index the sends of its payload,
+    the jobs whose results were applied on announcement, a failure to post (raised with
+    the batch's outcome); ``open`` until the batch's wait ends (later announcements are
+    dropped)."""
+
+    jobs: Sequence[StepJob]
+    sends: Mapping[int, list[MetaStep]]
+    applied: set[int] = field(default_factory=set)
+    error: Exception | None = None
+    open: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class BatchOutcome:
     """What a batch did: per step that finished its result, start (``perf_counter``) and
-    seconds; ``error`` is the exception of the step after the last one that finished."""
+    seconds; ``error`` is the exception of the step after the last one that finished.
+    Fewer results than jobs and no error: the batch yielded the thread there."""
 
     results: list[Any]
     started: list[float]
@@ -57,20 +108,31 @@ class BatchOutcome:
     error: Exception | None
 
 
-def run_batch(jobs: Sequence[StepJob]) -> BatchOutcome:
-    """Compute thread: run ``jobs`` in order, stopping at the first that raises."""
+def run_batch(
+    jobs: Sequence[StepJob],
+    announce: Callable[[int, Any], None] | None = None,
+    yield_to: Callable[[], bool] | None = None,
+) -> BatchOutcome:
+    """Compute thread: run ``jobs`` in order, stopping at the first that raises; after an
+    announced job, ``announce(index, result)``; before a compute leaf other than the
+    first, stop if ``yield_to()`` (other work waits for the thread)."""
     results: list[Any] = []
     started: list[float] = []
     seconds: list[float] = []
     clock = time.perf_counter
-    for job in jobs:
+    for index, job in enumerate(jobs):
+        if index and yield_to is not None and job.kind in COMPUTE_JOB_KINDS and yield_to():
+            break
         begin = clock()
         try:
-            results.append(job.run())
+            result = job.run()
         except Exception as exc:
             return BatchOutcome(results, started, seconds, exc)
+        results.append(result)
         started.append(begin)
         seconds.append(clock() - begin)
+        if job.announce and announce is not None:
+            announce(index, result)
     return BatchOutcome(results, started, seconds, None)
 
 

@@ -3,10 +3,12 @@
 Batches (the hot path). The actor scans its order from the current step and hands each
 run of consecutive *local* steps that are ready (FWD, BWD, BWD_INPUT, BWD_WEIGHT and the
 four swap steps) to the compute thread as one job (``ppswap.actors.batch``): one thread
-hop for, say, ``SWAP_WAIT_LOAD -> BWD`` or ``FWD -> SWAP_LAUNCH_OFFLOAD``. A RECV_* met on
-the way is posted and does not end the batch; a SEND_* ends it (its payload is made by
-the batch and must leave at once: a rank of its own would otherwise sit idle), as do a
-BATCH_SEND_RECV, a composite and an FSDP step. A local step is ready when its inputs
+hop for, say, ``SWAP_WAIT_LOAD -> BWD`` or ``FWD -> SWAP_LAUNCH_OFFLOAD -> FWD``. A RECV_*
+met on the way is posted and does not end the batch. Nor does a SEND_* of a payload a job
+of the batch makes: that job is announced (its result comes back to the loop as soon as
+it returns, ``_send_early``) and the send is posted then, while the thread runs the
+batch's later steps. A SEND_* of anything else, a BATCH_SEND_RECV, a composite and an
+FSDP step end the batch. A local step is ready when its inputs
 are: a FWD/BWD's received payload has arrived, a SWAP_WAIT's copy has completed. When the
 first local step is not ready the actor waits for it (with the step deadline); the time
 blocked at a SWAP_WAIT_* is the *exposed* copy wait. A batch that starts with a swap step
@@ -45,9 +47,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import anyio
@@ -58,16 +60,19 @@ from ppswap.actors.batch import (
     JOB_KINDS,
     SWAP_JOB_KINDS,
     BatchOutcome,
+    EarlySends,
     StepBodies,
     StepJob,
     SwapDriver,
+    payload_maker,
     run_batch,
 )
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
+from ppswap.actors.failures import StepFailures
 from ppswap.actors.local_steps import LAUNCH_OF_WAIT, LocalSteps, RankInputs
 from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.actors.trace import FlightRecorder
-from ppswap.core.executor import DedicatedThread, JobDeadlineError
+from ppswap.core.executor import DedicatedThread, JobDeadlineError, loop_caller
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.core.messages import (
     FutureTimeoutError,
@@ -76,9 +81,7 @@ from ppswap.core.messages import (
 )
 from ppswap.errors import (
     PipelineError,
-    PipelineHangError,
     first_pipeline_error,
-    named_failure,
 )
 from ppswap.logs import log_step
 from ppswap.scheduler.config import ScheduleConfig
@@ -116,6 +119,9 @@ _LAUNCHES = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
 _WAITS = LAUNCH_OF_WAIT
 _LOCAL = _LEAVES | _LAUNCHES | frozenset(_WAITS)
 _RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
+_SENDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
+
+
 _POSTS = _RECVS | frozenset({StepKind.SEND_F, StepKind.SEND_B, StepKind.BATCH_SEND_RECV})
 
 
@@ -166,8 +172,9 @@ class ComputeActor:
             zero_copy_sends=config.p2p == "boundary" and record,
         )
         self._faults = faults
-        self._mail = RankMail(p2p, self._failure)
-        self._local = LocalSteps(stages, data, self._mail, bodies, session, self._failure)
+        self._errors = StepFailures(rank, self.actor_name, recorder)
+        self._mail = RankMail(p2p, self._errors.failure)
+        self._local = LocalSteps(stages, data, self._mail, bodies, session, self._errors.failure)
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
         self.losses: dict[int, float] = {}
         self._steps_executed = 0
@@ -251,13 +258,23 @@ class ComputeActor:
         order = self._order
         jobs: list[StepJob] = []
         launched: set[CopyKey] = set()
-        posted: list[tuple[int, MetaStep]] = []  # receives posted after the n-th job
+        posted: list[tuple[int, MetaStep]] = []  # receives and sends after the n-th job
+        sends: dict[int, list[MetaStep]] = {}  # by the index of the job making the payload
         while index < len(order):
             step = order[index]
             if step.kind in _RECVS:
                 self._post_now(step, span=not jobs)
                 if jobs:
                     posted.append((len(jobs), step))
+                index += 1
+                continue
+            if step.kind in _SENDS and self._fsdp is None:
+                producer = payload_maker(jobs, step)
+                if producer is None:
+                    break
+                jobs[producer] = replace(jobs[producer], announce=True)
+                sends.setdefault(producer, []).append(step)
+                posted.append((producer + 1, step))
                 index += 1
                 continue
             if step.kind not in _LOCAL or (
@@ -276,7 +293,7 @@ class ComputeActor:
             return index
         if self._fsdp is not None and jobs[0].step.kind in _LEAVES:
             await self._fsdp.before_compute(jobs[0].step)
-        await self._execute(jobs, posted)
+        await self._execute(jobs, posted, sends)
         return index
 
     # -- waiting for a local step's inputs -------------------------------------------------
@@ -299,7 +316,9 @@ class ComputeActor:
         if not completion.is_set():
             self._waiting[id(completion)] = f"{step.short()} waits for {completion.label}"
             if not await completion.wait_async(self._timeout_s):
-                raise self._hang(step, f"{completion.label} not done within {self._timeout_s}s")
+                raise self._errors.hang(
+                    step, f"{completion.label} not done within {self._timeout_s}s"
+                )
             del self._waiting[id(completion)]
         waited = time.perf_counter() - started
         self._exposed_wait_s += waited
@@ -308,27 +327,53 @@ class ComputeActor:
             raise completion.error
 
     async def _execute(
-        self, jobs: list[StepJob], posted: Sequence[tuple[int, MetaStep]] = ()
+        self,
+        jobs: list[StepJob],
+        posted: Sequence[tuple[int, MetaStep]] = (),
+        sends: Mapping[int, list[MetaStep]] | None = None,
     ) -> None:
         """Run ``jobs`` as one compute-thread batch and apply their results in order
-        (``posted``: receives posted after the n-th job, traced after it)."""
+        (``posted``: receives and sends posted after the n-th job, traced after it;
+        ``sends``: by job index, the sends of the payload that job makes, posted as soon
+        as it is made)."""
         urgent = jobs[0].kind in SWAP_JOB_KINDS
         recorder, rank = self._recorder, self.rank
         recorder.note(rank, self.actor_name, "begin", jobs[0].step, len(jobs))
-        outcome: BatchOutcome = await self._call(run_batch, jobs, urgent=urgent)
+        early = EarlySends(jobs, sends or {})
+        announce = None
+        if sends:
+            call = loop_caller()
+            announce = partial(call, self._send_early, early)
+        try:
+            outcome: BatchOutcome = await self._call(
+                run_batch, jobs, announce, self._compute.has_waiting, urgent=urgent
+            )
+        finally:
+            early.open = False  # an announcement still queued is dropped
         self._batches += 1
-        for job, result, seconds in zip(jobs, outcome.results, outcome.seconds, strict=False):
+        ran = len(outcome.results)
+        for index, (job, result, seconds) in enumerate(
+            zip(jobs, outcome.results, outcome.seconds, strict=False)
+        ):
             self._job_s[job.kind] += seconds
             self._jobs[job.kind] += 1
-            self._apply(job.step, result)
-            self._done(job.step)
+            if index not in early.applied:
+                self._apply(job.step, result)
+                self._done(job.step)
         if recorder.keeps_spans:
-            self._trace_batch(jobs, outcome, posted)
+            self._trace_batch(jobs, outcome, [(n, s) for n, s in posted if n <= ran])
+        if early.error is not None:
+            raise early.error
+        if outcome.error is None and ran < len(jobs):  # the batch yielded the thread
+            rest = {i - ran: steps for i, steps in (sends or {}).items() if i >= ran}
+            later = [(n - ran, s) for n, s in posted if n > ran]
+            await self._execute(jobs[ran:], later, rest)
+            return
         if outcome.error is not None:
             failed = jobs[len(outcome.results)].step
             self._current = failed
             recorder.note(rank, self.actor_name, "FAILED", failed, type(outcome.error).__name__)
-            raise self._named(failed, outcome.error)
+            raise self._errors.named(failed, outcome.error)
         recorder.note(rank, self.actor_name, "end", jobs[-1].step)
 
     def _trace_batch(
@@ -340,6 +385,23 @@ class ComputeActor:
         self._recorder.add_batch_spans(
             self.rank, self.actor_name, steps, outcome.started, outcome.seconds, posted
         )
+
+    def _send_early(self, early: EarlySends, index: int, result: Any) -> None:
+        """Event loop, while the batch still runs: apply the announced job's result and
+        post the sends of its payload. An error is kept for ``_execute`` to raise."""
+        if not early.open or early.error is not None:
+            return
+        step = early.jobs[index].step
+        try:
+            self._apply(step, result)
+            self._done(step)
+            early.applied.add(index)
+            for send in early.sends[index]:
+                step = send
+                self._mail.post(send)
+                self._done(send)
+        except Exception as exc:
+            early.error = self._errors.named(step, exc)
 
     def _apply(self, step: MetaStep, result: Any) -> None:
         """Loop side of a finished local step: where its result goes."""
@@ -364,14 +426,14 @@ class ComputeActor:
     # -- one step at a time (fault plans, composites, FSDP steps) -------------------------
     async def _run_step(self, step: MetaStep) -> None:
         """Run one step (top-level or a composite's leaf); failures name this step."""
-        with self._failures_named(step.short()):
+        with self._errors.naming(step.short()):
             if self._log_steps:
                 log_step(self._log, "step", step, self._generation)
             if self._faults is not None:
                 await self._inject(self._faults, step)
             handler = self._handlers.get(step.kind)
             if handler is None:
-                raise self._failure(step, f"no handler for {step.kind.value}")
+                raise self._errors.failure(step, f"no handler for {step.kind.value}")
             await handler(self, step)
 
     async def _local_step(self, step: MetaStep) -> None:
@@ -397,7 +459,7 @@ class ComputeActor:
 
     async def _fsdp_step(self, step: MetaStep) -> None:
         if self._fsdp is None:
-            raise self._failure(
+            raise self._errors.failure(
                 step, "the order has FSDP steps but no stage of this rank is fully_shard()-ed"
             )
         await self._fsdp.run_step(step)
@@ -406,7 +468,7 @@ class ComputeActor:
         """After the order: the gradient reduce-scatters (errors named like a step's)."""
         label = "fsdp finish"
         self._current = label
-        with self._failures_named(label):
+        with self._errors.naming(label):
             await fsdp.finish()
 
     async def _inject(self, faults: FaultPlan, step: MetaStep) -> None:
@@ -440,7 +502,7 @@ class ComputeActor:
         try:
             result = await future.wait(self._timeout_s)
         except FutureTimeoutError as exc:
-            raise self._hang(step, str(exc)) from exc
+            raise self._errors.hang(step, str(exc)) from exc
         # Only on success: a wait that failed stays listed for the hang dump.
         del self._waiting[id(future)]
         return result
@@ -455,54 +517,7 @@ class ComputeActor:
         except JobDeadlineError:
             pass
         name = getattr(fn, "__qualname__", repr(fn))
-        current = self._current
-        step = current.short() if isinstance(current, MetaStep) else str(current)
-        raise PipelineHangError(
-            f"compute job {name} still running after {self._timeout_s}s",
-            rank=self.rank,
-            actor=self.actor_name,
-            step=step,
-            dump=self._recorder.dump(),
+        current = self._current if self._current is not None else "idle"
+        raise self._errors.hang(
+            current, f"compute job {name} still running after {self._timeout_s}s"
         )
-
-    def _failure(self, step: MetaStep, message: str) -> PipelineError:
-        return PipelineError(message, rank=self.rank, actor=self.actor_name, step=step.short())
-
-    def _hang(self, step: MetaStep, message: str) -> PipelineHangError:
-        return PipelineHangError(
-            message,
-            rank=self.rank,
-            actor=self.actor_name,
-            step=step.short(),
-            dump=self._recorder.dump(),
-        )
-
-    def _named(self, step: MetaStep, error: Exception) -> PipelineError:
-        message = f"{type(error).__name__}: {error}"
-        return named_failure(
-            error, message, rank=self.rank, actor=self.actor_name, step=step.short()
-        )
-
-    @contextmanager
-    def _failures_named(self, label: str) -> Iterator[None]:
-        """Record ``label`` as a span; turn any failure inside into a PipelineError (or a
-        PipelineHangError with the flight recorder's dump) naming rank, actor and ``label``.
-        """
-        try:
-            with self._recorder.span(self.rank, self.actor_name, label):
-                yield
-        except (PipelineError, anyio.get_cancelled_exc_class()):
-            raise
-        except FutureTimeoutError as exc:
-            raise PipelineHangError(
-                str(exc),
-                rank=self.rank,
-                actor=self.actor_name,
-                step=label,
-                dump=self._recorder.dump(),
-            ) from exc
-        except Exception as exc:
-            message = f"{type(exc).__name__}: {exc}"
-            raise named_failure(
-                exc, message, rank=self.rank, actor=self.actor_name, step=label
-            ) from exc

@@ -48,9 +48,22 @@ import anyio
 
 from ppswap.core.deadlines import wait_woken
 
-__all__ = ["DedicatedThread", "JobDeadlineError", "ThreadStats"]
+__all__ = ["DedicatedThread", "JobDeadlineError", "ThreadStats", "loop_caller"]
 
 T = TypeVar("T")
+
+
+def loop_caller() -> Callable[..., None]:
+    """A function that, from any thread, calls ``fn(*args)`` on the event loop running
+    now (in FIFO order with the loop's other callbacks, so before a job's completion that
+    is delivered after it); a closed loop drops the call."""
+    loop = asyncio.get_running_loop()
+
+    def call(fn: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+            loop.call_soon_threadsafe(fn, *args)
+
+    return call
 
 
 class JobDeadlineError(TimeoutError):
@@ -158,6 +171,10 @@ class DedicatedThread:
     ) -> None:
         self.stop()
         await self.join()
+
+    def has_waiting(self) -> bool:
+        """Whether a job is queued behind the one running (any thread may ask)."""
+        return bool(self._urgent) or bool(self._normal)
 
     @property
     def is_alive(self) -> bool:
