@@ -216,14 +216,15 @@ class Autograd(Protocol):
 class CopyEngine(Protocol):
     """How a saved tensor's bytes move between the device and host memory.
 
-    The swap layer prepares a chunk's copy on the compute thread (``source`` per tensor:
-    O(1), no copy) and runs it as one job on the rank's copy stream, where the engine's
-    primitives move bytes (``d2h``, ``acquire_host`` + ``d2h_into``, ``h2d``); after the
-    job's completion event, ``restore`` (compute thread, O(1) per tensor) turns a loaded
-    device handle back into a framework tensor. Host buffers come from a pool that
-    outlives runs (``release_host`` gives one back; thread-safe). ``digest`` fingerprints
-    host arrays for the in-place checks; ``pinned`` says whether host buffers are
-    page-locked (real DMA) or plain memory.
+    The swap layer takes a chunk's copy sources on the compute thread when its forward
+    ends (``span_sources``: O(1) per storage span, no copy) and runs each copy as one job
+    on the rank's copy stream, where the engine's primitives move bytes (``d2h``,
+    ``acquire_host`` + ``d2h_into``, ``h2d``); after the job's completion event,
+    ``restore_views`` (compute thread, O(1) per view) turns a loaded span back into the
+    framework tensors of its views. Host buffers come from a pool that outlives runs
+    (``release_host`` gives one back; thread-safe). ``host_view`` shows the bytes of a
+    source or loaded span to the in-place checks where the host can read them;
+    ``pinned`` says whether host buffers are page-locked (real DMA) or plain memory.
 
     An engine is made without knowing the framework (``EmulatedDevice(d2h_gbps=...)``);
     the runtime calls ``for_backend(backend)`` once per run and uses the engine it
@@ -242,8 +243,11 @@ class CopyEngine(Protocol):
         cannot move a CPU tensor a CUDA stage saved); a tensor it cannot stays put."""
         ...
 
-    def source(self, tensor: Tensor) -> Any:
-        """Compute thread: what the copy thread reads ``tensor``'s bytes from."""
+    def span_sources(self, spans: Sequence[tuple[Tensor, int, int]]) -> list[Any]:
+        """Compute thread, when a chunk's forward ends: for each ``(tensor, start,
+        nbytes)``, what the copy thread reads bytes ``[start, start + nbytes)`` of
+        ``tensor``'s storage from (a storage span; it keeps the storage alive), or None
+        where the framework cannot view those bytes through ``tensor``."""
         ...
 
     def d2h(self, source: Any) -> HostArray:
@@ -281,8 +285,11 @@ class CopyEngine(Protocol):
         ``strides`` (in elements; a strided member costs one more copy)."""
         ...
 
-    def restore(self, loaded: Any) -> Tensor:
-        """Compute thread: the framework tensor for a device handle ``h2d`` returned."""
+    def restore_views(self, loaded: Any, places: Sequence[tuple[int, ViewKey]]) -> list[Tensor]:
+        """Compute thread, O(1) per view: a loaded span (a device handle ``h2d``,
+        ``member`` or ``load_now`` returned, ``uint8``) as the framework tensors of its
+        views: for each ``(offset, key)`` a tensor ``offset`` bytes into it with ``key``'s
+        shape, strides and dtype, sharing its memory (``Backend.views_of``)."""
         ...
 
     def load_now(
@@ -353,6 +360,17 @@ class Backend(Protocol):
         storage (counted from the storage's first byte), sharing its memory and keeping
         it alive: what a storage span is copied from. None where the framework cannot
         view those bytes through ``tensor`` (the storage then stays on device)."""
+        ...
+
+    def host_bytes(self, tensor: Tensor, start: int, nbytes: int) -> HostArray | None:
+        """:meth:`storage_bytes` for a tensor in host memory, as a 1-D ``uint8`` numpy
+        array sharing that memory and keeping it alive (what the CPU copy engine copies a
+        span from); None where the framework cannot view those bytes through ``tensor``."""
+        ...
+
+    def host_views(self, block: HostArray, places: Sequence[tuple[int, ViewKey]]) -> list[Tensor]:
+        """:meth:`views_of` for a restored span in host memory (a 1-D ``uint8`` numpy
+        array): the views' tensors share ``block``'s memory."""
         ...
 
     def views_of(self, block: Tensor, places: Sequence[tuple[int, ViewKey]]) -> list[Tensor]:

@@ -1,11 +1,11 @@
 """The CPU copy engine: host memory stands in for the device (``EmulatedDevice``).
 
 Where the stages' tensors live in host memory (MindSpore on CPU, torch CPU tensors), a
-"device" tensor's bytes are reachable as a numpy array: ``source`` takes that view on the
-compute thread (the framework's call), the copy thread copies with a real ``numpy``
-memcpy into pooled host buffers, and ``restore`` wraps a loaded array as a framework
-tensor again (sharing its memory). The engine knows no framework itself: the runtime binds
-it to the stages' backend with ``for_backend``.
+"device" tensor's bytes are reachable as a numpy array: ``span_sources`` takes those views
+on the compute thread (the framework's call), the copy thread copies with a real ``numpy``
+memcpy into pooled host buffers, and ``restore_views`` makes the views of a loaded span
+framework tensors again (sharing its memory). The engine knows no framework itself: the
+runtime binds it to the stages' backend with ``for_backend``.
 
 With a bandwidth set, each copy takes at least ``nbytes / bandwidth`` seconds (it sleeps
 the remainder), so overlap can be studied as on a PCIe link. Bandwidths are in gigabytes
@@ -22,14 +22,14 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ppswap.backends.base import Backend, CopyEngine
+from ppswap.backends.base import Backend, CopyEngine, ViewKey
 
 __all__ = [
     "HOST_ALIGNMENT",
@@ -214,8 +214,8 @@ class EmulatedDevice:
     """A CPU copy engine: real memcpy, optional bandwidth floor, pooled host buffers.
 
     ``EmulatedDevice(d2h_gbps=None, h2d_gbps=None, max_pool_bytes=None)``; every method is
-    thread-safe. ``source`` / ``restore`` need a binding to a backend (``for_backend``),
-    which the runtime makes at the start of each run.
+    thread-safe. ``span_sources`` / ``restore_views`` need a binding to a backend
+    (``for_backend``), which the runtime makes at the start of each run.
     """
 
     pinned = False
@@ -277,13 +277,14 @@ class EmulatedDevice:
     def can_move(self, tensor: Any) -> bool:
         return True
 
-    def source(self, tensor: Any) -> Array:
-        """The tensor's bytes as a numpy view (no copy)."""
-        return self._bound().to_host(tensor, copy=False)
+    def span_sources(self, spans: Sequence[tuple[Any, int, int]]) -> list[Array | None]:
+        """Each span's bytes as a ``uint8`` numpy view of its tensor's memory (no copy)."""
+        backend = self._bound()
+        return [backend.host_bytes(tensor, start, nbytes) for tensor, start, nbytes in spans]
 
-    def restore(self, loaded: Array) -> Any:
-        """A framework tensor sharing ``loaded``'s memory (and its strides)."""
-        return self._bound().from_host(loaded)
+    def restore_views(self, loaded: Array, places: Sequence[tuple[int, ViewKey]]) -> list[Any]:
+        """The views' framework tensors, sharing ``loaded``'s memory."""
+        return self._bound().host_views(loaded, places)
 
     def host_view(self, loaded: Array) -> Array:
         return loaded

@@ -214,10 +214,10 @@ class EntryTable:
         entry is pinned too (a storage only leaves the device when the group owns every
         saved view of it, otherwise the copy would free nothing). The views of each
         movable storage become one :class:`StorageSpan` with its copy source (the
-        storage's bytes the views use, ``Backend.storage_bytes``; a storage the framework
-        cannot view that way is pinned) and, where the framework's version counter does
-        not work, each view's content digest (the reference for every later check): O(1)
-        per view unless ``check="full"``.
+        storage's bytes the views use, the engine's ``span_sources``, taken for all spans
+        at once; a storage the framework cannot view that way is pinned) and, where the
+        framework's version counter does not work, each view's content digest (the
+        reference for every later check): O(1) per view unless ``check="full"``.
         """
         with self._lock:
             self._expect(GroupPhase.COLLECTING, GroupPhase.SEALED)
@@ -225,37 +225,41 @@ class EntryTable:
                 device = entry.storage.device
                 if not entry.selected or (device is not None and not self.engine.can_move(device)):
                     entry.pinned = True
+            spans = []
             for ptr, entries in self._by_storage.items():
                 if any(e.pinned or e.storage.device is None for e in entries):
                     for entry in entries:
                         entry.pinned = True
-                    continue
-                span = self._make_span(ptr, entries)
-                if span is None:
-                    for entry in entries:
+                else:
+                    spans.append(StorageSpan.of(ptr, entries))
+            self._attach_sources(spans)
+            for span in spans:
+                if span.source is None:
+                    for entry in span.entries:
                         entry.pinned = True
-                    continue
-                self._spans[ptr] = span
+                        entry.storage.span = None
+                else:
+                    self._spans[span.storage_ptr] = span
             self._phase = GroupPhase.SEALED
 
-    def _make_span(self, ptr: int, entries: list[SwapTensor]) -> StorageSpan | None:
-        """The span of one storage's views, with its copy source and reference digests;
-        None if the backend cannot view the span's bytes."""
-        span = StorageSpan.of(ptr, entries)
-        for entry in entries:
-            data = self.backend.storage_bytes(entry.storage.device, span.start, span.nbytes)
-            if data is not None:
-                break
-        else:
-            for entry in entries:
-                entry.storage.span = None
-            return None
-        span.source = self.engine.source(data)
-        host = self.engine.host_view(span.source)
-        fingerprint = entries[0].storage.fingerprint
-        if host is not None and (fingerprint is None or fingerprint.version is None):
-            span.take_digests(host, self.check)
-        return span
+    def _attach_sources(self, spans: list[StorageSpan]) -> None:
+        """Give each span its copy source (through its first view the engine can read the
+        span's bytes through; none: it stays on device) and, where the version counter
+        does not work, its views' reference digests."""
+        engine = self.engine
+        requests = [(s.members[0][0].storage.device, s.start, s.nbytes) for s in spans]
+        for span, source in zip(spans, engine.span_sources(requests), strict=True):
+            for entry, _ in span.members[1:]:
+                if source is not None:
+                    break
+                (source,) = engine.span_sources([(entry.storage.device, span.start, span.nbytes)])
+            span.source = source
+            if source is None:
+                continue
+            host = engine.host_view(source)
+            fingerprint = span.members[0][0].storage.fingerprint
+            if host is not None and (fingerprint is None or fingerprint.version is None):
+                span.take_digests(host, self.check)
 
     def _expect(self, phase: GroupPhase, target: GroupPhase) -> None:
         if self._phase is not phase:

@@ -10,9 +10,9 @@ use, once however many views overlap them. A span with ``bulk=False`` gets its o
 host buffer; ``bulk=True`` spans (``group_swap=True``) are packed, in capture order, into
 contiguous host buckets of at most ``bucket_bytes`` (32 MiB), one memcpy per span into its
 64-byte aligned slice; a span larger than a bucket gets a bucket of its own. A bucket is
-loaded with one memcpy into fresh device memory and every span is a slice of it. A loaded
-span becomes one framework tensor (``CopyEngine.restore``) and its views are rebuilt as
-views of it (``Backend.views_of``), so they share one allocation as before the offload.
+loaded with one memcpy into fresh device memory and every span is a slice of it. The views
+of a loaded span are rebuilt as views of it (``CopyEngine.restore_views``), so they share
+one allocation as before the offload.
 
 Pinned entries never move. Everything the copy thread needs is handed to it inside the
 job; the copy thread touches the group only at the very end of a job, under the group
@@ -251,8 +251,8 @@ class SwapGroup(EntryTable):
             plan.release(engine)
 
     def finish_load(self) -> int:
-        """H2D -> DEVICE (the engine's ``restore``, then the views); return the span bytes
-        restored by this call."""
+        """H2D -> DEVICE (the engine's ``restore_views``); return the span bytes restored
+        by this call."""
         with self._lock:
             self._expect(GroupPhase.LOAD_PREPARED, GroupPhase.LOADED)
             self._finished_job(self._load_job, SwapState.H2D, SwapState.DEVICE)
@@ -293,7 +293,7 @@ class SwapGroup(EntryTable):
             raise SwapError(
                 f"group {self.name!r} tensor {span.entries[0].tag!r}: load produced no data"
             )
-        views = self.backend.views_of(self.engine.restore(loaded), span.places())
+        views = self.engine.restore_views(loaded, span.places())
         span.transition(SwapState.DEVICE)
         for entry, view in zip(span.entries, views, strict=True):
             entry.storage.device = view

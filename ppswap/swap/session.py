@@ -253,7 +253,7 @@ class PipelineSwapSession:
         return self._group(stage, micro, "prepare_load").prepare_load()
 
     def finish_load(self, stage: int, micro: int) -> int:
-        """SWAP_WAIT_LOAD: H2D -> DEVICE (the engine's ``restore``); bytes restored."""
+        """SWAP_WAIT_LOAD: H2D -> DEVICE (the engine's ``restore_views``); bytes restored."""
         return self._group(stage, micro, "finish_load").finish_load()
 
     def release_chunk(self, stage: int, micro: int) -> None:

@@ -9,7 +9,7 @@ it the group captured, from the first byte any of them reads to the last.
 
 - The offload copies the span once, into one host buffer (or one slice of a bucket).
 - The load copies it into one fresh device block, and every view is rebuilt as a view into
-  that block (``Backend.views_of``) at its offset relative to the span's start, with its
+  that block (``CopyEngine.restore_views``) at its offset relative to the span's start, with its
   shape, strides and dtype: views that overlapped before the offload share one allocation
   again, and the device holds the span once, not once per view.
 - The span's start is rounded down so that it keeps its address's alignment to
@@ -32,9 +32,18 @@ from typing import Any
 import numpy as np
 
 from ppswap.backends.base import HostArray, ViewKey
-from ppswap.swap.tensor import CheckMode, SwapState, SwapTensor, content_digest
+from ppswap.backends.cpu_engine import contiguous_strides
+from ppswap.swap.errors import SwapError
+from ppswap.swap.tensor import CheckMode, SwapState, SwapTensor, content_digest, digest_bytes
 
-__all__ = ["SPAN_ALIGNMENT", "StorageSpan", "span_layout", "view_array"]
+__all__ = [
+    "SPAN_ALIGNMENT",
+    "StorageSpan",
+    "dense_nbytes",
+    "span_layout",
+    "view_array",
+    "view_digest",
+]
 
 SPAN_ALIGNMENT = 64
 
@@ -64,6 +73,23 @@ def span_layout(storage_ptr: int, keys: Sequence[ViewKey]) -> tuple[int, int, li
     return start, high - start, offsets
 
 
+def dense_nbytes(key: ViewKey) -> int | None:
+    """The byte count of view ``key`` if its elements are C-contiguous, else None."""
+    if key.strides != contiguous_strides(key.shape):
+        return None
+    return math.prod(key.shape) * key.itemsize
+
+
+def view_digest(
+    span: HostArray, offset: int, key: ViewKey, mode: CheckMode, nbytes: int | None
+) -> int:
+    """``content_digest(view_array(span, offset, key), mode)``; ``nbytes`` is
+    ``dense_nbytes(key)``: where not None, the elements are read in place."""
+    if nbytes is None:
+        return content_digest(view_array(span, offset, key), mode)
+    return digest_bytes(span[offset : offset + nbytes], key.itemsize, mode)
+
+
 def view_array(span: HostArray, offset: int, key: ViewKey) -> HostArray:
     """The elements of view ``key`` in ``span`` (a contiguous ``uint8`` array holding a
     span's bytes), ``offset`` bytes in: a numpy view, with void elements of the view's
@@ -87,6 +113,10 @@ class StorageSpan:
     thread reads the span's device bytes from (from the end of the forward to
     ``finish_offload``); ``host``: the host copy (a ``uint8`` array: a pooled buffer of
     its own, or a slice of ``host_bucket``), from ``finish_offload`` to the load.
+    ``dense``: per member, its byte count where its elements are C-contiguous (the
+    digests then read them straight from the span's bytes), else None. ``digests``: the
+    members' reference digests (taken when the forward ends), None where the version
+    counter is the check.
     """
 
     storage_ptr: int
@@ -94,9 +124,11 @@ class StorageSpan:
     nbytes: int
     members: list[tuple[SwapTensor, int]]
     bulk: bool
+    dense: list[int | None]
     source: Any = None
     host: HostArray | None = None
     host_bucket: Any = None
+    digests: list[int] | None = None
 
     @classmethod
     def of(cls, storage_ptr: int, entries: Sequence[SwapTensor]) -> StorageSpan:
@@ -108,6 +140,7 @@ class StorageSpan:
             nbytes=nbytes,
             members=list(zip(entries, offsets, strict=True)),
             bulk=all(e.bulk for e in entries),
+            dense=[dense_nbytes(e.key) for e in entries],
         )
         for entry in entries:
             entry.storage.span = span
@@ -123,7 +156,7 @@ class StorageSpan:
         return self.members[0][0].state
 
     def places(self) -> list[tuple[int, ViewKey]]:
-        """``(offset, key)`` per member: what ``Backend.views_of`` rebuilds."""
+        """``(offset, key)`` per member: what ``CopyEngine.restore_views`` rebuilds."""
         return [(offset, entry.key) for entry, offset in self.members]
 
     def movable(self) -> bool:
@@ -140,19 +173,33 @@ class StorageSpan:
         """Each member's elements in ``array`` (a contiguous ``uint8`` copy of the span)."""
         return [view_array(array, offset, entry.key) for entry, offset in self.members]
 
+    def digests_of(self, array: HostArray, mode: CheckMode) -> list[int]:
+        """Each member's content digest in ``array`` (a contiguous ``uint8`` copy of the
+        span): ``content_digest`` of its elements, read in place where they are dense."""
+        return [
+            view_digest(array, offset, entry.key, mode, nbytes)
+            for (entry, offset), nbytes in zip(self.members, self.dense, strict=True)
+        ]
+
     def take_digests(self, array: HostArray, mode: CheckMode) -> None:
         """Record each member's reference digest from ``array`` (the span's device bytes
         as the host sees them, when the forward ended)."""
-        for (entry, _), view in zip(self.members, self.views(array), strict=True):
-            entry.storage.digest = content_digest(view, mode)
+        self.digests = self.digests_of(array, mode)
 
     def verify(self, array: HostArray | None, mode: CheckMode, where: str) -> None:
         """Raise ``SwapError`` if a member's elements in ``array`` (a copy of the span)
-        differ from its reference digest; no-op without a host-visible array."""
-        if array is None or not any(e.storage.digest is not None for e in self.entries):
+        differ from its reference digest; no-op without reference digests or a
+        host-visible array."""
+        expected = self.digests
+        if array is None or expected is None:
             return
-        for (entry, _), view in zip(self.members, self.views(array), strict=True):
-            entry.verify(view, mode, where)
+        found = self.digests_of(array, mode)
+        for (entry, _), before, now in zip(self.members, expected, found, strict=True):
+            if before != now:
+                raise SwapError(
+                    f"group {entry.group!r} tensor {entry.tag!r} was modified in place "
+                    f"{where} (content digest changed); refusing to swap stale data"
+                )
 
     def __repr__(self) -> str:
         return (

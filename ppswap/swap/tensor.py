@@ -37,6 +37,7 @@ load is compared with the host copy's digest.
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 import zlib
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ __all__ = [
     "SwapTensor",
     "ViewKey",
     "content_digest",
+    "digest_bytes",
+    "sample_rows",
 ]
 
 DIGEST_SAMPLES = 64
@@ -116,17 +119,41 @@ class Fingerprint:
 
 def content_digest(array: HostArray, mode: CheckMode = "sampled") -> int:
     """CRC32 of the array's bytes: every byte (``"full"``) or :data:`DIGEST_SAMPLES`
-    evenly spaced elements plus the byte count (``"sampled"``)."""
-    flat = (
-        array.reshape(-1) if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(-1)
-    )
-    raw = flat.view(np.uint8)
-    if mode == "full" or flat.size <= DIGEST_SAMPLES:
-        return zlib.crc32(raw.data)
-    rows = raw.reshape(flat.size, flat.itemsize)
-    step = (flat.size - 1) / (DIGEST_SAMPLES - 1)
-    picks = [round(i * step) for i in range(DIGEST_SAMPLES)]
-    return zlib.crc32(rows[picks].tobytes(), flat.nbytes)
+    evenly spaced elements (in C order) plus the byte count (``"sampled"``)."""
+    if array.flags.c_contiguous:
+        return digest_bytes(array.reshape(-1).view(np.uint8), array.itemsize, mode)
+    if mode == "full" or array.size <= DIGEST_SAMPLES:
+        return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    picked = array[np.unravel_index(sample_rows(array.size), array.shape)]
+    return zlib.crc32(picked.view(np.uint8).data, array.nbytes)
+
+
+def digest_bytes(data: HostArray, itemsize: int, mode: CheckMode) -> int:
+    """:func:`content_digest` of C-contiguous ``uint8`` bytes ``data`` that hold elements
+    of ``itemsize`` bytes (no view or copy made)."""
+    count = data.size // itemsize
+    if mode == "full" or count <= DIGEST_SAMPLES:
+        return zlib.crc32(data.data)
+    return zlib.crc32(data[_sample_bytes(count, itemsize)].data, data.size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sample_bytes(count: int, itemsize: int) -> HostArray:
+    """The byte indices of the elements :func:`sample_rows` picks, in order."""
+    picks = sample_rows(count)[:, None] * itemsize + np.arange(itemsize, dtype=np.intp)
+    found: HostArray = picks.reshape(-1)
+    found.flags.writeable = False
+    return found
+
+
+@functools.lru_cache(maxsize=1024)
+def sample_rows(count: int) -> HostArray:
+    """The indices of the :data:`DIGEST_SAMPLES` evenly spaced elements of ``count``
+    elements (``count`` > DIGEST_SAMPLES) the sampled digest reads; made once per count."""
+    step = (count - 1) / (DIGEST_SAMPLES - 1)
+    rows = np.array([round(i * step) for i in range(DIGEST_SAMPLES)], dtype=np.intp)
+    rows.flags.writeable = False
+    return rows
 
 
 class Storage:
@@ -134,11 +161,10 @@ class Storage:
 
     Its bytes move with the other captured views of the same storage, as one
     :class:`~ppswap.swap.spans.StorageSpan` (``span``, set when the forward ends; it holds
-    the copy source and the host copy). Fields are owned by the compute thread; the copy
-    thread only reads a Storage's reference digest (copy jobs carry their own buffers).
-    :meth:`transition` is atomic under the storage's lock so a concurrent reader of
-    :attr:`state` always sees a legal state. ``digest`` is the view's reference content
-    digest (MindSpore; None where the version counter is used).
+    the copy source, the host copy and the views' reference digests). Fields are owned by
+    the compute thread (copy jobs carry their own buffers). :meth:`transition` is atomic
+    under the storage's lock so a concurrent reader of :attr:`state` always sees a legal
+    state.
     """
 
     __slots__ = (
@@ -146,7 +172,6 @@ class Storage:
         "_state",
         "device",
         "device_block",
-        "digest",
         "dtype",
         "fingerprint",
         "group",
@@ -171,7 +196,6 @@ class Storage:
         self.span: StorageSpan | None = None
         self.job: Any = None
         self.fingerprint: Fingerprint | None = None
-        self.digest: int | None = None
         self.released = False
 
     @property
@@ -311,16 +335,6 @@ class SwapTensor:
             raise SwapError(
                 f"group {self.group!r} tensor {self.tag!r}: its storage changed after "
                 f"capture ({'; '.join(changes)}) {when}; refusing to offload"
-            )
-
-    def verify(self, array: HostArray | None, mode: CheckMode, where: str) -> None:
-        """Raise :class:`SwapError` if ``array`` does not hold the captured data (no-op
-        without a reference digest or a host-visible array)."""
-        expected = self.storage.digest
-        if expected is not None and array is not None and content_digest(array, mode) != expected:
-            raise SwapError(
-                f"group {self.group!r} tensor {self.tag!r} was modified in place {where} "
-                "(content digest changed); refusing to swap stale data"
             )
 
     def __repr__(self) -> str:

@@ -27,7 +27,7 @@ from swap_support import (
 from ppswap.backends.base import ViewKey
 from ppswap.backends.cpu_engine import contiguous_strides
 from ppswap.swap import swap_wrapper
-from ppswap.swap.spans import SPAN_ALIGNMENT, span_layout, view_array
+from ppswap.swap.spans import SPAN_ALIGNMENT, dense_nbytes, span_layout, view_array, view_digest
 from ppswap.swap.tensor import content_digest
 
 
@@ -86,14 +86,15 @@ def test_a_view_without_elements_does_not_widen_the_span() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     offset=st.integers(0, 40),
-    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    shape=st.lists(st.integers(1, 12), min_size=1, max_size=3),
     order=st.integers(0, 5),
     base=st.sampled_from([0, 8, 64]),
 )
 def test_a_view_read_out_of_its_span_has_the_original_elements(offset, shape, order, base):
     """Any (transposed) view of a storage, cut to its span and read back with view_array,
-    digests like the view itself (the per-view checks see the same bytes)."""
-    storage = np.arange(400, dtype=np.float32)
+    digests like the view itself (the per-view checks see the same bytes), also where
+    the digest reads a dense view's bytes in place."""
+    storage = np.arange(12**3 + 40, dtype=np.float32)  # room for every view drawn
     axes = list(itertools.permutations(range(len(shape))))[order % math.factorial(len(shape))]
     contiguous = contiguous_strides(tuple(shape))
     shape_t = tuple(shape[i] for i in axes)
@@ -109,6 +110,8 @@ def test_a_view_read_out_of_its_span_has_the_original_elements(offset, shape, or
     assert got.tobytes() == np.ascontiguousarray(view).tobytes()
     for mode in ("sampled", "full"):
         assert content_digest(got, mode) == content_digest(view, mode)
+        assert content_digest(np.ascontiguousarray(view), mode) == content_digest(view, mode)
+        assert view_digest(span, place, key, mode, dense_nbytes(key)) == content_digest(view, mode)
 
 
 @pytest.mark.parametrize("group_swap", [False, True])

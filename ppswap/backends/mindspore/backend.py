@@ -6,7 +6,10 @@ Facts this relies on (measured on mindspore 2.10, CPU):
   sharing storage with the originals (``t is x`` and ``isinstance(t, Parameter)`` are
   both False): identity is by storage (``untyped_storage().data_ptr()``).
 - ``asnumpy()`` of a contiguous CPU tensor is a view of its memory (it keeps the device
-  address alive); ``Tensor.from_numpy`` shares memory the other way.
+  address alive); ``Tensor.from_numpy`` shares memory the other way. ``asnumpy()`` costs
+  20-40 us a call (numpy parses the buffer format it exports, in Python), so the swap
+  layer's copy sources are numpy views made from the storage's address
+  (``untyped_storage().data_ptr()``, the host address on CPU) instead: a few us.
 - View ops (``transpose``, ``unbind``, slicing, ``reshape``) return views sharing their
   input's storage, but every tensor autograd saves arrives contiguous, at offset 0, in a
   storage of its own (views are copied first): two saved tensors never share a storage,
@@ -81,6 +84,23 @@ def _numpy_dtype_named(name: str) -> np.dtype[Any]:
     if dtype is None:
         raise ValueError(f"{name!r} names no MindSpore dtype that numpy can hold")
     return dtype
+
+
+class _HostBytes:
+    """``nbytes`` bytes of a CPU tensor's memory at ``address``, as numpy reads them
+    (``np.asarray`` of it is a ``uint8`` view); it holds the tensor, and the array holds
+    it, so the memory outlives every array made from it."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, tensor: Tensor, address: int, nbytes: int) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "data": (address, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 class SwapWrapperCell(nn.Cell):  # type: ignore[misc]
@@ -174,25 +194,38 @@ class MindSporeBackend:
         )
 
     def storage_bytes(self, tensor: Tensor, start: int, nbytes: int) -> Tensor | None:
-        # Only through a contiguous tensor covering those bytes (asnumpy() of a strided
-        # tensor is a copy). Enough here: the saved tensors arrive contiguous, each in
-        # a storage of its own (module docstring), so a span is one tensor's bytes.
+        data = self.host_bytes(tensor, start, nbytes)
+        return None if data is None else Tensor.from_numpy(data)
+
+    def host_bytes(self, tensor: Tensor, start: int, nbytes: int) -> HostArray | None:
+        # Only through a contiguous CPU tensor covering those bytes (host_views could not
+        # rebuild a strided view: from_numpy copies). Enough here: the saved tensors arrive
+        # contiguous, each in a storage of its own (module docstring), so a span is one
+        # tensor's bytes. Read through the storage's address: asnumpy() costs 20-40 us a
+        # call (numpy parses its buffer format in Python), this a few.
         first = int(tensor.storage_offset()) * int(tensor.itemsize)
-        if not tensor.is_contiguous() or start < first or start + nbytes > first + tensor.nbytes:
+        if (
+            tensor.device != "CPU"
+            or not tensor.is_contiguous()
+            or start < first
+            or start + nbytes > first + tensor.nbytes
+        ):
             return None
-        flat = tensor.asnumpy().reshape(-1).view(np.uint8)
-        return Tensor.from_numpy(flat[start - first : start - first + nbytes])
+        address = int(tensor.untyped_storage().data_ptr()) + start
+        return np.asarray(_HostBytes(tensor, address, nbytes))
 
     def views_of(self, block: Tensor, places: Sequence[tuple[int, ViewKey]]) -> list[Tensor]:
+        return self.host_views(block.asnumpy(), places)
+
+    def host_views(self, block: HostArray, places: Sequence[tuple[int, ViewKey]]) -> list[Tensor]:
         # Tensors from numpy views of the block's memory (from_numpy shares it; a strided
         # view would come back as a contiguous copy, but saved tensors are contiguous).
-        data = block.asnumpy()
         views = []
         for offset, key in places:
             array: HostArray = np.ndarray(
                 key.shape,
                 dtype=_numpy_dtype_named(key.dtype),
-                buffer=data,
+                buffer=block,
                 offset=offset,
                 strides=tuple(s * key.itemsize for s in key.strides),
             )

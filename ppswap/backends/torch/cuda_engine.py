@@ -4,10 +4,10 @@ back, on a copy stream of their own.
 - Each engine owns one CUDA stream for its copies (the runtime makes one engine per run;
   every copy of every rank runs on that stream, in the FIFO order of the ranks' copy
   threads).
-- ``source`` (compute thread, when the chunk's forward ends) records an event on the
-  compute stream after the tensor was produced; the copy waits for it on the copy
-  stream (``Stream.wait_event``), so the copy never reads a half-computed activation and
-  the compute stream never waits for a copy.
+- ``span_sources`` (compute thread, when the chunk's forward ends) records one event on
+  the compute stream after the chunk's tensors were produced; each copy waits for it on
+  the copy stream (``Stream.wait_event``), so the copy never reads a half-computed
+  activation and the compute stream never waits for a copy.
 - ``d2h`` / ``d2h_into`` (copy thread) copy into page-locked buffers from a pool
   (``torch.empty(..., pin_memory=True)``, handed out as numpy views: the swap layer's
   bucket layout and checks work on them) with ``non_blocking=True`` and wait for the copy
@@ -16,11 +16,11 @@ back, on a copy stream of their own.
   tensor over the bytes of a storage its saved views use (``TorchBackend.storage_bytes``),
   the host copy one ``uint8`` buffer, the destination one ``uint8`` block.
 - ``h2d`` (copy thread) allocates the destination on the copy stream (with the given
-  strides, if any), copies and waits; ``restore`` (compute thread) marks the tensor as
-  used by the compute stream (``record_stream``): the caching allocator then never hands
-  its memory to the copy stream while compute kernels may still read it. The saved views
-  are rebuilt on the restored block with ``set_`` (``TorchBackend.views_of``), so they
-  share its storage and allocation, and with it that mark. A bucket's spans are slices of
+  strides, if any), copies and waits; ``restore_views`` (compute thread) marks the block
+  as used by the compute stream (``record_stream``): the caching allocator then never
+  hands its memory to the copy stream while compute kernels may still read it. The saved
+  views are rebuilt on the restored block with ``set_`` (``TorchBackend.views_of``), so
+  they share its storage and allocation, and with it that mark. A bucket's spans are slices of
   its one loaded block (``member``).
 - A tensor the engine cannot move (a CPU tensor a CUDA stage saved, such as an RNG state)
   stays where it is (``can_move``).
@@ -34,13 +34,15 @@ layer moves spans as bytes and rebuilds the views by that name).
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ppswap.backends.base import Backend, CopyEngine, HostArray
+from ppswap.backends.base import Backend, CopyEngine, HostArray, ViewKey
 from ppswap.backends.cpu_engine import CopyCounters, HostPool, PoolStats
 
 __all__ = ["CudaCopyEngine", "CudaSource"]
@@ -95,14 +97,26 @@ class CudaCopyEngine:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.pool = HostPool(max_pool_bytes, allocate=_pinned_buffer)
+        self._backend: Backend | None = None
 
     def __repr__(self) -> str:
         return f"CudaCopyEngine({self.device})"
 
     def for_backend(self, backend: Backend) -> CopyEngine:
+        """This engine bound to ``backend`` (the torch backend, which reads the spans and
+        rebuilds the views); the stream, pool and counters are shared."""
         if backend.name != "torch":
             raise ValueError(f"the CUDA engine copies torch tensors, got backend {backend.name}")
-        return self
+        if self._backend is backend:
+            return self
+        bound = copy.copy(self)  # a shallow copy: the same stream and pool
+        bound._backend = backend
+        return bound
+
+    def _bound(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError(f"{self!r} is not bound to the torch backend: call for_backend")
+        return self._backend
 
     # -- pool ---------------------------------------------------------------------------
     def acquire_host(self, nbytes: int) -> HostArray:
@@ -121,17 +135,31 @@ class CudaCopyEngine:
     def can_move(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda"
 
-    def source(self, tensor: torch.Tensor) -> CudaSource:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(tensor.device))
-        return CudaSource(tensor.detach(), ready)
+    def span_sources(
+        self, spans: Sequence[tuple[torch.Tensor, int, int]]
+    ) -> list[CudaSource | None]:
+        # One event per device on the compute stream for all the chunk's spans: they were
+        # all produced by the forward that just ended.
+        backend = self._bound()
+        events: dict[torch.device, torch.cuda.Event] = {}
+        sources: list[CudaSource | None] = []
+        for tensor, start, nbytes in spans:
+            ready = events.get(tensor.device)
+            if ready is None:
+                ready = events[tensor.device] = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(tensor.device))
+            data = backend.storage_bytes(tensor, start, nbytes)
+            sources.append(None if data is None else CudaSource(data, ready))
+        return sources
 
-    def restore(self, loaded: torch.Tensor) -> torch.Tensor:
-        # The copy is complete (h2d waited for it); the tensor was allocated on the copy
+    def restore_views(
+        self, loaded: torch.Tensor, places: Sequence[tuple[int, ViewKey]]
+    ) -> list[torch.Tensor]:
+        # The copy is complete (h2d waited for it); the block was allocated on the copy
         # stream and is now used on this thread's (compute) stream: tell the caching
         # allocator, so its memory is not reused before the compute stream is done with it.
         loaded.record_stream(torch.cuda.current_stream(loaded.device))
-        return loaded
+        return self._bound().views_of(loaded, places)
 
     def host_view(self, loaded: Any) -> HostArray | None:
         return loaded if isinstance(loaded, np.ndarray) else None
