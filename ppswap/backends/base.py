@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -68,18 +68,18 @@ PackHook = Callable[[Tensor], Any]
 UnpackHook = Callable[[Any], Tensor]
 
 
-@dataclass(frozen=True, slots=True)
-class StorageRef:
+class StorageRef(NamedTuple):
     """The storage a tensor lives in: base address and size in bytes (the whole storage,
-    because that is what stays allocated while any view of it is alive)."""
+    because that is what stays allocated while any view of it is alive). A named tuple:
+    made and compared in C (the swap layer makes one per saved tensor and check)."""
 
     ptr: int
     nbytes: int
 
 
-@dataclass(frozen=True, slots=True)
-class ViewKey:
-    """Exact identity of a view: same storage, offset, shape, strides and dtype.
+class ViewKey(NamedTuple):
+    """Exact identity of a view: same storage, offset, shape, strides and dtype (a named
+    tuple: made and hashed in C, once per saved tensor).
 
     ``offset`` and ``strides`` count elements (as the frameworks report them), ``dtype`` is
     the framework's name of the element type and ``itemsize`` its size in bytes (implied
@@ -97,12 +97,14 @@ class ViewKey:
     def byte_range(self) -> tuple[int, int]:
         """``(first, end)``: the bytes of its storage the view's elements occupy, counted
         from the storage's first byte (``first == end`` for a view without elements)."""
-        first = self.offset * self.itemsize
-        if any(n == 0 for n in self.shape):
-            return first, first
-        reach = [(n - 1) * s for n, s in zip(self.shape, self.strides, strict=True)]
-        low = self.offset + sum(r for r in reach if r < 0)
-        high = self.offset + sum(r for r in reach if r > 0)
+        low = high = self.offset
+        for n, stride in zip(self.shape, self.strides, strict=True):
+            if n == 0:
+                return self.offset * self.itemsize, self.offset * self.itemsize
+            if stride > 0:
+                high += (n - 1) * stride
+            else:
+                low += (n - 1) * stride
         return low * self.itemsize, (high + 1) * self.itemsize
 
 

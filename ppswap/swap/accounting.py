@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["Chunk", "DeviceBlock", "SwapAccounting", "UnpackCounters"]
 
@@ -32,10 +32,12 @@ Chunk = tuple[int, int]
 DeviceBlock = tuple[str, int]
 
 
-@dataclass
 class _BlockRecord:
-    nbytes: int
-    holders: dict[Hashable, Chunk] = field(default_factory=dict)
+    __slots__ = ("holders", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.holders: dict[Hashable, Chunk] = {}
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class SwapAccounting:
         with self._lock:
             record = self._blocks.get(block)
             if record is None:
-                record = _BlockRecord(nbytes=nbytes)
+                record = _BlockRecord(nbytes)
                 self._blocks[block] = record
                 self._resident += nbytes
                 self._peak = max(self._peak, self._resident)
@@ -101,6 +103,12 @@ class SwapAccounting:
         with self._lock:
             record = self._blocks.get(block)
             return frozenset(record.holders.values()) if record else frozenset()
+
+    def held_by_other_chunk(self, block: DeviceBlock, chunk: Chunk) -> bool:
+        """Whether a chunk other than ``chunk`` holds ``block`` on device."""
+        with self._lock:
+            record = self._blocks.get(block)
+            return record is not None and any(c != chunk for c in record.holders.values())
 
     def add_offloaded(self, nbytes: int) -> None:
         with self._lock:

@@ -75,6 +75,7 @@ class EntryTable:
         self.name = name
         self.stage = check_int("stage", stage, 0)
         self.micro = check_int("micro", micro, 0)
+        self.chunk = (self.stage, self.micro)
         self.group_swap = check_bool("group_swap", group_swap)
         self.accounting = accounting if accounting is not None else SwapAccounting()
         self._owner = owner
@@ -86,10 +87,7 @@ class EntryTable:
         self._spans: dict[int, StorageSpan] = {}
         self._pinned_storages: set[int] = set()
         self._tags: set[str] = set()
-
-    @property
-    def chunk(self) -> tuple[int, int]:
-        return (self.stage, self.micro)
+        self._tag_next: dict[str, int] = {}
 
     @property
     def phase(self) -> GroupPhase:
@@ -182,10 +180,15 @@ class EntryTable:
             return chosen
 
     def _unique_tag(self, tag: str) -> str:
-        unique, n = tag, 1
-        while unique in self._tags:
+        """``tag``, or ``tag#n`` with the smallest free ``n``: tags are never removed, so
+        the search for a tag starts after the number it last took."""
+        unique, n = tag, self._tag_next.get(tag, 1)
+        if unique in self._tags:
             unique = f"{tag}#{n}"
-            n += 1
+            while unique in self._tags:
+                n += 1
+                unique = f"{tag}#{n}"
+            self._tag_next[tag] = n + 1
         self._tags.add(unique)
         return unique
 

@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ppswap.backends.base import Backend, CopyEngine, StorageRef, Tensor
+from ppswap.backends.base import Backend, CopyEngine, Module, StorageRef, Tensor
 from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.errors import SwapError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
@@ -114,6 +114,9 @@ class Collection:
     ``parameters``: storages that are neither captured nor counted (module state:
     parameters, buffers). ``protected``: storages that are counted but never captured
     (stage inputs, received buffers). Both match any view of the storage.
+    ``module_states``: where the module state of ``swap_wrapper``-ed modules is kept once
+    taken (a session keeps it for its run, as a stage keeps its own); None: taken at
+    every call.
     """
 
     def __init__(
@@ -124,10 +127,12 @@ class Collection:
         sink: SavedTensorSink | None = None,
         protected: Iterable[Tensor] = (),
         parameters: Iterable[Tensor] = (),
+        module_states: dict[Module, list[Tensor]] | None = None,
     ) -> None:
         self.backend = backend
         self.group = group
         self.sink = sink
+        self._module_states = module_states
         self._parameters: dict[int, list[Tensor]] = {}
         self._protected: dict[int, Tensor] = {}
         self._registered: dict[int, _Registration] = {}
@@ -147,6 +152,16 @@ class Collection:
 
     def is_protected(self, storage_ptr: int) -> bool:
         return storage_ptr in self._protected or storage_ptr in self._parameters
+
+    def state_of(self, module: Module) -> list[Tensor]:
+        """``module``'s parameters, buffers and plain tensor attributes (``module_states``
+        says how long they are kept)."""
+        if self._module_states is None:
+            return self.backend.module_state(module)
+        state = self._module_states.get(module)
+        if state is None:
+            state = self._module_states[module] = self.backend.module_state(module)
+        return state
 
     @contextmanager
     def module_state(self, tensors: Iterable[Tensor]) -> Iterator[None]:

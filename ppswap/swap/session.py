@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ppswap.backends.base import CopyEngine, StorageRef, Tensor
+from ppswap.backends.base import CopyEngine, Module, StorageRef, Tensor
 from ppswap.swap.accounting import Chunk, SwapAccounting
 from ppswap.swap.errors import SwapError, SwapTimeoutError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
@@ -95,8 +95,7 @@ class _ChunkRecord:
     def must_stay_resident(self, storage: StorageRef) -> bool:
         if storage.ptr in self.resident:
             return True
-        others = self.session.accounting.chunks_holding(("storage", storage.ptr))
-        return bool(others - {self.chunk})
+        return self.session.accounting.held_by_other_chunk(("storage", storage.ptr), self.chunk)
 
     def record_resident(self, tensor: Tensor, storage: StorageRef) -> None:
         if storage.ptr not in self.resident:
@@ -158,6 +157,7 @@ class PipelineSwapSession:
         self.accounting = SwapAccounting()
         self.baseline_groups = len(manager)
         self._chunks: dict[Chunk, _ChunkRecord] = {}
+        self._module_states: dict[Module, list[Tensor]] = {}  # of swap_wrapper-ed modules
         self._lock = threading.RLock()
         self._closed = False
         self._log = structlog.get_logger("ppswap").bind(
@@ -211,7 +211,12 @@ class PipelineSwapSession:
             record = _ChunkRecord(session=self, chunk=chunk, group=group)
             self._chunks[chunk] = record
         collection = Collection(
-            self.backend, group=group, sink=record, protected=protected, parameters=parameters
+            self.backend,
+            group=group,
+            sink=record,
+            protected=protected,
+            parameters=parameters,
+            module_states=self._module_states,
         )
         try:
             with capture_scope(collection):
@@ -315,6 +320,7 @@ class PipelineSwapSession:
         with self._lock:
             records = list(self._chunks.values())
             self._chunks.clear()
+            self._module_states.clear()
             self._closed = True
         for record in records:
             if record.group is not None:

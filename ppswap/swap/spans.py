@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from ppswap.backends.base import HostArray, ViewKey
-from ppswap.backends.cpu_engine import contiguous_strides
 from ppswap.swap.errors import SwapError
 from ppswap.swap.tensor import CheckMode, SwapState, SwapTensor, content_digest, digest_bytes
 
@@ -57,15 +56,19 @@ def span_layout(storage_ptr: int, keys: Sequence[ViewKey]) -> tuple[int, int, li
     starts on an element boundary of the span). A view without elements is placed at
     offset 0 and does not widen the span.
     """
+    if len(keys) == 1:  # the common case (every span on MindSpore)
+        (key,) = keys
+        first, end = key.byte_range()
+        if end == first:
+            return 0, 0, [0]
+        start = _span_start(storage_ptr, first, key.itemsize)
+        return start, end - start, [key.offset * key.itemsize - start]
     ranges = [key.byte_range() for key in keys]
     used = [(first, end) for first, end in ranges if end > first]
     if not used:
         return 0, 0, [0] * len(keys)
     low, high = min(first for first, _ in used), max(end for _, end in used)
-    unit = math.lcm(*(key.itemsize for key in keys))
-    start = low - (storage_ptr + low) % SPAN_ALIGNMENT
-    if start < 0 or start % unit:
-        start = low - low % unit
+    start = _span_start(storage_ptr, low, math.lcm(*(key.itemsize for key in keys)))
     offsets = [
         key.offset * key.itemsize - start if end > first else 0
         for key, (first, end) in zip(keys, ranges, strict=True)
@@ -73,11 +76,26 @@ def span_layout(storage_ptr: int, keys: Sequence[ViewKey]) -> tuple[int, int, li
     return start, high - start, offsets
 
 
+def _span_start(storage_ptr: int, low: int, unit: int) -> int:
+    """The first byte of a span whose first used byte is ``low``: rounded down to keep
+    the address's alignment to :data:`SPAN_ALIGNMENT` where the storage allows it and
+    that is a multiple of ``unit`` (the views' element sizes), else ``low`` rounded down
+    to a multiple of ``unit``."""
+    start = low - (storage_ptr + low) % SPAN_ALIGNMENT
+    if start < 0 or start % unit:
+        start = low - low % unit
+    return start
+
+
 def dense_nbytes(key: ViewKey) -> int | None:
-    """The byte count of view ``key`` if its elements are C-contiguous, else None."""
-    if key.strides != contiguous_strides(key.shape):
-        return None
-    return math.prod(key.shape) * key.itemsize
+    """The byte count of view ``key`` if its elements are C-contiguous (the strides of
+    dimensions of size 1 do not matter), else None."""
+    count = 1
+    for n, stride in zip(reversed(key.shape), reversed(key.strides), strict=True):
+        if n != 1 and stride != count:
+            return None
+        count *= n
+    return count * key.itemsize
 
 
 def view_digest(
@@ -108,11 +126,12 @@ class StorageSpan:
     """The used bytes of one storage in a group, and the views (entries) in them.
 
     ``start`` / ``nbytes``: the byte range of the storage (``storage_ptr``) that moves;
-    ``members``: each entry with its view's byte offset in the span. ``bulk``: packed into
-    a host bucket (every member asked for ``group_swap``). ``source``: what the copy
-    thread reads the span's device bytes from (from the end of the forward to
-    ``finish_offload``); ``host``: the host copy (a ``uint8`` array: a pooled buffer of
-    its own, or a slice of ``host_bucket``), from ``finish_offload`` to the load.
+    ``members``: each entry with its view's byte offset in the span (``entries``: the
+    entries alone, in the same order). ``bulk``: packed into a host bucket (every member
+    asked for ``group_swap``). ``source``: what the copy thread reads the span's device
+    bytes from (from the end of the forward to ``finish_offload``); ``host``: the host
+    copy (a ``uint8`` array: a pooled buffer of its own, or a slice of ``host_bucket``),
+    from ``finish_offload`` to the load.
     ``dense``: per member, its byte count where its elements are C-contiguous (the
     digests then read them straight from the span's bytes), else None. ``digests``: the
     members' reference digests (taken when the forward ends), None where the version
@@ -124,6 +143,7 @@ class StorageSpan:
     nbytes: int
     members: list[tuple[SwapTensor, int]]
     bulk: bool
+    entries: list[SwapTensor]
     dense: list[int | None]
     source: Any = None
     host: HostArray | None = None
@@ -140,15 +160,12 @@ class StorageSpan:
             nbytes=nbytes,
             members=list(zip(entries, offsets, strict=True)),
             bulk=all(e.bulk for e in entries),
+            entries=list(entries),
             dense=[dense_nbytes(e.key) for e in entries],
         )
         for entry in entries:
             entry.storage.span = span
         return span
-
-    @property
-    def entries(self) -> list[SwapTensor]:
-        return [entry for entry, _ in self.members]
 
     @property
     def state(self) -> SwapState:

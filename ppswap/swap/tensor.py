@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 import threading
 import zlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
 
 import numpy as np
 
@@ -84,6 +84,10 @@ class SwapState(enum.Enum):
     HOST = "HOST"
     H2D = "H2D"
 
+    # Singletons compared by identity: hashed by identity too (in C), not by Enum's
+    # Python-level hash of the name (every transition looks its move up).
+    __hash__ = object.__hash__
+
 
 LEGAL_TRANSITIONS: dict[SwapState, SwapState] = {
     SwapState.DEVICE: SwapState.D2H,
@@ -93,8 +97,7 @@ LEGAL_TRANSITIONS: dict[SwapState, SwapState] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Fingerprint:
+class Fingerprint(NamedTuple):
     """What is checked before D2H and before the device tensor is dropped: the storage's
     address and size, and the framework's version counter (None where it has none)."""
 
@@ -292,7 +295,7 @@ class SwapTensor:
         storage = Storage(
             group=group,
             tag=tag,
-            nbytes=backend.data_nbytes(tensor),
+            nbytes=math.prod(key.shape) * key.itemsize,
             shape=key.shape,
             dtype=key.dtype,
         )
@@ -321,6 +324,13 @@ class SwapTensor:
 
     def materialize(self) -> Tensor:
         """The tensor for backward: live, waited for, or loaded now (never partial)."""
+        storage = self.storage
+        device = storage.device
+        # A tensor on device (never moved, or loaded and finished) needs no lock: its
+        # state, device tensor and release change only on the compute thread, which runs
+        # this unpack (or waits in the backward that runs it).
+        if storage._state is SwapState.DEVICE and device is not None and not storage.released:
+            return device
         return self._owner.materialize(self)
 
     def check_unchanged(self, backend: Backend, when: str) -> None:
@@ -330,8 +340,9 @@ class SwapTensor:
         device = storage.device
         if device is None or storage.fingerprint is None:
             raise SwapError(f"group {self.group!r} tensor {self.tag!r} lost its device tensor")
-        changes = storage.fingerprint.differences(Fingerprint.of(backend, device))
-        if changes:
+        now = Fingerprint.of(backend, device)
+        if now != storage.fingerprint:
+            changes = storage.fingerprint.differences(now)
             raise SwapError(
                 f"group {self.group!r} tensor {self.tag!r}: its storage changed after "
                 f"capture ({'; '.join(changes)}) {when}; refusing to offload"

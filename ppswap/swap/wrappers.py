@@ -125,7 +125,7 @@ class SwapCapture:
             )
 
         backend = collection.backend
-        state = backend.module_state(self.owner) if self.owner is not None else []
+        state = collection.state_of(self.owner) if self.owner is not None else []
         with collection.module_state(state), backend.saved_tensors_hooks(pack, unpack_saved):
             return call()
 

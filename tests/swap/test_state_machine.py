@@ -99,6 +99,17 @@ def test_swap_tensor_transitions_through_its_group(manager, engine, copy_thread)
     assert "DEVICE" in repr(entry)
 
 
+def test_entry_tags_are_unique_in_a_group(manager, engine):
+    """A repeated tag gets the smallest free ``#n``, also around tags given as ``tag#n``."""
+    group = manager.create_group("tags", 0, 0, engine=EmulatedDevice())
+    tags = [
+        group.register(seeded((4,), i) * 2, tag=tag).tag
+        for i, tag in enumerate(["a", "a", "a#2", "a", "b", "a", "b", None])
+    ]
+    assert tags == ["a", "a#1", "a#2", "a#3", "b", "a#4", "b#1", "t7"]
+    group.release()
+
+
 def test_group_phases_are_enforced(manager, engine, copy_thread):
     group = manager.create_group("phases", 1, 2, engine=EmulatedDevice())
     group.register(seeded((8,), 1) * 2, tag="a")

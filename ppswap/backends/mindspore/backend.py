@@ -76,6 +76,8 @@ def _numpy_dtypes() -> dict[str, np.dtype[Any]]:
 
 
 _NUMPY_DTYPES = _numpy_dtypes()
+_VIEW_DTYPES: dict[Any, tuple[str, int]] = {}
+"""MindSpore dtype -> (its name, its itemsize): what a ViewKey records."""
 
 
 def _numpy_dtype_named(name: str) -> np.dtype[Any]:
@@ -184,13 +186,16 @@ class MindSporeBackend:
         return StorageRef(int(storage.data_ptr()), int(storage.nbytes()))
 
     def view_key(self, tensor: Tensor, storage: StorageRef) -> ViewKey:
+        dtype = tensor.dtype
+        named = _VIEW_DTYPES.get(dtype)
+        if named is None:  # str(dtype) costs microseconds: once per dtype
+            named = _VIEW_DTYPES[dtype] = (str(dtype), int(tensor.itemsize))
         return ViewKey(
             storage.ptr,
             int(tensor.storage_offset()),
             tuple(tensor.shape),
             tuple(tensor.stride()),
-            str(tensor.dtype),
-            int(tensor.itemsize),
+            *named,
         )
 
     def storage_bytes(self, tensor: Tensor, start: int, nbytes: int) -> Tensor | None:

@@ -63,6 +63,8 @@ from ppswap.backends.torch.cuda_engine import CudaCopyEngine
 __all__ = ["SavedTensorModifiedError", "SwapWrapperModule", "TorchBackend"]
 
 _SLOTS_ATTR = "_ppswap_data_slots"
+_VIEW_DTYPES: dict[torch.dtype, tuple[str, int]] = {}
+"""dtype -> (its name, its element size): what a ViewKey records."""
 
 
 class SavedTensorModifiedError(RuntimeError):
@@ -257,13 +259,16 @@ class TorchBackend:
         return StorageRef(int(storage.data_ptr()), int(storage.nbytes()))
 
     def view_key(self, tensor: torch.Tensor, storage: StorageRef) -> ViewKey:
+        dtype = tensor.dtype
+        named = _VIEW_DTYPES.get(dtype)
+        if named is None:
+            named = _VIEW_DTYPES[dtype] = (str(dtype), int(tensor.element_size()))
         return ViewKey(
             storage.ptr,
             int(tensor.storage_offset()),
             tuple(tensor.shape),
             tuple(tensor.stride()),
-            str(tensor.dtype),
-            int(tensor.element_size()),
+            *named,
         )
 
     def storage_bytes(self, tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
