@@ -20,7 +20,8 @@ from typing import Any
 
 from ppswap.backends.base import CopyEngine
 from ppswap.core.faults import FaultPlan
-from ppswap.core.transport import Transport
+from ppswap.core.protocols import conforms
+from ppswap.core.transport import Transport, is_transport
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.scheduler.config import (
     DEFAULT_MIN_SWAP_GAP,
@@ -119,10 +120,15 @@ class RunOptions:
             raise TypeError(f"step_timeout must be a number of seconds > 0, got {timeout!r}")
         if not timeout > 0 or math.isnan(timeout):
             raise ValueError(f"step_timeout must be a number of seconds > 0, got {timeout!r}")
-        _check_instance(
-            "transport", self.transport, Transport, "implement ppswap's Transport protocol"
-        )
-        _check_instance("device", self.device, CopyEngine, "implement CopyEngine")
+        if self.transport is not None and not is_transport(self.transport):
+            raise TypeError(
+                "transport must implement ppswap's Transport protocol or None, got "
+                f"{type(self.transport).__name__}"
+            )
+        if self.device is not None and not conforms(self.device, CopyEngine):
+            raise TypeError(
+                f"device must implement CopyEngine or None, got {type(self.device).__name__}"
+            )
         _check_instance("mesh", self.mesh, DeviceMesh, "be a ppswap.DeviceMesh")
         _check_instance("faults", self.faults, FaultPlan, "be a ppswap.core.faults.FaultPlan")
         if self.forward_only and self.swap:

@@ -54,7 +54,6 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import anyio
 import structlog
-from anyio.streams.memory import MemoryObjectSendStream
 
 from ppswap.actors.batch import (
     JOB_KINDS,
@@ -71,6 +70,7 @@ from ppswap.actors.copy_stream import CopyCompletion, CopyStream
 from ppswap.actors.failures import StepFailures
 from ppswap.actors.local_steps import LAUNCH_OF_WAIT, LocalSteps, RankInputs
 from ppswap.actors.mail import CopyKey, RankMail
+from ppswap.actors.p2p import P2PChannel
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.executor import DedicatedThread, JobDeadlineError, loop_caller
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
@@ -137,7 +137,7 @@ class ComputeActor:
         stages: Mapping[int, PipelineStage],
         compute: DedicatedThread,
         session: SwapDriver,
-        p2p: MemoryObjectSendStream[Any],
+        p2p: P2PChannel,
         copies: CopyStream,
         recorder: FlightRecorder,
         data: RankInputs,

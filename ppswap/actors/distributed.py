@@ -21,11 +21,12 @@ import dataclasses
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
 from ppswap.core.transport import DistributedTransport
+from ppswap.core.transport import is_distributed as is_distributed_transport
 from ppswap.results import RankStats
 
 __all__ = [
@@ -39,13 +40,13 @@ __all__ = [
 _RESULT_KEY = "ppswap.run_result"
 
 
-def is_distributed(transport: object) -> bool:
-    return isinstance(transport, DistributedTransport)
+def is_distributed(transport: object) -> TypeGuard[DistributedTransport]:
+    return is_distributed_transport(transport)
 
 
 def configure_transport(transport: object, num_stages: int, micro_count: int) -> None:
     """Give a distributed transport the run's tag layout (and a new epoch)."""
-    if isinstance(transport, DistributedTransport):
+    if is_distributed_transport(transport):
         transport.configure(num_stages, micro_count)
 
 
@@ -65,16 +66,21 @@ async def gather_results(
     every rank, indexed by rank.
     """
     template = [getattr(stats, field.name) for field in dataclasses.fields(stats)]
-    fields = _flatten(template)
+    layout = _layout(template)
+    fields = _flatten(template, layout)
     flag = len(fields)
     record = np.full(flag + 1 + micro_count, math.nan, dtype=np.float64)
     record[:flag] = fields
     record[flag] = 1.0 if losses else 0.0
     if losses:
         record[flag + 1 :] = losses
+    rank = transport.rank
     group = tuple(range(transport.world_size))
-    records = await transport.all_gather(transport.rank, group, _RESULT_KEY, record)
-    everyone = [RankStats(*_unflatten(template, r[:flag].tolist())) for r in records]
+    records = await transport.all_gather(rank, group, _RESULT_KEY, record)
+    everyone = [  # this rank's own as it is (its numbers survive the record exactly)
+        stats if index == rank else RankStats(*_unflatten(layout, r[:flag].tolist()))
+        for index, r in enumerate(records)
+    ]
     holders = [r[flag + 1 :].tolist() for r in records if r[flag] == 1.0]
     # As the in-process run (runtime._collect_losses): a sum in rank (= dp) order, divided.
     gathered_losses = [
@@ -84,27 +90,42 @@ async def gather_results(
     return gathered_losses, everyone
 
 
-def _flatten(template: list[Any]) -> list[float]:
+Layout = list[type | tuple[tuple[Any, type], ...]]
+"""Per field of a RankStats, the type of its number, or of a mapping its keys and the
+types of their numbers, in order."""
+
+
+def _layout(template: list[Any]) -> Layout:
+    """``template``'s layout: worked out once per run, used for every rank's record."""
+    return [
+        tuple((key, type(number)) for key, number in value.items())
+        if isinstance(value, Mapping)
+        else type(value)
+        for value in template
+    ]
+
+
+def _flatten(template: list[Any], layout: Layout) -> list[float]:
     """Every number of ``template``, a mapping's values in its key order."""
     flat: list[float] = []
-    for value in template:
-        if isinstance(value, Mapping):
+    for value, kind in zip(template, layout, strict=True):
+        if type(kind) is tuple:
             flat += [float(number) for number in value.values()]
         else:
             flat.append(float(value))
     return flat
 
 
-def _unflatten(template: list[Any], flat: list[float]) -> list[Any]:
-    """Another rank's ``_flatten`` output back into ``template``'s shape: the same
-    mapping keys, each number of the type of ``template``'s."""
+def _unflatten(layout: Layout, flat: list[float]) -> list[Any]:
+    """Another rank's ``_flatten`` output back into the shape ``layout`` describes: the
+    same mapping keys, each number of its type there."""
     numbers = iter(flat)
     values: list[Any] = []
-    for value in template:
-        if isinstance(value, Mapping):
-            values.append({key: type(number)(next(numbers)) for key, number in value.items()})
+    for kind in layout:
+        if type(kind) is tuple:
+            values.append({key: number_type(next(numbers)) for key, number_type in kind})
         else:
-            values.append(type(value)(next(numbers)))
+            values.append(kind(next(numbers)))  # type: ignore[operator]
     return values
 
 

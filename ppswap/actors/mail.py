@@ -16,9 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from anyio.streams.memory import MemoryObjectSendStream
-
 from ppswap.actors.copy_stream import CopyCompletion
+from ppswap.actors.p2p import P2PChannel
 from ppswap.core.messages import MessageKey, Payload, RecvRequest, ReplyFuture, SendRequest
 from ppswap.errors import PipelineError
 from ppswap.scheduler.steps import MetaStep, StepKind
@@ -39,7 +38,7 @@ class RankMail:
 
     def __init__(
         self,
-        p2p: MemoryObjectSendStream[Any],
+        p2p: P2PChannel,
         failure: Callable[[MetaStep, str], PipelineError],
     ) -> None:
         self._p2p = p2p

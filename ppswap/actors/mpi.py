@@ -36,20 +36,19 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NoReturn
 
-import anyio
 import numpy as np
 import numpy.typing as npt
 from mpi4py import MPI
 
-from ppswap.actors.mpi_requests import InFlightRequests
+from ppswap.actors.mpi_requests import FIRST_BYTES, InFlightRequests, StartedRecv
 from ppswap.core.messages import MessageKey
-from ppswap.core.transport import TransportStats
+from ppswap.core.transport import RecvDone, SendDone, Started, TransportStats, complete_all
 from ppswap.core.wire import (
-    HEADER_MAX_BYTES,
     INLINE_MAX_BYTES,
     PAGE_BYTES,
     RecvBufferPool,
@@ -65,7 +64,6 @@ __all__ = ["MPITransport"]
 Array = npt.NDArray[Any]
 
 _DEFAULT_MICRO_COUNT = 1 << 16
-_FIRST_BYTES = HEADER_MAX_BYTES + INLINE_MAX_BYTES  # the header message, inline payload included
 _ABORT_GRACE_S = 0.5  # for mpiexec to forward what a failing rank printed (see abort)
 
 
@@ -135,7 +133,7 @@ class MPITransport:
         self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
         self._counters = _Counters()
         self._recv_pool = RecvBufferPool(recv_pool_bytes)
-        self._header_buffers: list[bytearray] = []  # free receive buffers of _FIRST_BYTES
+        self._header_buffers: list[bytearray] = []  # free receive buffers of FIRST_BYTES
 
     # -- properties and set-up --------------------------------------------------------------
 
@@ -173,7 +171,52 @@ class MPITransport:
         self._epoch += 1
         self._counters.collective_calls.clear()
 
-    # -- point to point (the Transport protocol) --------------------------------------------
+    # -- point to point (the Transport and CallbackTransport protocols) ---------------------
+
+    @property
+    def starts_messages(self) -> bool:
+        """``start_send`` / ``start_recv`` serve (``CallbackTransport``)."""
+        return True
+
+    def start_send(
+        self, src: int, dst: int, key: MessageKey, payload: Array, on_done: SendDone
+    ) -> Started:
+        """``send`` without a task: ``on_done`` on the loop once MPI may reuse the buffer."""
+        if not self._p2p_call_ok(src, dst):
+            self._check_p2p_call("src", src, "dst", dst)
+        body = wire_array(payload, "payload")
+        tag, identity = self._p2p_address(key)
+        done = partial(self._sent, body.nbytes, on_done)
+        return self._start_message(self._p2p_comm, dst, tag, identity, body, done)
+
+    def start_recv(self, dst: int, src: int, key: MessageKey, on_done: RecvDone) -> Started:
+        """``recv`` without a task: ``on_done`` gets the new array on the loop."""
+        if not self._p2p_call_ok(dst, src):
+            self._check_p2p_call("dst", dst, "src", src)
+        tag, identity = self._p2p_address(key)
+        return StartedRecv(
+            self._requests,
+            self._p2p_comm,
+            src,
+            tag,
+            (self._epoch, identity),
+            ("recv", key, "from rank", src),
+            (self._header_buffers, self._recv_pool),
+            partial(self._received, on_done),
+        )
+
+    def _sent(self, nbytes: int, on_done: SendDone, error: BaseException | None) -> None:
+        if error is None:
+            self._counters.sent += 1
+            self._counters.bytes_sent += nbytes
+        on_done(error)
+
+    def _received(
+        self, on_done: RecvDone, payload: Array | None, error: BaseException | None
+    ) -> None:
+        if error is None:
+            self._counters.received += 1
+        on_done(payload, error)
 
     async def send(self, src: int, dst: int, key: MessageKey, payload: Array) -> None:
         """Send ``payload`` to rank ``dst``; returns once MPI may reuse the buffer."""
@@ -377,29 +420,31 @@ class MPITransport:
         key: str,
         outgoing: dict[int, Array],
     ) -> dict[int, Array]:
-        """Send ``outgoing[j]`` to and receive from ``group[j]`` for every ``j``, at once.
-
-        The first failure is raised as itself (not as an ExceptionGroup).
-        """
-        received: dict[int, Array] = {}
-
-        async def receive(j: int) -> None:
-            what = ("collective", key, "from rank", group[j])
-            received[j] = await self._recv_message(self._coll_comm, group[j], tag, identity, what)
-
+        """Send ``outgoing[j]`` to and receive from ``group[j]`` for every ``j``, at once
+        (every message started, no task each). The first failure is raised as itself."""
         comm = self._coll_comm
-        try:
-            async with anyio.create_task_group() as tg:
-                for j, body in outgoing.items():
-                    tg.start_soon(self._send_message, comm, group[j], tag, identity, body)
-                    tg.start_soon(receive, j)
-        except ExceptionGroup as errors:
-            raise errors.exceptions[0] from None
-        return received
+        header = (self._epoch, identity)
+        buffers = (self._header_buffers, self._recv_pool)
+        starts: list[Callable[[Callable[..., None]], Started]] = []
+        for j, body in outgoing.items():
+            what = ("collective", key, "from rank", group[j])
+            starts.append(partial(self._start_message, comm, group[j], tag, identity, body))
+            starts.append(
+                partial(StartedRecv, self._requests, comm, group[j], tag, header, what, buffers)
+            )
+        results = await complete_all(starts)
+        return {j: results[2 * n + 1] for n, j in enumerate(outgoing)}
 
-    async def _send_message(
+    def _start_message(
+        self, comm: MPI.Comm, dst: int, tag: int, identity: int, body: Array, on_done: SendDone
+    ) -> Started:
+        requests, buffers = self._post_message(comm, dst, tag, identity, body)
+        return self._requests.start(requests, buffers, comm is self._p2p_comm, body.nbytes, on_done)
+
+    def _post_message(
         self, comm: MPI.Comm, dst: int, tag: int, identity: int, body: Array
-    ) -> None:
+    ) -> tuple[list[MPI.Request], tuple[object, ...]]:
+        """Post a message's sends: the requests and the buffers they read."""
         separate_body = body.nbytes > INLINE_MAX_BYTES
         # MPI.buffer(...).address: 0.5 us, where body.ctypes.data takes 1.5-2.5
         page_offset = MPI.buffer(body).address % PAGE_BYTES if separate_body else 0
@@ -408,14 +453,20 @@ class MPITransport:
         if separate_body:
             # [array, BYTE] sends the raw bytes of any dtype; 1 us cheaper than a uint8 view
             requests.append(comm.Isend([body, MPI.BYTE], dst, tag + 1))
+        return requests, (message, body)
+
+    async def _send_message(
+        self, comm: MPI.Comm, dst: int, tag: int, identity: int, body: Array
+    ) -> None:
+        requests, buffers = self._post_message(comm, dst, tag, identity, body)
         p2p_send = comm is self._p2p_comm
-        await self._requests.complete(requests, (message, body), p2p_send, body.nbytes)
+        await self._requests.complete(requests, buffers, p2p_send, body.nbytes)
 
     async def _recv_message(
         self, comm: MPI.Comm, src: int, tag: int, identity: int, what: tuple[object, ...]
     ) -> Array:
         # header buffers are reused: a fresh 16 KiB allocation per message cost 1-2 us
-        first = self._header_buffers.pop() if self._header_buffers else bytearray(_FIRST_BYTES)
+        first = self._header_buffers.pop() if self._header_buffers else bytearray(FIRST_BYTES)
         await self._requests.complete([comm.Irecv(first, src, tag)], (first,), False, 0)
         nbytes, dtype, shape, size, page_offset = decode_header(first, self._epoch, identity, what)
         inline = first[size : size + nbytes] if nbytes <= INLINE_MAX_BYTES else None  # a copy

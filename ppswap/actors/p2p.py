@@ -1,232 +1,154 @@
-"""The P2P actor and the Transport it talks through.
+"""The P2P actor: serves one rank's sends, receives and collectives through a Transport.
 
-``P2PActor`` serves the sends and receives of one rank. Each request is served by its own
-task in the actor's task group, so a receive waiting for a slow peer never holds up a send
-or another receive; the result (or the error) resolves the request's reply future. A
-transport that can match a message at once (``ImmediateTransport``: the in-process one)
-is served without a task: a send is delivered and a receive registered on the spot, its
-future resolved when the payload is there (not with a fault plan: faults take the task
-path, where they can wait). The actor drains its channel without a loop iteration per
-request.
+``P2PActor`` serves the requests the compute actor posts and resolves each request's
+reply future with the result or the error. A send or receive it serves without a task
+is handed to it as it is posted (``P2PChannel.send_nowait``, on the compute actor's
+task: no hop through the channel); everything else goes through the channel, which the
+actor drains without a loop iteration per request. How a request is served depends on
+the transport (``ppswap/core/transport.py`` has the protocols):
 
-``Transport`` is the seam to the outside world: ``InProcessTransport`` (every rank in this
-process and event loop, the embedded default) and ``MPITransport`` (``ppswap.actors.mpi``:
-one process per rank over mpi4py). Payloads are host numpy arrays; a message is identified
-by ``(src, dst, MessageKey)``, which is unique within a run.
+- ``ImmediateTransport`` (``InProcessTransport``, every rank in this event loop): a send
+  is delivered and a receive registered on the spot; the future is resolved when the
+  payload is there.
+- ``CallbackTransport`` (``MPITransport``, ``TorchDistTransport``: one process per rank):
+  the send or receive is started (``start_send`` / ``start_recv``) and the transport
+  calls back on the loop when it completes; the actor keeps the started operations and
+  their handles, and resolves the future in the callback. No task, no cancel scope, no
+  await per message. Once the channel closes the actor waits for the operations still
+  started, with the step deadline (a missed one is a ``PipelineHangError``); when it
+  ends otherwise (failure, cancellation) it cancels them, so no callback reaches a run
+  that is over.
+- Otherwise, with a fault plan, and for collectives: each request is served by its own
+  task in the actor's task group (``await transport.send/recv``, a span on the P2P lane),
+  so a receive waiting for a slow peer never holds up a send or another receive. A
+  ``FaultPlan`` (tests) can fail, delay or drop (sends only) a message before it reaches
+  the transport there.
 
-Collectives (FSDP): ``CollectiveTransport`` is the Transport's collective side, with the
-signatures of ``MPITransport`` (``all_gather(rank, group, key, array)``,
-``reduce_scatter_sum(rank, group, key, arrays)``; ``rank`` is the caller, as ``send``'s
-``src``). It is a separate protocol so that a P2P-only transport still satisfies
-``Transport``; a run with FSDP requires it. ``InProcessTransport`` implements it with a
-rendezvous per call. The P2P actor serves a ``CollectiveRequest`` like a send or a
-receive: its own task, a span named ``"{op} {key}"`` on the P2P lane, the result (or
-error) on the request's reply future.
+Whichever way, a send and a receive never wait for each other (a rank's receive must not
+wait for its own earlier send: ``docs/mpi.md``), and a failed send or receive resolves
+its reply future with the same ``PipelineError`` the actor raises (naming this rank,
+``p2p`` and the step), so the run reports the P2P failure, not the compute step that
+waited for it.
 
-A failed send or receive resolves its reply future with the same ``PipelineError`` the
-actor raises (naming this rank, ``p2p`` and the step), so the run reports the P2P
-failure, not the compute step that waited for it. A ``FaultPlan`` (tests) can fail,
-delay or drop (sends only) a message before it reaches the transport.
+Collectives (FSDP): ``CollectiveTransport`` is the transport's collective side
+(``all_gather(rank, group, key, array)``, ``reduce_scatter_sum(rank, group, key,
+arrays)``; ``rank`` is the caller, as ``send``'s ``src``), a separate protocol so that a
+P2P-only transport still satisfies ``Transport``; a run with FSDP requires it. A
+``CollectiveRequest`` gets its own task and a span named ``"{op} {key}"``.
+
+``InProcessTransport`` lives in ``ppswap.actors.inprocess`` and is exported here too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import anyio
-import numpy as np
 import structlog
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import (
+    MemoryObjectReceiveStream,
+    MemoryObjectSendStream,
+    MemoryObjectStreamStatistics,
+)
 
+from ppswap.actors.inprocess import InProcessTransport
 from ppswap.actors.trace import FlightRecorder
+from ppswap.core.deadlines import resolve, wait_woken
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.core.messages import (
     CollectiveRequest,
     HostArray,
-    MessageKey,
     P2PRequest,
     RecvRequest,
     SendRequest,
 )
 from ppswap.core.transport import (
+    CallbackTransport,
     CollectiveTransport,
     ImmediateTransport,
+    Started,
     Transport,
-    TransportStats,
+    is_callback,
+    is_immediate,
 )
-from ppswap.errors import PipelineError, named_failure
+from ppswap.errors import PipelineError, PipelineHangError, named_failure
 from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
 
-__all__ = ["InProcessTransport", "P2PActor"]
+__all__ = ["InProcessTransport", "P2PActor", "P2PChannel", "p2p_channel"]
 
 
-@dataclass(slots=True)
-class _Rendezvous:
-    group: tuple[int, ...]
-    contributions: dict[int, tuple[HostArray, ...]] = field(default_factory=dict)
-    complete: anyio.Event = field(default_factory=anyio.Event)
-    taken: int = 0
+class _Started:
+    """A send or receive started on a ``CallbackTransport``, until it calls back."""
+
+    __slots__ = ("actor", "handle", "request", "started_us")
+
+    def __init__(self, actor: P2PActor, request: SendRequest | RecvRequest, started_us: float):
+        self.actor = actor
+        self.request = request
+        self.started_us = started_us
+        self.handle: Started | None = None
+
+    def sent(self, error: BaseException | None) -> None:
+        self.actor._ended(self, None, error)
+
+    def received(self, payload: HostArray | None, error: BaseException | None) -> None:
+        self.actor._ended(self, payload, error)
 
 
-@dataclass(slots=True)
-class _Mailbox:
-    payload: HostArray | None = None
-    arrived: bool = False
-    on_arrival: Callable[[HostArray], None] | None = None
-    waiter: anyio.Event | None = None
+class P2PChannel:
+    """The compute actor's end of its channel to the P2P actor (``p2p_channel``).
 
-
-class InProcessTransport:
-    """All ranks in one process and one event loop: a mailbox per message.
-
-    A send never blocks (the payload is parked in the mailbox until its receiver takes
-    it), which is the buffered-send semantics the schedule validator assumes. Both the
-    awaitable ``send``/``recv`` and the immediate ``deliver``/``expect`` are served.
+    A send or receive the actor serves without a task (an immediate or a callback
+    transport, no fault plan) is handed to the actor as it is posted (``send_nowait``),
+    on the poster's task: no hop through the channel and no wake-up of the actor per
+    message. Anything else (collectives, the task path) and everything once the actor
+    has stopped taking requests is queued on the channel. Closing it (``close``, or
+    leaving ``async with``) closes the channel: the actor drains it and ends.
     """
 
-    def __init__(self) -> None:
-        self._mailboxes: dict[tuple[int, int, MessageKey], _Mailbox] = {}
-        self._rendezvous: dict[tuple[str, tuple[int, ...], str, int], _Rendezvous] = {}
-        self._collective_calls: dict[tuple[str, tuple[int, ...], str, int], int] = {}
-        self._sent = 0
-        self._received = 0
-        self._bytes_sent = 0
+    def __init__(self, sender: MemoryObjectSendStream[P2PRequest]) -> None:
+        self._sender = sender
+        self._closed = False
+        self.actor: P2PActor | None = None
 
-    def _box(self, src: int, dst: int, key: MessageKey) -> _Mailbox:
-        box = self._mailboxes.get((src, dst, key))
-        if box is None:
-            box = self._mailboxes[(src, dst, key)] = _Mailbox()
-        return box
+    def send_nowait(self, item: P2PRequest) -> None:
+        actor = self.actor
+        if actor is None or self._closed or not actor.take(item):
+            self._sender.send_nowait(item)
 
-    def deliver(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
-        box = self._box(src, dst, key)
-        if box.arrived:
-            raise RuntimeError(f"message {key} from rank {src} to rank {dst} sent twice")
-        self._sent += 1
-        self._bytes_sent += payload.nbytes
-        if box.on_arrival is not None:
-            del self._mailboxes[(src, dst, key)]
-            self._received += 1
-            box.on_arrival(payload)
-            return
-        box.payload, box.arrived = payload, True
-        if box.waiter is not None:
-            box.waiter.set()
+    async def send(self, item: P2PRequest) -> None:
+        actor = self.actor
+        if actor is None or self._closed or not actor.take(item):
+            await self._sender.send(item)
 
-    def expect(
-        self, dst: int, src: int, key: MessageKey, on_arrival: Callable[[HostArray], None]
-    ) -> None:
-        box = self._box(src, dst, key)
-        if box.on_arrival is not None or box.waiter is not None:
-            raise RuntimeError(f"message {key} from rank {src} to rank {dst} received twice")
-        if box.arrived:
-            del self._mailboxes[(src, dst, key)]
-            self._received += 1
-            assert box.payload is not None
-            on_arrival(box.payload)
-            return
-        box.on_arrival = on_arrival
+    def statistics(self) -> MemoryObjectStreamStatistics:
+        return self._sender.statistics()
 
-    async def send(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
-        self.deliver(src, dst, key, payload)
+    def close(self) -> None:
+        self._closed = True
+        self._sender.close()
 
-    async def recv(self, dst: int, src: int, key: MessageKey) -> HostArray:
-        box = self._box(src, dst, key)
-        if not box.arrived:
-            if box.on_arrival is not None or box.waiter is not None:
-                raise RuntimeError(f"message {key} from rank {src} to rank {dst} received twice")
-            box.waiter = anyio.Event()
-            await box.waiter.wait()
-        del self._mailboxes[(src, dst, key)]
-        self._received += 1
-        assert box.payload is not None
-        return box.payload
+    async def __aenter__(self) -> P2PChannel:
+        return self
 
-    def stats(self) -> TransportStats:
-        undelivered = sum(1 for box in self._mailboxes.values() if box.arrived)
-        return TransportStats(self._sent, self._received, self._bytes_sent, undelivered)
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
 
-    def reset(self) -> None:
-        """Drop undelivered messages (after a failed or cancelled run)."""
-        self._mailboxes.clear()
-        self._rendezvous.clear()
-        self._collective_calls.clear()
 
-    async def all_gather(
-        self, rank: int, group: tuple[int, ...], key: str, array: HostArray
-    ) -> list[HostArray]:
-        """Every member's ``array`` (the arrays themselves, not copies), in group order."""
-        if not isinstance(array, np.ndarray):
-            raise TypeError(f"array must be a numpy.ndarray, got {type(array).__name__}")
-        found = await self._rendezvous_wait("all_gather", rank, group, key, (array,))
-        return [found[index][0] for index in range(len(group))]
-
-    async def reduce_scatter_sum(
-        self, rank: int, group: tuple[int, ...], key: str, arrays: list[HostArray]
-    ) -> HostArray:
-        """The sum over members of their ``arrays[i]`` (``group[i] == rank``), a left fold
-        in group order (bit-identical from run to run), in a new array."""
-        if len(arrays) != len(group) or not all(isinstance(a, np.ndarray) for a in arrays):
-            raise ValueError(
-                f"arrays must hold {len(group)} numpy arrays, one per member of group "
-                f"{group}, got {len(arrays)} items"
-            )
-        found = await self._rendezvous_wait("reduce_scatter_sum", rank, group, key, tuple(arrays))
-        mine = group.index(rank)
-        parts = [found[index][mine] for index in range(len(group))]
-        for index, part in enumerate(parts):
-            if part.shape != parts[mine].shape or part.dtype != parts[mine].dtype:
-                raise ValueError(
-                    f"reduce_scatter_sum {key!r}: rank {group[index]} sent {part.shape} "
-                    f"{part.dtype}, rank {rank} expects {parts[mine].shape} {parts[mine].dtype}"
-                )
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        return total
-
-    async def _rendezvous_wait(
-        self,
-        op: str,
-        rank: int,
-        group: tuple[int, ...],
-        key: str,
-        payload: tuple[HostArray, ...],
-    ) -> dict[int, tuple[HostArray, ...]]:
-        """Wait until every member of ``group`` contributed to the same call; return the
-        contributions by member index. The n-th call of ``(op, group, key)`` by each member
-        meet (a key may be reused, as with MPITransport)."""
-        if not isinstance(group, tuple) or not group or rank not in group:
-            raise ValueError(f"group must be a tuple of ranks holding rank {rank}, got {group!r}")
-        if len(set(group)) != len(group):
-            raise ValueError(f"group must hold distinct ranks, got {group!r}")
-        members = tuple(sorted(group))
-        call = (op, members, key, rank)
-        count = self._collective_calls.get(call, 0)
-        self._collective_calls[call] = count + 1
-        slot_key = (op, members, key, count)
-        slot = self._rendezvous.get(slot_key)
-        if slot is None:
-            slot = self._rendezvous[slot_key] = _Rendezvous(group)
-        if slot.group != group:
-            raise RuntimeError(
-                f"{op} {key!r}: members disagree on the group order: {slot.group} and {group}"
-            )
-        slot.contributions[group.index(rank)] = payload
-        if len(slot.contributions) == len(group):
-            slot.complete.set()
-        await slot.complete.wait()
-        slot.taken += 1
-        if slot.taken == len(group):
-            del self._rendezvous[slot_key]
-        return slot.contributions
+def p2p_channel(
+    capacity: int,
+) -> tuple[P2PChannel, MemoryObjectReceiveStream[P2PRequest]]:
+    """A compute -> P2P channel holding ``capacity`` requests; ``P2PChannel.actor`` is set
+    once the actor is made."""
+    sender, receiver = anyio.create_memory_object_stream[P2PRequest](capacity)
+    return P2PChannel(sender), receiver
 
 
 class P2PActor:
-    """Serves one rank's SendRequest / RecvRequest messages through a Transport."""
+    """Serves one rank's SendRequest / RecvRequest / CollectiveRequest messages through a
+    Transport (see the module docstring)."""
 
     actor_name = "p2p"
 
@@ -253,16 +175,68 @@ class P2PActor:
         self._recorder = recorder
         self._timeout_s = timeout_s
         self._collectives = collectives
-        self._pending: dict[int, str] = {}
-        recorder.register_pending(rank, self.actor_name, lambda: sorted(self._pending.values()))
+        self._pending: dict[int, str] = {}  # the task path's requests in flight
+        self._started: dict[_Started, None] = {}  # the callback path's, in start order
+        self._failure: tuple[PipelineError, BaseException] | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._idle: asyncio.Future[None] | None = None  # resolved when _started empties
+        self._taking = True  # until run() ends: take() serves sends and receives
+        self._immediate: ImmediateTransport | None = None
+        self._callbacks: CallbackTransport | None = None
+        if faults is None:
+            if is_immediate(transport):
+                self._immediate = transport
+            elif is_callback(transport) and transport.starts_messages:
+                self._callbacks = transport
+        recorder.register_pending(rank, self.actor_name, self._pending_items)
+
+    def _pending_items(self) -> list[str]:
+        items = sorted(self._pending.values())
+        items += [f"{_label(op.request)} (started)" for op in self._started]
+        return items
+
+    def take(self, request: P2PRequest) -> bool:
+        """Serve a send or receive right away, without a task (an immediate or callback
+        transport, no fault plan): True if it was taken, False if it must go through the
+        channel (a collective, the task path, or the actor's run is over). Once the actor
+        failed, a request taken gets its failure."""
+        if not self._taking or isinstance(request, CollectiveRequest):
+            return False
+        if self._immediate is None and self._callbacks is None:
+            return False
+        if self._failure is not None:
+            request.reply.fail(self._failure[0])
+        elif self._callbacks is not None:
+            self._start(self._callbacks, request)
+        else:
+            assert self._immediate is not None
+            try:
+                self._serve_now(self._immediate, request)
+            except Exception as exc:
+                self._fail(request, exc)
+        return True
 
     async def run(self) -> None:
-        """Serve requests until the request channel closes, then wait for those in flight."""
-        immediate = self._transport if self._faults is None else None
-        if not isinstance(immediate, ImmediateTransport):
-            immediate = None
+        """Serve requests until the request channel closes, then wait for those in flight
+        (with the deadline, those started on a callback transport)."""
+        try:
+            with anyio.CancelScope() as self._scope:
+                await self._serve_all()
+                if self._started and self._failure is None:
+                    await self._drain()
+        finally:
+            self._taking = False
+            self._scope = None
+            self.cancel_started()
+        if self._failure is not None:
+            error, cause = self._failure
+            if error is cause:
+                raise error
+            raise error from cause
+
+    async def _serve_all(self) -> None:
         async with anyio.create_task_group() as tg, self._requests:
-            while True:
+            while self._failure is None:
                 try:
                     request = self._requests.receive_nowait()
                 except anyio.WouldBlock:
@@ -272,9 +246,7 @@ class P2PActor:
                         return
                 except anyio.EndOfStream:
                     return
-                if immediate is not None and not isinstance(request, CollectiveRequest):
-                    self._serve_now(immediate, request)
-                else:
+                if not self.take(request):
                     tg.start_soon(self._serve, request)
 
     def _serve_now(self, transport: ImmediateTransport, request: SendRequest | RecvRequest) -> None:
@@ -300,6 +272,87 @@ class P2PActor:
             event = "send" if isinstance(request, SendRequest) else "recv"
             log_step(self._log, event, request.step, self._generation, peer=request.step.peer)
 
+    # -- the callback path ----------------------------------------------------------------
+    def _start(self, transport: CallbackTransport, request: SendRequest | RecvRequest) -> None:
+        """Start a send or receive; ``_ended`` resolves its future (module docstring)."""
+        recorder = self._recorder
+        recorder.note(self.rank, self.actor_name, request.step)
+        op = _Started(self, request, recorder.now_us() if recorder.keeps_spans else 0.0)
+        self._started[op] = None
+        try:
+            if isinstance(request, SendRequest):
+                handle = transport.start_send(
+                    self.rank, request.dst, request.key, request.payload, op.sent
+                )
+            else:
+                handle = transport.start_recv(self.rank, request.src, request.key, op.received)
+        except Exception as exc:  # nothing was started
+            del self._started[op]
+            self._fail(request, exc)
+            return
+        if op in self._started:  # it did not end at once
+            op.handle = handle
+
+    def _ended(self, op: _Started, payload: HostArray | None, error: BaseException | None) -> None:
+        """The transport's callback: resolve the request's future (or fail it, and the actor)."""
+        if op not in self._started:  # cancelled: no longer ours
+            return
+        del self._started[op]
+        request = op.request
+        if error is None:
+            if isinstance(request, SendRequest):
+                request.reply.set_result(None)
+            else:
+                request.reply.set_result(payload)
+            if self._recorder.keeps_spans:
+                self._recorder.add_span(self.rank, self.actor_name, _label(request), op.started_us)
+            if self._log_steps:
+                event = "send" if isinstance(request, SendRequest) else "recv"
+                log_step(self._log, event, request.step, self._generation, peer=request.step.peer)
+        else:
+            self._fail(request, error)
+        if not self._started and self._idle is not None:
+            resolve(self._idle)
+
+    def _fail(self, request: SendRequest | RecvRequest, error: BaseException) -> None:
+        """Resolve the request's future with its failure, named; the actor raises the
+        first one (``run``)."""
+        label = _label(request)
+        self._recorder.note(self.rank, self.actor_name, "FAILED", f"{label}:", type(error).__name__)
+        failure = self._named(error, label, request.step)
+        request.reply.fail(failure)
+        if self._failure is None:
+            self._failure = (failure, error)
+            if self._scope is not None:
+                self._scope.cancel()  # run() raises it
+
+    async def _drain(self) -> None:
+        """After the channel closed: wait for the started operations, with the deadline."""
+        self._idle = asyncio.get_running_loop().create_future()
+        try:
+            await wait_woken(self._idle, self._timeout_s)
+        finally:
+            self._idle = None
+        if self._started and self._failure is None:
+            request = next(iter(self._started)).request
+            raise PipelineHangError(
+                f"{_label(request)} not done within {self._timeout_s}s "
+                f"({len(self._started)} started operations)",
+                rank=self.rank,
+                actor=self.actor_name,
+                step=request.step.short(),
+                dump=self._recorder.dump(),
+            )
+
+    def cancel_started(self) -> None:
+        """Cancel what is still started (failure, cancellation, a missed deadline; the
+        runtime's teardown calls it too, for an actor whose run never began)."""
+        ops, self._started = list(self._started), {}
+        for op in ops:
+            if op.handle is not None:
+                op.handle.cancel()
+
+    # -- the task path ----------------------------------------------------------------------
     async def _serve(self, request: P2PRequest) -> None:
         if isinstance(request, CollectiveRequest):
             await self._serve_collective(request)
@@ -331,7 +384,7 @@ class P2PActor:
         finally:
             self._pending.pop(id(request), None)
 
-    def _named(self, error: Exception, label: str, step: MetaStep) -> PipelineError:
+    def _named(self, error: BaseException, label: str, step: MetaStep) -> PipelineError:
         message = f"{label} failed: {error!r}"
         return named_failure(
             error, message, rank=self.rank, actor=self.actor_name, step=step.short()

@@ -47,7 +47,7 @@ from ppswap.backends import type_name
 from ppswap.backends.base import Backend
 from ppswap.core.faults import FaultPlan
 from ppswap.core.messages import HostArray
-from ppswap.core.transport import MultiProcessTransport, Transport
+from ppswap.core.transport import MultiProcessTransport, Transport, is_multi_process
 from ppswap.errors import PipelineInputError
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.fsdp.plan import (
@@ -244,7 +244,7 @@ def _multi_process(transport: Transport | None) -> MultiProcessTransport | None:
     """The transport when each rank is its own process (anything but the in-process one)."""
     if transport is None or isinstance(transport, InProcessTransport):
         return None
-    if not isinstance(transport, MultiProcessTransport):
+    if not is_multi_process(transport):
         raise TypeError(
             f"transport must be the in-process transport or a multi-process one with rank "
             f"and world_size attributes, got {type(transport).__name__}"

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 from functools import partial
 
-import anyio
 from anyio.abc import TaskGroup
 
 from ppswap.actors.compute import ComputeActor, RankInputs
 from ppswap.actors.copy_stream import CopyStream, CopyStreamActor
-from ppswap.actors.p2p import P2PActor
+from ppswap.actors.p2p import P2PActor, p2p_channel
 from ppswap.actors.prepare import Batches, RunPlan
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
-from ppswap.core.messages import P2PRequest
-from ppswap.core.transport import ImmediateTransport, Transport
+from ppswap.core.transport import Transport, is_immediate
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.fsdp.plan import collectives_for
 from ppswap.results import RankStats
@@ -62,7 +60,7 @@ class RankRuntime:
             wait_timeout_s=plan.step_timeout,
             check=plan.swap_check,
         )
-        p2p_tx, p2p_rx = anyio.create_memory_object_stream[P2PRequest](plan.channel_capacity)
+        p2p_tx, p2p_rx = p2p_channel(plan.channel_capacity)
         recorder.register_channel(rank, "compute->p2p", p2p_tx)
         self.copy_stream = CopyStream(
             rank, recorder, faults=plan.faults, generation=generation, log_steps=log_steps
@@ -98,7 +96,7 @@ class RankRuntime:
             log_steps=log_steps,
             fsdp=self.fsdp,
             faults=plan.faults,
-            host_payloads=not isinstance(transport, ImmediateTransport),
+            host_payloads=not is_immediate(transport),
         )
         self.copy_actor = CopyStreamActor(self.copy_stream, timeout_s=plan.step_timeout)
         self.p2p_actor = P2PActor(
@@ -112,6 +110,7 @@ class RankRuntime:
             collectives=collectives_for(transport),
             faults=plan.faults,
         )
+        p2p_tx.actor = self.p2p_actor  # sends and receives go to it as they are posted
 
     def start(self, tg: TaskGroup) -> None:
         """Start the copy stream and the three actors in ``tg``."""

@@ -41,12 +41,12 @@ import structlog
 
 from ppswap.actors.distributed import abort_job, configure_transport, gather_results
 from ppswap.actors.p2p import InProcessTransport
-from ppswap.actors.prepare import RunPlan, prepare_run, split_batches
+from ppswap.actors.prepare import Batches, RunPlan, prepare_run, split_batches
 from ppswap.actors.rank import RankRuntime
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
-from ppswap.core.transport import DistributedTransport, Transport
+from ppswap.core.transport import Transport, is_distributed
 from ppswap.errors import first_pipeline_error
 from ppswap.fsdp.plan import param_storage_bytes
 from ppswap.options import DEFAULT_STEP_TIMEOUT_S, RunOptions
@@ -144,8 +144,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         log.info("run_start", generation=generation, ranks=list(plan.local_ranks))
     started = time.perf_counter()
     async with compute:
-        batches = await compute.run(split_batches, plan)
-        await compute.run(_begin_stages, plan, generation)
+        batches = await compute.run(_begin_stages, plan, generation)
         ranks = [
             RankRuntime(
                 rank,
@@ -176,7 +175,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     for stage in plan.stages:
         stage.generation = generation
     losses = _collect_losses(plan, ranks)
-    if isinstance(transport, DistributedTransport):
+    if is_distributed(transport):
         losses, stats = await gather_results(transport, stats[0], losses, plan.config.micro)
     result = RunResult(
         losses=losses,
@@ -202,8 +201,10 @@ async def _run_ranks(compute: DedicatedThread, ranks: list[RankRuntime]) -> None
             rank.start(tg)
 
 
-def _begin_stages(plan: RunPlan, generation: int) -> None:
-    """Compute thread: every stage ready for the run (gradients reset unless forward-only)."""
+def _begin_stages(plan: RunPlan, generation: int) -> Batches:
+    """Compute thread, one job: the batch split into micro-batches, and every stage ready
+    for the run (gradients reset unless forward-only)."""
+    batches = split_batches(plan)
     for stage in plan.stages:
         stage.begin_run(
             micro_count=plan.config.micro,
@@ -211,6 +212,7 @@ def _begin_stages(plan: RunPlan, generation: int) -> None:
             generation=generation,
             forward_only=plan.config.forward_only,
         )
+    return batches
 
 
 def _closed_stats(plan: RunPlan, ranks: list[RankRuntime]) -> list[RankStats]:
@@ -238,6 +240,8 @@ async def _teardown(
     compute: DedicatedThread, plan: RunPlan, ranks: list[RankRuntime], transport: Transport
 ) -> None:
     """Best-effort cleanup after a failed or cancelled run (shielded, bounded)."""
+    for rank in ranks:  # no transport callback reaches this run any more
+        rank.p2p_actor.cancel_started()
     with anyio.CancelScope(shield=True), anyio.move_on_after(_TEARDOWN_TIMEOUT_S):
         await compute.run(_abort_all, plan, ranks)
         for rank in ranks:

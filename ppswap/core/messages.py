@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, NamedTuple, TypeAlias, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import numpy.typing as npt
 
@@ -27,6 +27,7 @@ __all__ = [
     "Payload",
     "RecvRequest",
     "ReplyFuture",
+    "RequestSink",
     "SendRequest",
 ]
 
@@ -173,3 +174,11 @@ class CollectiveRequest:
 
 
 P2PRequest = SendRequest | RecvRequest | CollectiveRequest
+
+
+class RequestSink(Protocol):
+    """Where a rank's requests to its P2P actor go (``ppswap.actors.p2p.P2PChannel``)."""
+
+    def send_nowait(self, request: P2PRequest) -> None: ...
+
+    async def send(self, request: P2PRequest) -> None: ...

@@ -3,29 +3,53 @@
 ``Transport`` moves host arrays between ranks (``send`` / ``recv``, awaited concurrently);
 ``CollectiveTransport`` is the collective side FSDP needs (``all_gather``,
 ``reduce_scatter_sum``); ``ImmediateTransport`` matches messages on the spot (every rank in
-this event loop); ``MultiProcessTransport`` has one process per rank, and
+this event loop); ``CallbackTransport`` starts a send or a receive and calls back on the
+event loop when it completes (the multi-process transports: the P2P actor serves them
+without a task per message); ``MultiProcessTransport`` has one process per rank, and
 ``DistributedTransport`` is one the runtime configures per run and gathers results
 over. Implementations: ``ppswap.actors.p2p.InProcessTransport`` (the default),
-``ppswap.actors.mpi.MPITransport``.
+``ppswap.actors.mpi.MPITransport``,
+``ppswap.backends.torch.distributed.TorchDistTransport``.
 A message is identified by ``(src, dst, MessageKey)``, unique within a run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from functools import partial
+from typing import Any, Protocol, TypeAlias, TypeGuard, runtime_checkable
 
 from ppswap.core.messages import HostArray, MessageKey
+from ppswap.core.protocols import conforms
 
 __all__ = [
+    "FINISHED",
+    "CallbackTransport",
     "CollectiveTransport",
     "DistributedTransport",
     "ImmediateTransport",
     "MultiProcessTransport",
+    "RecvDone",
+    "SendDone",
+    "Started",
     "Transport",
     "TransportStats",
+    "call_back",
+    "complete_all",
+    "is_callback",
+    "is_collective",
+    "is_distributed",
+    "is_immediate",
+    "is_multi_process",
+    "is_transport",
 ]
+
+SendDone: TypeAlias = Callable[[BaseException | None], None]
+"""Called back when a started send completed: ``None``, or the error it failed with."""
+RecvDone: TypeAlias = Callable[[HostArray | None, BaseException | None], None]
+"""Called back when a started receive completed: ``(payload, None)`` or ``(None, error)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +109,53 @@ class ImmediateTransport(Protocol):
     ) -> None: ...
 
 
+class Started(Protocol):
+    """A send or receive started by a ``CallbackTransport``, until it calls back."""
+
+    def cancel(self) -> None:
+        """Stop it: its callback will not run. Withdraws the operation where the transport
+        can (MPI cancels its requests; a posted gloo operation stays posted, as after a
+        cancelled ``recv``). Idempotent; does nothing once the callback ran."""
+        ...
+
+
+class _Finished:
+    """The handle of an operation that completed before ``start_*`` returned."""
+
+    __slots__ = ()
+
+    def cancel(self) -> None:
+        return None
+
+
+FINISHED: Started = _Finished()
+
+
+@runtime_checkable
+class CallbackTransport(Protocol):
+    """A transport that starts a send or a receive and calls back when it completes.
+
+    The P2P actor serves such a transport without a task per message. ``start_send`` /
+    ``start_recv`` are called on the event loop's thread, as ``send`` / ``recv`` are
+    awaited there, and have their semantics (a send completes once its buffer may be
+    reused). A bad argument or a closed transport raises at once (nothing started);
+    otherwise ``on_done`` runs exactly once on the event loop's thread, with the result or
+    the error (``close()`` fails every started operation with ``RuntimeError``), unless
+    the returned handle was cancelled first. It may run before ``start_*`` returns (an
+    operation that completed at once). ``starts_messages`` is False where this instance
+    can only be awaited (``send`` / ``recv``).
+    """
+
+    @property
+    def starts_messages(self) -> bool: ...
+
+    def start_send(
+        self, src: int, dst: int, key: MessageKey, payload: HostArray, on_done: SendDone
+    ) -> Started: ...
+
+    def start_recv(self, dst: int, src: int, key: MessageKey, on_done: RecvDone) -> Started: ...
+
+
 @runtime_checkable
 class MultiProcessTransport(Protocol):
     """A transport whose ranks are separate processes: this process is rank ``rank`` of
@@ -107,3 +178,81 @@ class DistributedTransport(MultiProcessTransport, Protocol):
     async def all_gather(
         self, rank: int, group: tuple[int, ...], key: str, array: HostArray
     ) -> list[HostArray]: ...
+
+
+def call_back(on_done: Callable[..., None], *result: object) -> None:
+    """Call a started operation's callback with ``result``; should it raise, the error goes
+    to the event loop's exception handler, so that a transport calling back several
+    operations at once calls back the others too."""
+    try:
+        on_done(*result)
+    except Exception as exc:
+        asyncio.get_running_loop().call_exception_handler(
+            {"message": f"a transport's callback {on_done!r} raised", "exception": exc}
+        )
+
+
+async def complete_all(
+    starts: Sequence[Callable[[Callable[..., None]], Started]],
+) -> list[Any]:
+    """Start every operation and wait until each one called back: what each one got, in
+    order (``None`` for a send). Each start is called with its callback (a send's gets
+    ``(error)``, a receive's ``(payload, error)``). The first error is raised and the
+    other operations cancelled; so are all of them when the wait is cancelled.
+
+    A transport's collectives use it: the messages of one call without a task each.
+    """
+    if not starts:
+        return []
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    results: list[Any] = [None] * len(starts)
+    left = len(starts)
+
+    def done(index: int, *result: Any) -> None:
+        nonlocal left
+        if future.done():
+            return
+        if result[-1] is not None:
+            future.set_exception(result[-1])
+            return
+        results[index] = result[0] if len(result) == 2 else None
+        left -= 1
+        if left == 0:
+            future.set_result(None)
+
+    handles: list[Started] = []
+    try:
+        for index, start in enumerate(starts):
+            handles.append(start(partial(done, index)))
+        await future
+    finally:
+        for handle in handles:
+            handle.cancel()  # nothing for those that called back
+    return results
+
+
+# -- the checks, answered once per class (``ppswap.core.protocols``) ----------------------
+
+
+def is_transport(value: object) -> TypeGuard[Transport]:
+    return conforms(value, Transport)
+
+
+def is_collective(value: object) -> TypeGuard[CollectiveTransport]:
+    return conforms(value, CollectiveTransport)
+
+
+def is_immediate(value: object) -> TypeGuard[ImmediateTransport]:
+    return conforms(value, ImmediateTransport)
+
+
+def is_callback(value: object) -> TypeGuard[CallbackTransport]:
+    return conforms(value, CallbackTransport)
+
+
+def is_multi_process(value: object) -> TypeGuard[MultiProcessTransport]:
+    return conforms(value, MultiProcessTransport)
+
+
+def is_distributed(value: object) -> TypeGuard[DistributedTransport]:
+    return conforms(value, DistributedTransport)

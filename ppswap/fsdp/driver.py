@@ -33,15 +33,14 @@ from typing import Any, TypeVar
 
 import anyio
 import numpy.typing as npt
-from anyio.abc import ObjectSendStream
 
 from ppswap.core.executor import DedicatedThread
 from ppswap.core.messages import (
     CollectiveOp,
     CollectiveRequest,
     FutureTimeoutError,
-    P2PRequest,
     ReplyFuture,
+    RequestSink,
 )
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.fsdp.shard import FsdpState, GradBucket, fsdp_state_of
@@ -88,7 +87,7 @@ class FsdpRankDriver:
         order: Order,
         stages: Mapping[int, PipelineStage],
         compute: DedicatedThread,
-        p2p: ObjectSendStream[P2PRequest],
+        p2p: RequestSink,
         timeout_s: float = math.inf,
         reduce_grads: bool = True,
     ) -> None:

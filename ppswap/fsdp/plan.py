@@ -23,6 +23,7 @@ from ppswap.core.transport import (
     DistributedTransport,
     MultiProcessTransport,
     Transport,
+    is_collective,
 )
 from ppswap.fsdp.mesh import DeviceMesh, order_for_world_rank
 from ppswap.fsdp.shard import fsdp_state_of
@@ -148,7 +149,7 @@ def world_orders(orders: Sequence[Order], mesh: DeviceMesh | None) -> tuple[Orde
 
 def collectives_for(transport: Transport) -> CollectiveTransport | None:
     """The transport's collective side (InProcessTransport, MPITransport), else None."""
-    return transport if isinstance(transport, CollectiveTransport) else None
+    return transport if is_collective(transport) else None
 
 
 def param_storage_bytes(stages: Sequence[PipelineStage]) -> int:

@@ -22,8 +22,8 @@ from mpi4py import MPI
 
 from ppswap.actors.distributed import gather_results
 from ppswap.actors.mpi import MPITransport
-from ppswap.core.wire import PAGE_BYTES, POOL_MIN_BYTES, RecvBufferPool
 from ppswap.core.messages import MessageKey
+from ppswap.core.wire import PAGE_BYTES, POOL_MIN_BYTES, RecvBufferPool
 from ppswap.results import RankStats
 
 Array = npt.NDArray[Any]

@@ -30,9 +30,10 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any, NoReturn
 
 import anyio
@@ -42,7 +43,14 @@ import torch.distributed as dist
 
 from ppswap.backends.torch.distributed_io import MessageIO
 from ppswap.core.messages import MessageKey
-from ppswap.core.transport import TransportStats
+from ppswap.core.transport import (
+    FINISHED,
+    RecvDone,
+    SendDone,
+    Started,
+    TransportStats,
+    complete_all,
+)
 from ppswap.core.wire import digest, p2p_identity, wire_array
 
 __all__ = ["P2P_TAGS", "TorchDistTransport"]
@@ -84,6 +92,21 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout)
+
+
+class _SelfReceive:
+    """A started receive of a message from this rank to itself."""
+
+    __slots__ = ("_key", "_on_done", "_waiting")
+
+    def __init__(
+        self, waiting: dict[MessageKey, RecvDone], key: MessageKey, on_done: RecvDone
+    ) -> None:
+        self._waiting, self._key, self._on_done = waiting, key, on_done
+
+    def cancel(self) -> None:
+        if self._waiting.get(self._key) is self._on_done:
+            del self._waiting[self._key]
 
 
 class TorchDistTransport:
@@ -136,8 +159,10 @@ class TorchDistTransport:
         self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
         self._counters = _Counters()
         self._io = MessageIO(self._groups, device, recv_pool_bytes)
+        self._device = device
         self._to_self: dict[MessageKey, Array] = {}  # messages to this rank itself
         self._self_waiters: dict[MessageKey, anyio.Event] = {}
+        self._self_callbacks: dict[MessageKey, RecvDone] = {}
 
     # -- properties and set-up --------------------------------------------------------------
 
@@ -172,10 +197,48 @@ class TorchDistTransport:
         self._epoch_slots = P2P_TAGS // (4 * num_stages * micro_count)
         self._p2p_addresses.clear()
         self._to_self.clear()
+        self._self_callbacks.clear()
         self._epoch += 1
         self._counters.collective_calls.clear()
 
     # -- point to point (the Transport protocol) --------------------------------------------
+
+    @property
+    def starts_messages(self) -> bool:
+        """Whether ``start_send`` / ``start_recv`` serve (gloo bodies; not NCCL's)."""
+        return self._device is None
+
+    def start_send(
+        self, src: int, dst: int, key: MessageKey, payload: Array, on_done: SendDone
+    ) -> Started:
+        """``send`` without a task (``CallbackTransport``): ``on_done`` on the loop."""
+        self._check_p2p_call("src", src, "dst", dst)
+        body = wire_array(payload, "payload")
+        tag, identity = self._p2p_address(key)
+        if dst == self._rank:
+            self._to_this_rank(src, key, body)
+            on_done(None)
+            return FINISHED
+        what = ("send", key, "to rank", dst)
+        done = partial(self._sent, body.nbytes, on_done)
+        return self._io.start_send(dst, tag, (self._epoch, identity), body, what, done)
+
+    def start_recv(self, dst: int, src: int, key: MessageKey, on_done: RecvDone) -> Started:
+        """``recv`` without a task (``CallbackTransport``): ``on_done`` on the loop."""
+        self._check_p2p_call("dst", dst, "src", src)
+        tag, identity = self._p2p_address(key)
+        if src == self._rank:
+            if key in self._to_self:
+                self._counters.received += 1
+                on_done(self._to_self.pop(key), None)
+                return FINISHED
+            if key in self._self_waiters or key in self._self_callbacks:
+                raise RuntimeError(f"message {key} from rank {src} to itself received twice")
+            self._self_callbacks[key] = on_done
+            return _SelfReceive(self._self_callbacks, key, on_done)
+        what = ("recv", key, "from rank", src)
+        done = partial(self._received, on_done)
+        return self._io.start_recv(src, tag, (self._epoch, identity), what, done)
 
     async def send(self, src: int, dst: int, key: MessageKey, payload: Array) -> None:
         """Send ``payload`` to rank ``dst``; returns once its buffer may be reused."""
@@ -183,14 +246,10 @@ class TorchDistTransport:
         body = wire_array(payload, "payload")
         tag, identity = self._p2p_address(key)
         if dst == self._rank:
-            if key in self._to_self:
-                raise RuntimeError(f"message {key} from rank {src} to itself sent twice")
-            self._to_self[key] = body.copy()
-            if key in self._self_waiters:
-                self._self_waiters[key].set()
-        else:
-            what = ("send", key, "to rank", dst)
-            await self._io.send(dst, tag, (self._epoch, identity), body, what)
+            self._to_this_rank(src, key, body)
+            return
+        what = ("send", key, "to rank", dst)
+        await self._io.send(dst, tag, (self._epoch, identity), body, what)
         self._counters.sent += 1
         self._counters.bytes_sent += body.nbytes
 
@@ -200,7 +259,7 @@ class TorchDistTransport:
         tag, identity = self._p2p_address(key)
         if src == self._rank:
             if key not in self._to_self:
-                if key in self._self_waiters:
+                if key in self._self_waiters or key in self._self_callbacks:
                     raise RuntimeError(f"message {key} from rank {src} to itself received twice")
                 self._self_waiters[key] = event = anyio.Event()
                 try:
@@ -214,6 +273,35 @@ class TorchDistTransport:
             payload = await self._io.recv(src, tag, (self._epoch, identity), what)
         self._counters.received += 1
         return payload
+
+    def _to_this_rank(self, src: int, key: MessageKey, body: Array) -> None:
+        """A message to this rank itself: kept in the process (a copy), or handed to the
+        receive that waits for it."""
+        if key in self._to_self:
+            raise RuntimeError(f"message {key} from rank {src} to itself sent twice")
+        self._counters.sent += 1
+        self._counters.bytes_sent += body.nbytes
+        on_arrival = self._self_callbacks.pop(key, None)
+        if on_arrival is not None:
+            self._counters.received += 1
+            on_arrival(body.copy(), None)
+            return
+        self._to_self[key] = body.copy()
+        if key in self._self_waiters:
+            self._self_waiters[key].set()
+
+    def _sent(self, nbytes: int, on_done: SendDone, error: BaseException | None) -> None:
+        if error is None:
+            self._counters.sent += 1
+            self._counters.bytes_sent += nbytes
+        on_done(error)
+
+    def _received(
+        self, on_done: RecvDone, payload: Array | None, error: BaseException | None
+    ) -> None:
+        if error is None:
+            self._counters.received += 1
+        on_done(payload, error)
 
     def stats(self) -> TransportStats:
         """P2P counts of this rank; ``undelivered`` = its sends not yet completed."""
@@ -280,6 +368,9 @@ class TorchDistTransport:
         self._io.waiters.close()
         for event in self._self_waiters.values():
             event.set()
+        callbacks, self._self_callbacks = list(self._self_callbacks.values()), {}
+        for on_done in callbacks:
+            on_done(None, RuntimeError("TorchDistTransport was closed while a message was awaited"))
         self._destroy_groups()
         self._io.clear()
         self._io.waiters.drain(_CLOSE_GRACE_S)
@@ -376,17 +467,25 @@ class TorchDistTransport:
         calls[(op, members, key)] = call + 1
         tag = P2P_TAGS + 2 * (digest(op, members, key, call, self._epoch) % (P2P_TAGS // 2))
         identity = digest(op, group, key, call)
+        header = (self._epoch, identity)
+        if self._device is None:  # gloo: every message started, no task each
+            starts: list[Callable[[Callable[..., None]], Started]] = []
+            for j, body in outgoing.items():
+                to, back = [(op, repr(key), way, group[j]) for way in ("to rank", "from rank")]
+                send = partial(self._io.start_send, group[j], tag, header, body, to, p2p_send=False)
+                starts += [send, partial(self._io.start_recv, group[j], tag, header, back)]
+            results = await complete_all(starts)
+            return {j: results[2 * n + 1] for n, j in enumerate(outgoing)}
         received: dict[int, Array] = {}
 
         async def receive(j: int) -> None:
             what = (op, repr(key), "from rank", group[j])
-            received[j] = await self._io.recv(group[j], tag, (self._epoch, identity), what)
+            received[j] = await self._io.recv(group[j], tag, header, what)
 
         try:
             async with anyio.create_task_group() as tg:
                 for j, body in outgoing.items():
                     what = (op, repr(key), "to rank", group[j])
-                    header = (self._epoch, identity)
                     tg.start_soon(self._io.send, group[j], tag, header, body, what, False)
                     tg.start_soon(receive, j)
         except ExceptionGroup as errors:

@@ -18,6 +18,8 @@ this project's machines (no GPU).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -26,7 +28,15 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from ppswap.backends.torch.distributed_wait import Posted, Then, Waiters, WorkError, host_tensor
+from ppswap.backends.torch.distributed_wait import (
+    Done,
+    Posted,
+    Then,
+    Waiters,
+    WorkError,
+    host_tensor,
+)
+from ppswap.core.transport import FINISHED, Started
 from ppswap.core.wire import (
     HEADER_MAX_BYTES,
     INLINE_MAX_BYTES,
@@ -66,6 +76,26 @@ class MessageIO:
         self._body_locks: dict[int, anyio.Lock] = {}  # NCCL: one body per peer at a time
         self._failed_send: str | None = None  # a send nobody awaited failed (see send)
 
+    def start_send(
+        self,
+        dst: int,
+        tag: int,
+        header: tuple[int, int],
+        body: Array,
+        what: tuple[object, ...],
+        on_done: Done,
+        p2p_send: bool = True,
+    ) -> Started:
+        """``send`` without a task (gloo only): ``on_done`` gets ``None`` or the error, on
+        the loop, once ``body`` may be reused (at once for a payload inside the header)."""
+        works = self._post_header(dst, tag, header, body, what, p2p_send)
+        if works is None:
+            on_done(None)
+            return FINISHED
+        works.append((self._post(dist.isend, host_tensor(body), dst, tag + 1), False))
+        done = partial(self._ended, what, on_done)
+        return self.waiters.submit(works, None, p2p_send, done, body)
+
     async def send(
         self,
         dst: int,
@@ -81,12 +111,8 @@ class MessageIO:
         was copied there; the send completes in the background, and if it fails, the next
         call raises that), else when the receiver has taken it.
         """
-        self._check_failed_send()
-        message = bytearray(encode_message(*header, body))  # writable: torch warns otherwise
-        header_tensor = torch.frombuffer(message, dtype=torch.uint8)
-        works: Posted = [(self._post(dist.isend, header_tensor, dst, tag), False)]
-        if body.nbytes <= INLINE_MAX_BYTES:
-            self.waiters.start(works, p2p_send, lambda error: self._send_failed(error, what))
+        works = self._post_header(dst, tag, header, body, what, p2p_send)
+        if works is None:
             return
         if self._device is None:
             works.append((self._post(dist.isend, host_tensor(body), dst, tag + 1), False))
@@ -99,10 +125,76 @@ class MessageIO:
         work = self._post(dist.isend, stage, dst, 0, 1 if self._rank < dst else 2)
         await self._complete([(work, True)], what)
 
+    def _post_header(
+        self,
+        dst: int,
+        tag: int,
+        header: tuple[int, int],
+        body: Array,
+        what: tuple[object, ...],
+        p2p_send: bool,
+    ) -> Posted | None:
+        """Post the header message: its work, or None for a payload inside it (then the
+        send is waited for in the background, and a failure fails the next call)."""
+        self._check_failed_send()
+        message = bytearray(encode_message(*header, body))  # writable: torch warns otherwise
+        header_tensor = torch.frombuffer(message, dtype=torch.uint8)
+        works: Posted = [(self._post(dist.isend, header_tensor, dst, tag), False)]
+        if body.nbytes <= INLINE_MAX_BYTES:
+            self.waiters.start(works, p2p_send, lambda error: self._send_failed(error, what))
+            return None
+        return works
+
+    def start_recv(
+        self,
+        src: int,
+        tag: int,
+        header: tuple[int, int],
+        what: tuple[object, ...],
+        on_done: Callable[[Array | None, BaseException | None], None],
+    ) -> Started:
+        """``recv`` without a task (gloo only): ``on_done`` gets ``(array, None)`` or
+        ``(None, error)`` on the loop."""
+        first, works, post_body, found, bodies = self._post_recv(src, tag, header, what)
+
+        def landed(error: BaseException | None) -> None:
+            if error is not None:
+                on_done(None, self._failure(error, what))
+                return
+            on_done(self._landed(first, found[0], bodies), None)
+
+        return self.waiters.submit(works, post_body, False, landed, first)
+
     async def recv(
         self, src: int, tag: int, header: tuple[int, int], what: tuple[object, ...]
     ) -> Array:
         """The message from ``src`` on ``tag``, checked against ``(epoch, identity)``."""
+        first, works, post_body, found, bodies = self._post_recv(src, tag, header, what)
+        await self._complete(works, what, then=post_body)
+        if self._device is None or found[0][0] <= INLINE_MAX_BYTES:
+            return self._landed(first, found[0], bodies)
+        nbytes, dtype, shape, _, _ = found[0]
+        self._header_buffers.append(first)
+        with self._pool_lock:
+            raw = self._recv_pool.take(nbytes)
+        async with self._body_locks.setdefault(src, anyio.Lock()):
+            # NCCL: post the body's receive, then say "go" (module doc)
+            stage = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            data = self._post(dist.irecv, stage, src, 0, 2 if src > self._rank else 1)
+            go = self._post(dist.isend, torch.zeros(1, dtype=torch.uint8), src, tag + 1)
+
+            def land() -> None:  # on the waiting thread, once the body is in
+                torch.from_numpy(raw).copy_(stage)
+
+            await self._complete([(go, False), (data, True)], what, then=land)
+        return np.ndarray(shape, dtype, raw)
+
+    def _post_recv(
+        self, src: int, tag: int, header: tuple[int, int], what: tuple[object, ...]
+    ) -> tuple[bytearray, Posted, Then, list[Header], list[Array]]:
+        """Post the header's receive. Returns its buffer, its work, the continuation that
+        decodes the header on the waiting thread and posts a gloo body's receive, and the
+        lists that continuation fills (the header's fields, the body's buffer)."""
         self._check_failed_send()
         first = self._header_buffers.pop() if self._header_buffers else bytearray(_FIRST_BYTES)
         posted = self._post(dist.irecv, torch.frombuffer(first, dtype=torch.uint8), src, tag)
@@ -118,27 +210,18 @@ class MessageIO:
                 bodies.append(raw := self._recv_pool.take(nbytes))
             return [(self._post(dist.irecv, torch.from_numpy(raw), src, tag + 1), False)]
 
-        await self._complete([(posted, False)], what, then=post_body)
-        nbytes, dtype, shape, size, _ = found[0]
-        inline = first[size : size + nbytes] if nbytes <= INLINE_MAX_BYTES else None  # a copy
-        self._header_buffers.append(first)  # reused once its receive completed
-        if inline is not None:
+        return first, [(posted, False)], post_body, found, bodies
+
+    def _landed(self, first: bytearray, found: Header, bodies: list[Array]) -> Array:
+        """The array of a received message whose payload is inline or in ``bodies``; the
+        header buffer goes back for reuse."""
+        nbytes, dtype, shape, size, _ = found
+        if nbytes <= INLINE_MAX_BYTES:
+            inline = first[size : size + nbytes]  # a copy
+            self._header_buffers.append(first)
             return np.ndarray(shape, dtype, np.frombuffer(inline, dtype=np.uint8))
-        if bodies:
-            return np.ndarray(shape, dtype, bodies[0])
-        with self._pool_lock:
-            raw = self._recv_pool.take(nbytes)
-        async with self._body_locks.setdefault(src, anyio.Lock()):
-            # NCCL: post the body's receive, then say "go" (module doc)
-            stage = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            data = self._post(dist.irecv, stage, src, 0, 2 if src > self._rank else 1)
-            go = self._post(dist.isend, torch.zeros(1, dtype=torch.uint8), src, tag + 1)
-
-            def land() -> None:  # on the waiting thread, once the body is in
-                torch.from_numpy(raw).copy_(stage)
-
-            await self._complete([(go, False), (data, True)], what, then=land)
-        return np.ndarray(shape, dtype, raw)
+        self._header_buffers.append(first)
+        return np.ndarray(shape, dtype, bodies[0])
 
     def clear(self) -> None:
         """Forget the receive buffers kept for reuse."""
@@ -156,11 +239,17 @@ class MessageIO:
     def _post(
         self, op: Any, tensor: torch.Tensor, peer: int, tag: int, group: int = 0
     ) -> dist.Work:
-        """``op`` (``dist.isend`` / ``dist.irecv``) on ``groups[group]``: its Work."""
-        work: dist.Work | None = op(tensor, peer, group=self._groups[group], tag=tag)
-        if work is None:  # only for a rank outside the group, which these groups never have
-            raise RuntimeError(f"rank {self._rank} is not a member of the transport's group")
-        return work
+        """``op`` (``dist.isend`` / ``dist.irecv``) on ``groups[group]``: its Work.
+
+        Posted with the process group's own ``send`` / ``recv``: ``dist.isend`` and
+        ``dist.irecv`` only add argument checks and the translation of ``peer`` into a
+        rank of the group, the identity on these groups of every rank (a third of a
+        message's posting time on the event loop, measured).
+        """
+        process_group = self._groups[group]
+        if op is dist.isend:
+            return process_group.send([tensor], peer, tag)
+        return process_group.recv([tensor], peer, tag)
 
     async def _complete(
         self,
@@ -172,5 +261,17 @@ class MessageIO:
         try:
             await self.waiters.complete(works, then, p2p_send)
         except WorkError as error:
-            self.peer_failed = True
-            raise RuntimeError(f"{describe(what)}: {error}") from error
+            raise self._failure(error, what) from error
+
+    def _failure(self, error: BaseException, what: tuple[object, ...]) -> BaseException:
+        """A failed operation's error as raised: a ``WorkError`` as a ``RuntimeError``
+        naming the message (and ``peer_failed`` set), anything else as itself."""
+        if not isinstance(error, WorkError):
+            return error
+        self.peer_failed = True
+        failure = RuntimeError(f"{describe(what)}: {error}")
+        failure.__cause__ = error
+        return failure
+
+    def _ended(self, what: tuple[object, ...], on_done: Done, error: BaseException | None) -> None:
+        on_done(None if error is None else self._failure(error, what))

@@ -3,14 +3,16 @@
 gloo's point-to-point ``Work`` reports ``is_completed()`` only once ``wait()`` has been
 called (torch 2.13: it stays False after the data has landed; ``get_future`` is not
 implemented for it; a ``wait(timeout)`` that expires closes every connection of the
-group). So ``Waiters.complete`` hands a message's works to a daemon thread that blocks in
+group). So ``Waiters`` hands a message's works to a daemon thread that blocks in
 ``wait()`` (which releases the GIL) and wakes the loop with ``call_soon_threadsafe`` when
-they are done; the loop itself never blocks. NCCL works do report completion, and their
+they are done; the loop itself never blocks. ``submit`` calls back on the loop
+(``TorchDistTransport.start_send`` / ``start_recv``: no task per message),
+``complete`` is its awaitable form. NCCL works do report completion, and their
 ``wait()`` only orders CUDA streams, so the thread polls ``is_completed()`` for them.
 
 Threads are reused (one job at a time each) and are daemon threads: a gloo wait cannot be
 withdrawn, and one left waiting must not keep the process from exiting. A cancelled
-``complete`` returns at once; its thread waits on until gloo completes or fails the work
+``complete`` (or job) returns at once; its thread waits on until gloo completes or fails the work
 (when the peer closes its group or exits, or at the group's timeout). A daemon thread
 that returns from ``wait()`` while Python finalizes kills the process (pybind11 cannot
 unwind the thread: "terminate called without an active exception", SIGABRT; measured),
@@ -27,6 +29,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,13 +37,17 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-__all__ = ["Posted", "Then", "Waiters", "WorkError", "host_tensor"]
+from ppswap.core.transport import call_back
+
+__all__ = ["Done", "Posted", "Then", "Waiters", "WorkError", "host_tensor"]
 
 Posted = list[tuple[dist.Work, bool]]
 """A message's works, each with whether it is polled (NCCL) rather than waited (gloo)."""
 Then = Callable[[], Posted | None]
 """Runs on the waiting thread once the works completed; the works it returns are waited
 too (a receive posts the body's receive once the header has arrived: one wake-up)."""
+Done = Callable[[BaseException | None], None]
+"""Called back on the loop once a job ended: ``None``, or what failed."""
 
 _POLL_S = 50e-6
 _CLOSED = "TorchDistTransport was closed while a message was in flight"
@@ -63,15 +70,32 @@ def host_tensor(array: npt.NDArray[Any]) -> torch.Tensor:
 
 @dataclass(slots=True, eq=False)
 class _Job:
+    """A message's works on a waiting thread; ``on_done`` until it is called or cancelled."""
+
     works: Posted
     then: Then | None  # runs on the thread once the works completed
     p2p_send: bool
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[None]
+    on_done: Done | None
+    keep: object  # what the works read or write, alive until they ended
+
+    def cancel(self) -> None:
+        """Its callback will not run; the thread waits on (a gloo work cannot be withdrawn)."""
+        self.on_done = None
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # cancelled
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 class Waiters:
-    """The waiting threads of one transport. ``complete`` is called on the event loop."""
+    """The waiting threads of one transport. ``submit`` and ``complete`` are called on the
+    event loop."""
 
     def __init__(self) -> None:
         self.closed = False
@@ -80,7 +104,10 @@ class Waiters:
         self._ended = threading.Condition(self._lock)  # notified when a job ends
         self._busy = 0  # jobs on a thread
         self._idle: list[queue.SimpleQueue[_Job | None]] = []
-        self._waiting: set[asyncio.Future[None]] = set()
+        self._waiting: set[_Job] = set()  # jobs whose thread has not reported back
+        # per loop, the jobs that ended and wait for the loop to call them back
+        self._ended_jobs: dict[asyncio.AbstractEventLoop, list[tuple[_Job, BaseException | None]]]
+        self._ended_jobs = {}
 
     async def complete(
         self, works: Posted, then: Then | None = None, p2p_send: bool = False
@@ -91,26 +118,22 @@ class Waiters:
         ``p2p_send`` counts the works in ``pending_sends`` until they complete. Raises
         ``RuntimeError`` if the transport is closed, or gets closed while waiting.
         """
-        await self._submit(works, then, p2p_send)  # cancelled: the thread waits on
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.submit(works, then, p2p_send, partial(_settle, future))
+        await future  # cancelled: the thread waits on
 
-    def start(
-        self, works: Posted, p2p_send: bool, on_error: Callable[[BaseException], None]
-    ) -> None:
-        """Wait for ``works`` in the background (nobody awaits them); a failure goes to
-        ``on_error`` on the loop. Raises ``RuntimeError`` if the transport is closed."""
+    def submit(
+        self, works: Posted, then: Then | None, p2p_send: bool, on_done: Done, keep: object = None
+    ) -> _Job:
+        """Wait for ``works`` (then for those ``then`` returns) on a thread; ``on_done`` gets
+        ``None`` or what failed, on the loop, unless the returned job is cancelled first.
 
-        def done(future: asyncio.Future[None]) -> None:
-            error = None if future.cancelled() else future.exception()
-            if error is not None:
-                on_error(error)
-
-        self._submit(works, None, p2p_send).add_done_callback(done)
-
-    def _submit(self, works: Posted, then: Then | None, p2p_send: bool) -> asyncio.Future[None]:
+        ``keep`` stays referenced until the works ended (the buffers they use). Raises
+        ``RuntimeError`` if the transport is closed; ``close()`` fails a waiting job.
+        """
         if self.closed:
             raise RuntimeError("TorchDistTransport is closed")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
+        job = _Job(works, then, p2p_send, asyncio.get_running_loop(), on_done, keep)
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
             self._busy += 1
@@ -119,25 +142,36 @@ class Waiters:
             name = "ppswap-torch-dist-wait"
             threading.Thread(target=self._serve, args=(jobs,), name=name, daemon=True).start()
         self.pending_sends += p2p_send
-        self._waiting.add(future)
-        future.add_done_callback(self._waiting.discard)
-        jobs.put(_Job(works, then, p2p_send, loop, future))
-        return future
+        self._waiting.add(job)
+        jobs.put(job)
+        return job
+
+    def start(
+        self, works: Posted, p2p_send: bool, on_error: Callable[[BaseException], None]
+    ) -> None:
+        """Wait for ``works`` in the background (nobody awaits them); a failure goes to
+        ``on_error`` on the loop. Raises ``RuntimeError`` if the transport is closed."""
+
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                on_error(error)
+
+        self.submit(works, None, p2p_send, done)
 
     def close(self) -> None:
-        """Fail every waiting ``complete`` and stop the idle threads (busy ones end later).
-
-        Call it on the loop's thread, or after the loop ended.
+        """Fail every waiting job (``RuntimeError``) and stop the idle threads (busy ones
+        end later). Call it on the loop's thread, or after the loop ended.
         """
         with self._lock:
             self.closed = True
             idle, self._idle = self._idle, []
         for jobs in idle:
             jobs.put(None)
-        for future in list(self._waiting):
-            with contextlib.suppress(RuntimeError):  # its loop is closed
-                if not future.done():
-                    future.set_exception(RuntimeError(_CLOSED))
+        for job in list(self._waiting):
+            on_done, job.on_done = job.on_done, None
+            if on_done is not None:
+                with contextlib.suppress(RuntimeError):  # its loop is closed
+                    on_done(RuntimeError(_CLOSED))
 
     def drain(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for every job to end; the number still on a thread."""
@@ -147,9 +181,7 @@ class Waiters:
 
     def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
         while (job := jobs.get()) is not None:
-            error = self._run(job)
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                job.loop.call_soon_threadsafe(self._resolve, job, error)
+            self._notify(job, self._run(job))
             del job  # no reference to a work, a tensor or a buffer while idle
             with self._lock:
                 self._busy -= 1
@@ -178,11 +210,33 @@ class Waiters:
             return exc
         return None
 
+    def _notify(self, job: _Job, error: BaseException | None) -> None:
+        """Thread: hand an ended job to its loop, one wake-up for the jobs that end before
+        the loop runs (as ``DedicatedThread`` delivers its jobs)."""
+        loop = job.loop
+        with self._lock:
+            burst = self._ended_jobs.get(loop)
+            if burst is not None:
+                burst.append((job, error))
+                return
+            self._ended_jobs[loop] = [(job, error)]
+        try:
+            loop.call_soon_threadsafe(self._deliver, loop)
+        except RuntimeError:  # the loop is closed: nobody waits for these jobs any more
+            with self._lock:
+                self._ended_jobs.pop(loop, None)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Event loop: call back every job that ended since the last call."""
+        with self._lock:
+            ended = self._ended_jobs.pop(loop, [])
+        for job, error in ended:
+            self._resolve(job, error)  # a callback that raises is reported by call_back
+
     def _resolve(self, job: _Job, error: BaseException | None) -> None:
         self.pending_sends -= job.p2p_send
-        if job.future.done():  # cancelled, or failed by close()
-            return
-        if error is None:
-            job.future.set_result(None)
-        else:
-            job.future.set_exception(error)
+        self._waiting.discard(job)
+        job.works, job.then, job.keep = [], None, None  # the thread is done with them
+        on_done, job.on_done = job.on_done, None
+        if on_done is not None:  # not cancelled, not failed by close()
+            call_back(on_done, error)
