@@ -9,6 +9,8 @@ configurations (hypothesis).
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,14 +34,30 @@ SLOW_FILES = frozenset(
         "runtime/test_examples.py",
         "fsdp/test_fsdp_demo.py",
         "cost/test_cost_planner.py",
+        "torch_backend/test_gpu_check.py",
     }
 )
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _pynative() -> None:
+    """PyNative on CPU, with synchronous dispatch from the first kernel on: MindSpore's
+    dispatch threads keep slow hand-offs for the whole process once a kernel ran
+    asynchronously (``ppswap/backends/mindspore/backend.py``), and tests run MindSpore
+    ops outside ``run_schedule`` (whose ``run_scope`` would set it)."""
     if ms is not None:
-        ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+        ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _frozen_imports() -> Iterator[None]:
+    """Move what collection created (the frameworks' modules: 300,000 objects) out of the
+    collector's reach: the leak checks that collect and scan every object
+    (``reliability_support.live_swap_objects``) then take microseconds, not 150 ms."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
