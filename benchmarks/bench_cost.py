@@ -9,7 +9,8 @@ schedule is calibrated on itself first:
 - the *compute slot* is one compute leaf's wall time: no-swap step time / compute leaves
   (the in-process runtime runs every leaf of every rank on one compute thread, so a step
   is the sum of its leaves); the same with swap on and copies unthrottled gives the
-  slowdown swap itself causes;
+  slowdown swap itself causes (runs without and with swap alternate, so the machine's
+  drift reaches both alike);
 - a *chunk* is what one chunk's offload moves (``RankStats.offloaded_bytes`` per offloaded
   chunk, per rank).
 
@@ -105,8 +106,12 @@ def calibrate(runner: Runner, repeats: int) -> dict[str, Any]:
     config = runner.case.config
     leaves = compute_leaves(config)
     runner.run(swap=False)  # warm-up
-    plain = [summarize(runner.run(swap=False)) for _ in range(repeats)]
-    swapped = [runner.run(swap=True) for _ in range(repeats)]
+    runner.run(swap=True)
+    plain: list[dict[str, Any]] = []
+    swapped: list[RunResult] = []
+    for _ in range(repeats):  # alternating: a drift of the machine reaches both alike
+        plain.append(summarize(runner.run(swap=False)))
+        swapped.append(runner.run(swap=True))
     step_no_swap = statistics.median(run["step_s"] for run in plain)
     step_swap = statistics.median(run.step_time_s for run in swapped)
     last = swapped[-1]
