@@ -8,8 +8,12 @@ session calls and copy jobs:
 - ``actors``: ``run_schedule`` (compute / copy / P2P actors, channels, reply futures, the
   dedicated compute thread and copy threads).
 
-Overhead per MetaStep = (actors wall - sync wall) / top-level steps executed. The stages
-are trivial (one 4x4 Dense) so MindSpore's own cost is small, and both sides pay it.
+Overhead per MetaStep = (actors - sync) / top-level steps executed, as a slope over two
+sizes of each schedule, in wall time and in CPU time (``time.process_time``: every thread
+of the process). The stages are trivial (one 4x4 Dense) so MindSpore's own cost is small,
+and both sides pay it. On this shared 2-core machine the wall time of the same sync loop
+varies by up to 40% from run to run, so the CPU-time column is the steadier figure; the
+wall-time one includes what the runtime's threads wait for each other.
 A heartbeat task on the runtime's loop measures scheduling lag (p50/p99/max) in runs of
 their own (its 1 ms wake-ups would otherwise be counted as the runtime's overhead).
 
@@ -176,9 +180,10 @@ async def _actors_run(
     micro: int,
     swap: bool,
     lags: list[float] | None,
-) -> tuple[float, int]:
-    """One run; with ``lags``, a heartbeat task beside it records the loop's lag (its own
-    wake-ups cost the loop time, so timed runs go without it)."""
+) -> tuple[float, float, int]:
+    """One run: wall and CPU seconds, steps. With ``lags``, a heartbeat task beside it
+    records the loop's lag (its own wake-ups cost the loop time, so timed runs go without
+    it)."""
     x, y = _data(micro * 2)
 
     async def heartbeat(lags: list[float]) -> None:
@@ -190,7 +195,7 @@ async def _actors_run(
     async with anyio.create_task_group() as tg:
         if lags is not None:
             tg.start_soon(heartbeat, lags)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         result = await run_schedule(
             stages,
             schedule,
@@ -201,9 +206,9 @@ async def _actors_run(
             swap=swap,
             pp=pp,
         )
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         tg.cancel_scope.cancel()
-    return wall, sum(r.steps_executed for r in result.ranks)
+    return wall, cpu, sum(r.steps_executed for r in result.ranks)
 
 
 def _measure(
@@ -214,24 +219,33 @@ def _measure(
     swap: bool,
     repeats: int,
     lags: list[float],
-) -> tuple[int, float, float]:
-    """Median wall time of the sync loop and of run_schedule over the same orders (the
-    two alternating), then one run with the heartbeat for the loop's lag."""
+) -> tuple[int, float, float, float, float]:
+    """Median wall and CPU time of the sync loop and of run_schedule over the same orders
+    (the two alternating): ``(steps, sync wall, actors wall, sync CPU, actors CPU)``; then
+    one run with the heartbeat for the loop's lag."""
     stages = _stages(stage_num)
     sync = SyncExecutor(stages, schedule, pp, micro, swap)
     sync.run()  # warm-up
     anyio.run(_actors_run, stages, schedule, pp, micro, swap, None)
-    sync_times, actor_times = [], []
+    sync_times, actor_times, sync_cpu, actor_cpu = [], [], [], []
     steps = 0
     for _ in range(repeats):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         steps = sync.run()
         sync_times.append(time.perf_counter() - started)
-        wall, actor_steps = anyio.run(_actors_run, stages, schedule, pp, micro, swap, None)
+        sync_cpu.append(time.process_time() - cpu_started)
+        wall, cpu, actor_steps = anyio.run(_actors_run, stages, schedule, pp, micro, swap, None)
         assert actor_steps == steps, (actor_steps, steps)
         actor_times.append(wall)
+        actor_cpu.append(cpu)
     anyio.run(_actors_run, stages, schedule, pp, micro, swap, lags)
-    return steps, statistics.median(sync_times), statistics.median(actor_times)
+    return (
+        steps,
+        statistics.median(sync_times),
+        statistics.median(actor_times),
+        statistics.median(sync_cpu),
+        statistics.median(actor_cpu),
+    )
 
 
 def main() -> None:
@@ -256,6 +270,7 @@ def _measure_all(repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         extra_steps = large[0] - small[0]
         sync_slope = (large[1] - small[1]) / extra_steps
         actor_slope = (large[2] - small[2]) / extra_steps
+        cpu_slope = ((large[4] - small[4]) - (large[3] - small[3])) / extra_steps
         rows.append(
             {
                 "schedule": schedule,
@@ -269,6 +284,7 @@ def _measure_all(repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                 "fixed_ms": (small[2] - actor_slope * small[0]) * 1e3
                 - (small[1] - sync_slope * small[0]) * 1e3,
                 "overhead_us_per_step": (actor_slope - sync_slope) * 1e6,
+                "cpu_overhead_us_per_step": cpu_slope * 1e6,
             }
         )
     lags_ms = sorted(v * 1e3 for v in all_lags)
@@ -284,20 +300,20 @@ def _measure_all(repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 def _report(rows: list[dict[str, Any]], lag: dict[str, Any], json_path: str | None) -> None:
     print(
         "| schedule | pp | stages | micro | swap | MetaSteps | sync loop ms | actors ms "
-        "| fixed per run ms | overhead us/MetaStep |"
+        "| fixed per run ms | overhead us/MetaStep, wall | overhead us/MetaStep, CPU |"
     )
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['schedule']} | {r['pp']} | {r['stages']} | {r['micro']} | {r['swap']} "
             f"| {r['steps']} | {r['sync_ms']} | {r['actors_ms']} | {r['fixed_ms']:.1f} "
-            f"| {r['overhead_us_per_step']:.1f} |"
+            f"| {r['overhead_us_per_step']:.1f} | {r['cpu_overhead_us_per_step']:.1f} |"
         )
     print()
     print(
-        "overhead per MetaStep = slope of run_schedule's wall time over MetaSteps minus the "
-        "sync loop's slope (micro and 4x micro); fixed per run = the rest (planning, "
-        "validation, threads)."
+        "overhead per MetaStep = slope of run_schedule's time over MetaSteps minus the "
+        "sync loop's slope (micro and 4x micro), in wall time and in CPU time of the whole "
+        "process; fixed per run = the rest of the wall time (planning, validation, threads)."
     )
     print(
         f"event-loop lag while training ({lag['samples']} heartbeats of 1 ms): "

@@ -238,6 +238,8 @@ class PipelineSwapSession:
             record.group.pin_storage(self.backend.storage_of(tensor).ptr)
 
     def _pin_storage_everywhere(self, storage_ptr: int) -> None:
+        if not self.eligible:  # no chunk has a group (a run without swap)
+            return
         with self._lock:
             groups = [r.group for r in self._chunks.values() if r.group is not None]
         for group in groups:
