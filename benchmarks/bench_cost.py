@@ -9,8 +9,8 @@ schedule is calibrated on itself first:
 - the *compute slot* is one compute leaf's wall time: no-swap step time / compute leaves
   (the in-process runtime runs every leaf of every rank on one compute thread, so a step
   is the sum of its leaves); the same with swap on and copies unthrottled gives the
-  slowdown swap itself causes (runs without and with swap alternate, so the machine's
-  drift reaches both alike);
+  slowdown swap itself causes (``--calibration-repeats`` runs each, default 5, medians;
+  runs without and with swap alternate, so the machine's drift reaches both alike);
 - a *chunk* is what one chunk's offload moves (``RankStats.offloaded_bytes`` per offloaded
   chunk, per rank).
 
@@ -227,10 +227,12 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return ordered[len(ordered) // 2]
 
 
-def measure_case(case: BenchCase, repeats: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def measure_case(
+    case: BenchCase, repeats: int, calibration_repeats: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Calibrate on the case itself, then the throttled rows (module docstring)."""
     runner = Runner(case)
-    calibration = calibrate(runner, repeats)
+    calibration = calibrate(runner, calibration_repeats)
     rows = [
         {"schedule": case.name, "copy_slots": None, "policy": "no swap", **calibration["no_swap"]},
         {
@@ -379,16 +381,25 @@ def checks(rows: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1, help="runs per measured row")
+    parser.add_argument(
+        "--calibration-repeats",
+        type=int,
+        default=5,
+        help="runs without and with swap (unthrottled) per schedule: the step-time ratio",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the raw rows here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.calibration_repeats < 1:
+        parser.error(f"--calibration-repeats must be >= 1, got {args.calibration_repeats}")
     configure_mindspore()
     started = time.perf_counter()
     calibrations: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
     for case in COST_CASES:
-        calibrations[case.name], case_rows = measure_case(case, args.repeats)
+        calibration, case_rows = measure_case(case, args.repeats, args.calibration_repeats)
+        calibrations[case.name] = calibration
         rows.extend(case_rows)
     print("Calibration per schedule (medians of the runs):\n")
     print(

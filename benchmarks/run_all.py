@@ -75,7 +75,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "prediction may use 1%). 'predicted' is the cost model's exposed wait for the same "
         "plan; each row is the median of 3 runs.",
         args=("--repeats", "3"),
-        quick_args=("--repeats", "1"),
+        quick_args=("--repeats", "1", "--calibration-repeats", "1"),
         limit_s=480.0,
         json_out=True,
     ),
@@ -368,9 +368,10 @@ def render(outcomes: Sequence[Outcome], machine: str, total_s: float, quick: boo
         "Largest rank per schedule (pp4, m8, the default plan). 'Exposed wait' is the worst "
         "rank's time blocked in SWAP_WAIT_*, as a share of the step, with copies throttled "
         "to half a compute slot per chunk; the step-time ratio is swap with unthrottled "
-        "copies against no swap (what swap's own work costs here: capture hooks, the "
-        "swap steps on the compute thread, copy threads sharing two cores). Details in the "
-        "sections below.",
+        "copies against no swap, medians of 5 runs each, alternating (what swap's own work "
+        "costs here: capture hooks, the swap steps on the compute thread, copy threads "
+        "sharing two cores; single steps of one configuration vary by about 10% from one to "
+        "the next on this machine). Details in the sections below.",
         "",
         headline(outcomes),
         "",
