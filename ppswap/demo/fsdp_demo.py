@@ -117,7 +117,8 @@ def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
             f"batch must be divisible by micro * dp = {opts.micro * dp} (the batch is split "
             f"across dp={dp} replicas, then into micro-batches), got batch={opts.batch}"
         )
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    ms.set_device("CPU")  # set_context(device_target=...) logs a deprecation warning
+    ms.set_context(mode=ms.PYNATIVE_MODE)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()
     cfg = LMConfig(vocab=len(set(text)), seq=32, dim=64, heads=4, layers_per_stage=2)

@@ -110,6 +110,13 @@ def _set_data_sgd_step(parameters: Sequence[Any], grads: Sequence[Any], lr: floa
         param.set_data(param - lr * grad)
 
 
+def _mindspore_on_cpu(mindspore: Any) -> None:
+    """PyNative mode on CPU (``set_device``: ``set_context(device_target=...)`` logs a
+    deprecation warning in MindSpore 2.10)."""
+    mindspore.set_device("CPU")
+    mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
+
+
 def _nothing_to_prepare() -> None:
     return None
 
@@ -132,9 +139,7 @@ def load_demo_model(backend: str) -> DemoModel:
             build_stages=module.build_lm_stages,
             loss_fn=module.cross_entropy_loss,
             sgd_step=_set_data_sgd_step,
-            prepare=functools.partial(
-                mindspore.set_context, mode=mindspore.PYNATIVE_MODE, device_target="CPU"
-            ),
+            prepare=functools.partial(_mindspore_on_cpu, mindspore),
         )
     return DemoModel(
         backend=backend,
