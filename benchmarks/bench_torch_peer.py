@@ -12,7 +12,8 @@ contenders, one process per pipeline rank over gloo, launched here with ``torchr
   ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``) on the default
   process group;
 - ``ppswap``: ``run_schedule`` over ``TorchDistTransport`` (its own gloo group) without
-  swap, every other option at its default (``p2p="plain"``);
+  swap and with ``count_saved_bytes=False`` (no saved-tensor hooks: torch's timed steps
+  count nothing either), every other option at its default (``p2p="plain"``);
 - ``ppswap+swap``: the same with ``swap=True`` (every block ``swap_wrapper``-ed, the
   default gap plan, ``EmulatedDevice`` without throttling: host memory is the "device").
 
@@ -37,7 +38,8 @@ compute thread, copy thread, the transport's waiting threads) gets a larger shar
 machine than a single-threaded one: the wall-clock ratio then flatters ppswap, the CPU
 ratio does not.
 
-Memory: peak saved-activation bytes per rank, counted the same way for both. ppswap's is
+Memory: peak saved-activation bytes per rank, counted the same way for both, ppswap's
+without swap in one more run that counts them (untimed, as torch's). ppswap's is
 ``RankStats.peak_saved_bytes``: the distinct device storages (whole storage size, each
 counted once however many saved views it has) that the rank's live chunks hold for
 backward, parameters and module state excluded; with swap, what is offloaded no longer
@@ -354,7 +356,8 @@ async def _measure_schedule(
     engines = {"ppswap": EmulatedDevice(), "ppswap+swap": EmulatedDevice()}
     inputs, targets = x.numpy(), y.numpy()
 
-    async def run_ppswap(contender: str) -> RunResult:
+    async def run_ppswap(contender: str, count_saved_bytes: bool = False) -> RunResult:
+        swap = contender == "ppswap+swap"
         return await run_schedule(
             stages,
             schedule,
@@ -362,7 +365,8 @@ async def _measure_schedule(
             inputs=inputs,
             targets=targets,
             loss_fn=_mse,
-            swap=contender == "ppswap+swap",
+            swap=swap,
+            count_saved_bytes=swap or count_saved_bytes,
             device=engines[contender],
             transport=transport,
             step_timeout=300,
@@ -396,10 +400,13 @@ async def _measure_schedule(
             times[contender].append(elapsed)
             cpu[contender].append(cpu_s)
             cpu_main[contender].append(main_s)
-            if contender != "torch":
+            if contender == "ppswap+swap":
                 peaks[contender].append(result.ranks[rank].peak_saved_bytes)
-                if contender == "ppswap+swap":
-                    offloaded.append(result.ranks[rank].offloaded_bytes)
+                offloaded.append(result.ranks[rank].offloaded_bytes)
+    # ppswap's saved bytes without swap: one more run that counts them (not timed: the
+    # timed runs without swap count nothing, as torch's timed steps)
+    dist.barrier()
+    peaks["ppswap"].append((await run_ppswap("ppswap", True)).ranks[rank].peak_saved_bytes)
     # torch's saved bytes: one more step with the counter on (not timed)
     peer.zero_grad()
     peer.counter.enabled = True

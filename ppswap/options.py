@@ -79,6 +79,10 @@ class RunOptions:
     the gap rule; ``swap_policy`` / ``cost_model``: which chunks move
     (``ppswap.scheduler.cost``); ``swap_check``: how in-place modification of a saved
     tensor is checked (``"sampled"`` digests, ``"full"`` digests; docs/swap.md);
+    ``count_saved_bytes``: count the saved activations of a run without swap
+    (``RankStats.peak_saved_bytes``) through saved-tensor hooks; False leaves a run
+    without swap free of hooks, and its ``peak_saved_bytes`` 0 (with swap every saved
+    tensor passes through the swap layer, which counts it: it must stay True);
     ``forward_only``: evaluation (no graph, no swap); ``step_timeout``: the deadline of
     every single wait; ``transport`` (default in-process), ``device`` (the copy engine;
     default the stages' backend's), ``mesh`` (FSDP; read from the stages when None),
@@ -96,6 +100,7 @@ class RunOptions:
     swap_policy: SwapPolicy = "gap"
     cost_model: CostModel | None = None
     swap_check: CheckMode = "sampled"
+    count_saved_bytes: bool = True
     forward_only: bool = False
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     transport: Transport | None = None
@@ -108,7 +113,7 @@ class RunOptions:
         _check_int("micro_batch_num", self.micro_batch_num, 1)
         if self.pp is not None:
             _check_int("pp", self.pp, 1)
-        for name in ("swap", "split_dw", "overlap_b_f", "forward_only"):
+        for name in ("swap", "split_dw", "overlap_b_f", "count_saved_bytes", "forward_only"):
             _check_bool(name, getattr(self, name))
         _check_one_of("p2p", self.p2p, P2P_MODES)
         _check_int("min_swap_gap", self.min_swap_gap, 2)
@@ -131,6 +136,12 @@ class RunOptions:
             )
         _check_instance("mesh", self.mesh, DeviceMesh, "be a ppswap.DeviceMesh")
         _check_instance("faults", self.faults, FaultPlan, "be a ppswap.core.faults.FaultPlan")
+        if self.swap and not self.count_saved_bytes:
+            raise ValueError(
+                "count_saved_bytes must be True when swap=True, got False (with swap every "
+                "saved tensor passes through the swap layer, which counts it); "
+                "count_saved_bytes=False applies to runs without swap"
+            )
         if self.forward_only and self.swap:
             raise ValueError(
                 "swap must be False for a forward-only run, got swap=True "

@@ -20,9 +20,10 @@ class RankStats:
     """What one rank measured during a run.
 
     ``peak_saved_bytes``: the peak of the device bytes of saved activations held for
-    backward; ``offloaded_bytes`` / ``loaded_bytes``: what swap moved;
-    ``exposed_copy_wait_s``: the time compute waited at SWAP_WAIT_* (copy time not hidden
-    behind compute); ``copies`` / ``copy_busy_s``: the copy stream's jobs and busy time;
+    backward (0 in a run without swap with ``count_saved_bytes=False``);
+    ``offloaded_bytes`` / ``loaded_bytes``: what swap moved; ``exposed_copy_wait_s``: the
+    time compute waited at SWAP_WAIT_* (copy time not hidden behind compute); ``copies``
+    / ``copy_busy_s``: the copy stream's jobs and busy time;
     ``groups_left`` / ``saved_bytes_left``: what the swap layer still held after the run
     (0 unless a bug). Parameter bytes of the rank's stages, measured from their storages:
     at the peak and at the end of the run (between uses: the shards under FSDP), and

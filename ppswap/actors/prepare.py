@@ -103,6 +103,10 @@ class RunPlan:
     def swap_check(self) -> CheckMode:
         return self.options.swap_check
 
+    @property
+    def count_saved_bytes(self) -> bool:
+        return self.options.count_saved_bytes
+
     def stages_of(self, rank: int) -> tuple[PipelineStage, ...]:
         if self.mesh is not None:
             coords = self.mesh.coords(rank)

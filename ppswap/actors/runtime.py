@@ -103,7 +103,8 @@ async def run_schedule(
     ``options``) and the other keywords are the fields
     of :class:`~ppswap.options.RunOptions` (``micro_batch_num``, ``swap``, ``pp``,
     ``split_dw``, ``overlap_b_f``, ``p2p``, ``min_swap_gap``, ``swap_policy``,
-    ``cost_model``, ``swap_check``, ``forward_only``, ``step_timeout``, ``transport``,
+    ``cost_model``, ``swap_check``, ``count_saved_bytes``, ``forward_only``,
+    ``step_timeout``, ``transport``,
     ``device``, ``mesh``, ``faults``), or pass ``options=RunOptions(...)`` (keywords
     override its fields). ``swap=True`` injects the swap steps; activations move only
     where the user marked them with ``swap_wrapper`` / ``swap_tensor_wrapper``.

@@ -20,7 +20,9 @@ Calls per chunk ``(stage, micro)``, all on the compute thread except ``CopyJob.r
     session.release_chunk(s, m)
 
 For a chunk not in ``eligible`` only the first and the last call apply: no group is
-created and nothing is copied; the ledger still counts its saved tensors.
+created and nothing is copied; the ledger still counts its saved tensors, unless the
+session was made with ``count_saved=False`` (a run without swap that does not measure its
+saved bytes: no hooks, ``peak_saved_bytes`` stays 0).
 
 What a chunk's saved tensors become: parameters (and other module state passed as
 ``parameters``) are left alone and not counted. In a chunk with a group, every other
@@ -57,7 +59,7 @@ from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
 from ppswap.swap.jobs import CopyJob
 from ppswap.swap.manager import Collection, SwapManager, tensors_in
 from ppswap.swap.tensor import CHECK_MODES, CheckMode, SwapState
-from ppswap.swap.validation import check_int, check_positive_seconds
+from ppswap.swap.validation import check_bool, check_int, check_positive_seconds
 from ppswap.swap.wrappers import capture_scope
 
 __all__ = ["PipelineSwapSession", "SwapStats"]
@@ -138,6 +140,7 @@ class PipelineSwapSession:
         wait_timeout_s: float = 60.0,
         bucket_bytes: int = MAX_BUCKET_BYTES,
         check: CheckMode = "sampled",
+        count_saved: bool = True,
     ) -> None:
         if not isinstance(manager, SwapManager):
             raise TypeError(f"manager must be a SwapManager, got {type(manager).__name__}")
@@ -152,6 +155,12 @@ class PipelineSwapSession:
         self.rank = check_int("rank", rank, 0)
         self.generation = check_int("generation", generation, 0)
         self.eligible = _eligible_set(eligible)
+        self.count_saved = check_bool("count_saved", count_saved)
+        if not count_saved and self.eligible:
+            raise ValueError(
+                "count_saved must be True for a session with eligible chunks, got False "
+                "(swap counts every saved tensor it captures)"
+            )
         self.wait_timeout_s = check_positive_seconds("wait_timeout_s", wait_timeout_s)
         self.bucket_bytes = bucket_bytes
         self.accounting = SwapAccounting()
@@ -182,6 +191,8 @@ class PipelineSwapSession:
     ) -> Iterator[None]:
         """Enter around a chunk's FWD (the forward under ``ms.vjp``); see the module doc.
 
+        With ``count_saved=False`` (a session without eligible chunks) it only records
+        the chunk as live: no collection, so no saved-tensor hooks and nothing counted.
         ``protected``: tensors whose storages are counted but never offloaded (stage
         inputs, received buffers). ``parameters``: the stage's parameters and any other
         module state (``module_state_tensors(module)`` gives parameters, buffers and
@@ -210,6 +221,9 @@ class PipelineSwapSession:
                 )
             record = _ChunkRecord(session=self, chunk=chunk, group=group)
             self._chunks[chunk] = record
+        if not self.count_saved:  # nothing to capture or count: no hooks at all
+            yield
+            return
         collection = Collection(
             self.backend,
             group=group,

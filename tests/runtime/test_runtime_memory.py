@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mindspore import Tensor, nn
 
 from ppswap import PipelineStage, run_schedule
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.simulate import memory_table
 from ppswap.swap import swap_wrapper
+from ppswap.swap.manager import current_collection
 
 PP, MICRO, DIM = 4, 8, 32
 
@@ -59,3 +61,50 @@ async def test_gpipe_peak_matches_the_plan_and_halves() -> None:
         assert on.peak_saved_bytes == pytest.approx(expected, abs=1)
         assert on.peak_saved_bytes <= off.peak_saved_bytes / 2
         assert on.loaded_bytes == on.offloaded_bytes
+
+
+class _CollectionProbe(nn.Cell):
+    """Records, at each forward, whether a swap collection (and so its saved-tensor
+    hooks) is active."""
+
+    def __init__(self, seen: list[bool]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def construct(self, x: Tensor) -> Tensor:
+        self.seen.append(current_collection() is not None)
+        return x
+
+
+@pytest.mark.asyncio
+async def test_a_run_without_counting_has_no_hooks_and_the_same_results() -> None:
+    """``count_saved_bytes=False`` (without swap): no collection around any forward, so
+    no saved-tensor hooks; losses and gradients bit-identical to the counting run, and
+    ``peak_saved_bytes`` 0 where the counting run measured bytes."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2 * MICRO, DIM)).astype(np.float32)
+    y = rng.standard_normal((2 * MICRO, DIM)).astype(np.float32)
+    seen: dict[bool, list[bool]] = {True: [], False: []}
+    runs, grads = {}, {}
+    for count in (True, False):
+        stages = _stages()
+        first = stages[0]
+        stages[0] = PipelineStage(
+            nn.SequentialCell([_CollectionProbe(seen[count]), first.module]), 0, PP
+        )
+        runs[count] = await run_schedule(
+            stages,
+            "gpipe",
+            micro_batch_num=MICRO,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            count_saved_bytes=count,
+        )
+        grads[count] = [g.asnumpy() for stage in stages for g in stage.grads]
+    assert seen[True] == [True] * MICRO and seen[False] == [False] * MICRO
+    assert runs[False].losses == runs[True].losses
+    for a, b in zip(grads[True], grads[False], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all(rank.peak_saved_bytes > 0 for rank in runs[True].ranks)
+    assert all(rank.peak_saved_bytes == 0 for rank in runs[False].ranks)

@@ -26,6 +26,7 @@ from ppswap import run_schedule
 from ppswap.fsdp import DeviceMesh, fsdp_state_of, fully_shard
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.simulate import memory_table
+from ppswap.swap.manager import current_collection
 
 PP, MICRO = 4, 8
 
@@ -135,3 +136,44 @@ def test_fsdp_reshard_frees_the_full_weights_a_recorded_forward_saved() -> None:
     (reference,) = build_modules(1, wrap=False)
     expected = torch.autograd.grad(mse_loss(reference(x), y), list(reference.parameters()))
     assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+
+
+class _CollectionProbe(nn.Module):
+    """Records, at each forward, whether a swap collection (and so its saved-tensor
+    hooks) is active."""
+
+    def __init__(self, seen: list[bool]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(current_collection() is not None)
+        return x
+
+
+@pytest.mark.asyncio
+async def test_a_run_without_counting_has_no_hooks_and_the_same_results() -> None:
+    """``count_saved_bytes=False`` (without swap): no collection around any forward, so
+    no saved-tensor hooks; losses and gradients bit-identical to the counting run, and
+    ``peak_saved_bytes`` 0 where the counting run measured bytes."""
+    x, y = make_flat_data(2 * MICRO)
+    seen: dict[bool, list[bool]] = {True: [], False: []}
+    runs, grads = {}, {}
+    for count in (True, False):
+        stages = build_flat_stages(PP)
+        stages[0].module.insert(0, _CollectionProbe(seen[count]))
+        runs[count] = await run_schedule(
+            stages,
+            "gpipe",
+            micro_batch_num=MICRO,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            count_saved_bytes=count,
+        )
+        grads[count] = [g.clone() for stage in stages for g in stage.grads]
+    assert seen[True] == [True] * MICRO and seen[False] == [False] * MICRO
+    assert runs[False].losses == runs[True].losses
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
+    assert all(rank.peak_saved_bytes > 0 for rank in runs[True].ranks)
+    assert all(rank.peak_saved_bytes == 0 for rank in runs[False].ranks)
