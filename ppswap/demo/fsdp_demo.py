@@ -117,7 +117,8 @@ def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
             f"batch must be divisible by micro * dp = {opts.micro * dp} (the batch is split "
             f"across dp={dp} replicas, then into micro-batches), got batch={opts.batch}"
         )
-    ms.set_device("CPU")  # set_context(device_target=...) logs a deprecation warning
+    if ms.get_context("device_target") != "CPU":  # set_device raises once a kernel ran
+        ms.set_device("CPU")  # (set_context(device_target=...) logs a deprecation warning)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()

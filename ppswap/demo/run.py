@@ -113,7 +113,8 @@ def _set_data_sgd_step(parameters: Sequence[Any], grads: Sequence[Any], lr: floa
 def _mindspore_on_cpu(mindspore: Any) -> None:
     """PyNative mode on CPU (``set_device``: ``set_context(device_target=...)`` logs a
     deprecation warning in MindSpore 2.10)."""
-    mindspore.set_device("CPU")
+    if mindspore.get_context("device_target") != "CPU":  # set_device raises once a kernel ran
+        mindspore.set_device("CPU")
     mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
 
 
