@@ -11,8 +11,8 @@ machine (CPU, cores, memory, load average before and after), the software versio
 commit, and a headline table assembled from the memory and cost benchmarks' JSON output
 (and the torch peer benchmark's one-line comparison from its JSON), so every figure it
 quotes comes from this command. ``--quick`` runs shorter variants (for
-checking the pipeline, not for publishing). The whole run takes about 8 minutes on the
-2-core development machine (under ``--quick`` about 3.5).
+checking the pipeline, not for publishing). The whole run takes about 13 minutes on the
+2-core development machine, 5 of them the soak.
 """
 
 from __future__ import annotations
@@ -279,7 +279,9 @@ def _commit() -> str:
     return f"{commit}{' (with uncommitted changes)' if dirty else ''}"
 
 
-def machine_section(load_before: tuple[float, ...], load_after: tuple[float, ...]) -> str:
+def machine_section(
+    load_before: tuple[float, ...], load_after: tuple[float, ...], commit: str
+) -> str:
     loads = ", ".join(f"{v:.2f}" for v in load_before)
     loads_after = ", ".join(f"{v:.2f}" for v in load_after)
     return "\n".join(
@@ -292,7 +294,7 @@ def machine_section(load_before: tuple[float, ...], load_after: tuple[float, ...
             f"| Python | {platform.python_version()} |",
             f"| mindspore / torch / numpy / anyio | {_version('mindspore')} / "
             f"{_version('torch')} / {_version('numpy')} / {_version('anyio')} |",
-            f"| ppswap commit | {_commit()} |",
+            f"| ppswap commit | {commit} |",
             f"| load average (1, 5, 15 min) | before: {loads}; after: {loads_after} |",
             "| MindSpore mode | PyNative on CPU; ppswap runs synchronous dispatch for the "
             "duration of a run (`MindSporeBackend.run_scope`, docs/architecture.md) |",
@@ -408,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chosen = [b for b in BENCHMARKS if args.only is None or b.name in args.only]
     load_before = os.getloadavg()
+    commit = _commit()  # before the benchmarks write their own files (the soak's plot)
     started = time.perf_counter()
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="ppswap-bench-") as scratch:
@@ -418,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {bench.name}: {status} in {outcome.wall_s:.0f} s", flush=True)
             outcomes.append(outcome)
     total = time.perf_counter() - started
-    machine = machine_section(load_before, os.getloadavg())
+    machine = machine_section(load_before, os.getloadavg(), commit)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(render(outcomes, machine, total, args.quick))
     print(f"[bench] wrote {args.output} ({total:.0f} s)")
