@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,31 @@ async def run_schedule(
             return await _run(plan, transport, engine)
 
 
+@dataclass(frozen=True, slots=True)
+class _Wiring:
+    """What every rank runtime of a run is wired to."""
+
+    compute: DedicatedThread
+    transport: Transport
+    engine: CopyEngine
+    recorder: FlightRecorder
+    batches: Batches
+    log_steps: bool
+
+    def rank(self, rank: int, plan: RunPlan, generation: int) -> RankRuntime:
+        return RankRuntime(
+            rank,
+            plan,
+            generation=generation,
+            compute=self.compute,
+            transport=self.transport,
+            engine=self.engine,
+            recorder=self.recorder,
+            batches=self.batches,
+            log_steps=self.log_steps,
+        )
+
+
 async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunResult:
     # The library stays silent unless the application configured structlog (structlog's
     # unconfigured default prints every event): then it logs run and per-step events.
@@ -146,20 +172,8 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     started = time.perf_counter()
     async with compute:
         batches = await compute.run(_begin_stages, plan, generation)
-        ranks = [
-            RankRuntime(
-                rank,
-                plan,
-                generation=generation,
-                compute=compute,
-                transport=transport,
-                engine=engine,
-                recorder=recorder,
-                batches=batches,
-                log_steps=log_steps,
-            )
-            for rank in plan.local_ranks
-        ]
+        wiring = _Wiring(compute, transport, engine, recorder, batches, log_steps)
+        ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
         try:
             await _run_ranks(compute, ranks)
             stats = await compute.run(_closed_stats, plan, ranks)

@@ -20,6 +20,7 @@ it (so across runs): raw ``uint8`` buffers grouped by size class (the size round
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -359,7 +360,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
     """An uninitialised C-contiguous array starting at a :data:`HOST_ALIGNMENT` boundary,
     as device allocators hand out memory: the views rebuilt into a restored span then
     sit at the same alignment as before the offload."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize  # math.prod: np.prod costs ~15 us
     raw = np.empty(nbytes + HOST_ALIGNMENT, dtype=np.uint8)
     skip = -raw.ctypes.data % HOST_ALIGNMENT
     fresh: Array = raw[skip : skip + nbytes].view(dtype).reshape(shape)
