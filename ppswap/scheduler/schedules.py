@@ -4,7 +4,7 @@
 BWD_INPUT, BWD_WEIGHT leaves and OVERLAP_B_F composites. Communication (P2P, FSDP) and
 swap steps are added later by the lowering passes (``ppswap.scheduler.lowering``).
 
-Families (DESIGN.md section 3; ``m`` micro-batches, ``r`` the rank, stage ``s`` on rank
+Families (``m`` micro-batches, ``r`` the rank, stage ``s`` on rank
 ``s % pp``):
 
 GPipe
