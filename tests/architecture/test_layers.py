@@ -24,6 +24,8 @@ LAYERS = [
     {"options"},
     {"actors"},
     {"pipeline"},
+    {"cli_args"},
+    {"cli_demo"},
     {"__init__", "demo", "cli", "__main__"},
 ]
 

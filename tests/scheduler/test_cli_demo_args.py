@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ppswap.cli import DEMO_BACKENDS, DEMO_DEFAULTS, build_parser, demo_config, main
+from ppswap.cli import build_parser, main
+from ppswap.cli_demo import DEMO_BACKENDS, DEMO_DEFAULTS, demo_config
 from ppswap.demo.run import DEMO_MODELS, DemoOptions
 
 

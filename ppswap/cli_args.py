@@ -1,0 +1,31 @@
+"""What every ``ppswap`` subcommand shares: the error line and exit status, and ``--vpp``
+with its default (``ppswap.cli`` for plan and plot, ``ppswap.cli_demo`` for the demo)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["EXIT_USAGE", "INTERLEAVED_DEFAULT_VPP", "PROG", "VPP_HELP", "fail", "vpp_of"]
+
+PROG = "ppswap"
+EXIT_USAGE = 2
+INTERLEAVED_DEFAULT_VPP = 2
+"""``--vpp`` when it is not given with ``--schedule interleaved_1f1b`` (which needs >= 2)."""
+VPP_HELP = (
+    f"virtual stages per rank (default: {INTERLEAVED_DEFAULT_VPP} for interleaved_1f1b, "
+    "which needs at least 2; 1 for gpipe and 1f1b, the only value they allow)"
+)
+
+
+def vpp_of(args: argparse.Namespace) -> int:
+    """``--vpp``, or its default: 2 for interleaved_1f1b, 1 for the other schedules."""
+    if args.vpp is not None:
+        return int(args.vpp)
+    return INTERLEAVED_DEFAULT_VPP if args.schedule == "interleaved_1f1b" else 1
+
+
+def fail(message: str) -> int:
+    """Print ``ppswap: error: <message>`` on stderr; return the usage exit status."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
