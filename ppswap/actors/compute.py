@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -63,13 +63,12 @@ from ppswap.actors.batch import (
     StepBodies,
     StepJob,
     SwapDriver,
-    payload_maker,
     run_batch,
 )
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
 from ppswap.actors.failures import StepFailures
-from ppswap.actors.local_steps import LAUNCH_OF_WAIT, LocalSteps, RankInputs
-from ppswap.actors.mail import CopyKey, RankMail
+from ppswap.actors.local_steps import LAUNCH_OF_WAIT, LEAVES, LOCAL_KINDS, LocalSteps, RankInputs
+from ppswap.actors.mail import RankMail
 from ppswap.actors.p2p import P2PChannel
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.executor import DedicatedThread, JobDeadlineError, loop_caller
@@ -114,15 +113,11 @@ class ComputeStats:
     batches: int = 0
 
 
-_LEAVES = frozenset({StepKind.FWD, StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT})
 _LAUNCHES = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
 _WAITS = LAUNCH_OF_WAIT
-_LOCAL = _LEAVES | _LAUNCHES | frozenset(_WAITS)
-_RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
-_SENDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
-
-
-_POSTS = _RECVS | frozenset({StepKind.SEND_F, StepKind.SEND_B, StepKind.BATCH_SEND_RECV})
+_POSTS = frozenset(
+    {StepKind.RECV_F, StepKind.RECV_B, StepKind.SEND_F, StepKind.SEND_B, StepKind.BATCH_SEND_RECV}
+)
 
 
 class ComputeActor:
@@ -230,7 +225,7 @@ class ComputeActor:
             if fast and step.kind in _POSTS:
                 self._post_now(step)
                 index += 1
-            elif fast and step.kind in _LOCAL:
+            elif fast and step.kind in LOCAL_KINDS:
                 index = await self._run_local(index)
             else:
                 await self._run_step(step)
@@ -255,46 +250,24 @@ class ComputeActor:
     async def _run_local(self, index: int) -> int:
         """Run the ready local steps from ``index`` as one batch (or wait for the first
         one); return the index of the next step to look at."""
-        order = self._order
-        jobs: list[StepJob] = []
-        launched: set[CopyKey] = set()
-        posted: list[tuple[int, MetaStep]] = []  # receives and sends after the n-th job
-        sends: dict[int, list[MetaStep]] = {}  # by the index of the job making the payload
-        while index < len(order):
-            step = order[index]
-            if step.kind in _RECVS:
-                self._post_now(step, span=not jobs)
-                if jobs:
-                    posted.append((len(jobs), step))
-                index += 1
-                continue
-            if step.kind in _SENDS and self._fsdp is None:
-                producer = payload_maker(jobs, step)
-                if producer is None:
-                    break
-                jobs[producer] = replace(jobs[producer], announce=True)
-                sends.setdefault(producer, []).append(step)
-                posted.append((producer + 1, step))
-                index += 1
-                continue
-            if step.kind not in _LOCAL or (
-                jobs and self._fsdp is not None and step.kind in _LEAVES
-            ):
-                break
-            job = self._local.job_if_ready(step, launched)
-            if job is None:
-                break
-            jobs.append(job)
-            index += 1
-        if not jobs:
-            if index < len(order) and order[index].kind in _LOCAL:
+        order, fsdp = self._order, self._fsdp
+        plan, index = self._local.next_batch(
+            order, index, self._post_receive, one_leaf=fsdp is not None
+        )
+        if not plan.jobs:
+            if index < len(order) and order[index].kind in LOCAL_KINDS:
                 self._current = order[index]
                 await self._until_ready(order[index])
             return index
-        if self._fsdp is not None and jobs[0].step.kind in _LEAVES:
-            await self._fsdp.before_compute(jobs[0].step)
-        await self._execute(jobs, posted, sends)
+        if fsdp is not None and plan.jobs[0].step.kind in LEAVES:
+            await fsdp.before_compute(plan.jobs[0].step)
+        await self._execute(plan.jobs, plan.posted, plan.sends)
         return index
+
+    def _post_receive(self, step: MetaStep, first: bool) -> None:
+        """A receive met while a batch is built: posted now; traced here only ahead of the
+        batch's first job (else the batch draws it after the job it follows)."""
+        self._post_now(step, span=first)
 
     # -- waiting for a local step's inputs -------------------------------------------------
     async def _until_ready(self, step: MetaStep) -> None:
@@ -441,7 +414,7 @@ class ComputeActor:
         while job is None:
             await self._until_ready(step)
             job = self._local.job_if_ready(step, set())
-        if self._fsdp is not None and step.kind in _LEAVES:
+        if self._fsdp is not None and step.kind in LEAVES:
             await self._fsdp.before_compute(step)
         await self._execute([job])
 
@@ -486,7 +459,7 @@ class ComputeActor:
             rule.callback()
 
     _handlers: ClassVar[dict[StepKind, Callable[[ComputeActor, MetaStep], Awaitable[None]]]] = {
-        **dict.fromkeys(_LOCAL, _local_step),
+        **dict.fromkeys(LOCAL_KINDS, _local_step),
         **dict.fromkeys(_POSTS, _post_step),
         StepKind.OVERLAP_B_F: _composite,
         StepKind.OVERLAP_F_B: _composite,

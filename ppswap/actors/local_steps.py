@@ -4,29 +4,41 @@ A local step (FWD, BWD, BWD_INPUT, BWD_WEIGHT and the four swap steps) needs no 
 actor to run, only its inputs: a FWD/BWD its received payload (or the rank's own batch on
 the first and last stage), a SWAP_WAIT_* the completion of the copy its launch started.
 ``job_if_ready`` returns the step's ``StepJob`` (taking its payload from the mail, or the
-copy's completion) or None while an input is missing; the compute actor batches the jobs
-(``ppswap.actors.batch``). Everything here runs on the event loop.
+copy's completion) or None while an input is missing. ``next_batch`` scans a rank's order
+for the run of such jobs the compute actor hands the thread as one batch
+(``ppswap.actors.batch``): receives met on the way are posted and do not end it, nor does a
+send of a payload one of its jobs makes; anything else that is not local, or is not ready,
+does. Everything here runs on the event loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 
-from ppswap.actors.batch import StepBodies, StepJob, SwapDriver
+from ppswap.actors.batch import StepBodies, StepJob, SwapDriver, payload_maker
 from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.core.messages import HostArray, MessageKey, Payload
 from ppswap.errors import PipelineError
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage
 
-__all__ = ["LAUNCH_OF_WAIT", "LocalSteps", "RankInputs"]
+__all__ = ["LAUNCH_OF_WAIT", "LEAVES", "LOCAL_KINDS", "BatchPlan", "LocalSteps", "RankInputs"]
 
 LAUNCH_OF_WAIT = {
     StepKind.SWAP_WAIT_OFFLOAD: StepKind.SWAP_LAUNCH_OFFLOAD,
     StepKind.SWAP_WAIT_LOAD: StepKind.SWAP_LAUNCH_LOAD,
 }
+LEAVES = frozenset({StepKind.FWD, StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT})
+LOCAL_KINDS = (
+    LEAVES
+    | frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
+    | frozenset(LAUNCH_OF_WAIT)
+)
+"""The local steps: they need no other actor, only their inputs."""
+_RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
+_SENDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
 _JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_input"}
 
 
@@ -36,6 +48,18 @@ class RankInputs:
 
     inputs: Sequence[HostArray]
     targets: Sequence[HostArray] | None
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """The next batch of a rank's order (``LocalSteps.next_batch``): its ``jobs``; the
+    receives and sends ``posted`` after the n-th job, as ``(n, step)``; and by the index
+    of the job that makes the payload, the ``sends`` of it (posted as soon as it is made).
+    No jobs: the step at the returned index is not ready (or not local)."""
+
+    jobs: list[StepJob] = field(default_factory=list)
+    posted: list[tuple[int, MetaStep]] = field(default_factory=list)
+    sends: dict[int, list[MetaStep]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +95,48 @@ class LocalSteps:
             )
             return StepJob(step, "swap_prepare", partial(self.bodies.launch, step, prepare))
         return self._swap_wait(step, launched)
+
+    def next_batch(
+        self,
+        order: Sequence[MetaStep],
+        index: int,
+        post_receive: Callable[[MetaStep, bool], None],
+        *,
+        one_leaf: bool = False,
+    ) -> tuple[BatchPlan, int]:
+        """The batch of ready local steps from ``order[index]`` on (module docstring), and
+        the index of the next step to look at. A receive met on the way is posted at once,
+        ``post_receive(step, first)`` (``first``: before the batch's first job).
+        ``one_leaf`` (FSDP: a leaf is preceded by its all-gather's install): at most one
+        leaf, the first step, and no send rides along."""
+        plan = BatchPlan()
+        jobs = plan.jobs
+        launched: set[CopyKey] = set()
+        while index < len(order):
+            step = order[index]
+            if step.kind in _RECVS:
+                post_receive(step, not jobs)
+                if jobs:
+                    plan.posted.append((len(jobs), step))
+                index += 1
+                continue
+            if step.kind in _SENDS and not one_leaf:
+                producer = payload_maker(jobs, step)
+                if producer is None:
+                    break
+                jobs[producer] = replace(jobs[producer], announce=True)
+                plan.sends.setdefault(producer, []).append(step)
+                plan.posted.append((producer + 1, step))
+                index += 1
+                continue
+            if step.kind not in LOCAL_KINDS or (jobs and one_leaf and step.kind in LEAVES):
+                break
+            job = self.job_if_ready(step, launched)
+            if job is None:
+                break
+            jobs.append(job)
+            index += 1
+        return plan, index
 
     def _swap_wait(self, step: MetaStep, launched: set[CopyKey]) -> StepJob | None:
         launch_key = (LAUNCH_OF_WAIT[step.kind], step.stage, step.micro)
