@@ -16,7 +16,7 @@ import anyio
 import numpy as np
 
 from ppswap.core.messages import HostArray, MessageKey
-from ppswap.core.transport import TransportStats
+from ppswap.core.transport import TransportStats, sum_contributions
 
 __all__ = ["InProcessTransport"]
 
@@ -135,16 +135,7 @@ class InProcessTransport:
         found = await self._rendezvous_wait("reduce_scatter_sum", rank, group, key, tuple(arrays))
         mine = group.index(rank)
         parts = [found[index][mine] for index in range(len(group))]
-        for index, part in enumerate(parts):
-            if part.shape != parts[mine].shape or part.dtype != parts[mine].dtype:
-                raise ValueError(
-                    f"reduce_scatter_sum {key!r}: rank {group[index]} sent {part.shape} "
-                    f"{part.dtype}, rank {rank} expects {parts[mine].shape} {parts[mine].dtype}"
-                )
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        return total
+        return sum_contributions(key, group, rank, parts)
 
     async def _rendezvous_wait(
         self,

@@ -47,7 +47,14 @@ from mpi4py import MPI
 
 from ppswap.actors.mpi_requests import FIRST_BYTES, InFlightRequests, StartedRecv
 from ppswap.core.messages import MessageKey
-from ppswap.core.transport import RecvDone, SendDone, Started, TransportStats, complete_all
+from ppswap.core.transport import (
+    RecvDone,
+    SendDone,
+    Started,
+    TransportStats,
+    complete_all,
+    sum_contributions,
+)
 from ppswap.core.wire import (
     INLINE_MAX_BYTES,
     PAGE_BYTES,
@@ -287,18 +294,8 @@ class MPITransport:
         tag, identity = self._collective_tag("reduce_scatter_sum", group, key)
         outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
         received = await self._exchange(group, tag, identity, key, outgoing)
-        mine = bodies[index]
-        contributions = [mine if j == index else received[j] for j in range(len(group))]
-        for j, contribution in enumerate(contributions):
-            if contribution.shape != mine.shape or contribution.dtype != mine.dtype:
-                raise ValueError(
-                    f"reduce_scatter_sum {key!r}: rank {group[j]} sent {contribution.shape} "
-                    f"{contribution.dtype}, rank {self._rank} expects {mine.shape} {mine.dtype}"
-                )
-        total = contributions[0].copy()
-        for contribution in contributions[1:]:
-            total += contribution
-        return total
+        parts = [bodies[j] if j == index else received[j] for j in range(len(group))]
+        return sum_contributions(key, group, self._rank, parts)
 
     # -- failure and shutdown -----------------------------------------------------------------
 

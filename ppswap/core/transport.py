@@ -44,6 +44,7 @@ __all__ = [
     "is_immediate",
     "is_multi_process",
     "is_transport",
+    "sum_contributions",
 ]
 
 SendDone: TypeAlias = Callable[[BaseException | None], None]
@@ -229,6 +230,26 @@ async def complete_all(
         for handle in handles:
             handle.cancel()  # nothing for those that called back
     return results
+
+
+def sum_contributions(
+    key: str, group: tuple[int, ...], rank: int, parts: Sequence[HostArray]
+) -> HostArray:
+    """``reduce_scatter_sum``'s result for ``rank`` from every member's contribution to it
+    (``parts[j]`` from ``group[j]``): a left fold in group order (``p_0 + p_1 + ...``, in a
+    new array), so that every transport gives the same bits on every run. A contribution
+    whose shape or dtype differs from this rank's own is a ValueError naming its sender."""
+    mine = parts[group.index(rank)]
+    for member, part in zip(group, parts, strict=True):
+        if part.shape != mine.shape or part.dtype != mine.dtype:
+            raise ValueError(
+                f"reduce_scatter_sum {key!r}: rank {member} sent {part.shape} "
+                f"{part.dtype}, rank {rank} expects {mine.shape} {mine.dtype}"
+            )
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 # -- the checks, answered once per class (``ppswap.core.protocols``) ----------------------

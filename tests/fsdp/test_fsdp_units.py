@@ -9,7 +9,7 @@ import pytest
 from mindspore import Tensor, nn
 
 from ppswap.actors.p2p import InProcessTransport
-from ppswap.core.transport import CollectiveTransport
+from ppswap.core.transport import CollectiveTransport, sum_contributions
 from ppswap.fsdp import DeviceMesh, fsdp_state_of, full_parameters, fully_shard
 from ppswap.fsdp.mesh import order_for_world_rank
 from ppswap.scheduler.config import ScheduleConfig
@@ -246,3 +246,14 @@ async def test_in_process_collectives_refuse_members_that_disagree() -> None:
         await transport.all_gather(2, (0, 1), "k", np.zeros(1))
     with pytest.raises(ValueError, match="arrays must hold 2 numpy arrays"):
         await transport.reduce_scatter_sum(0, (0, 1), "k", [np.zeros(1)])
+
+
+def test_contributions_sum_left_to_right_and_a_mismatch_names_its_sender() -> None:
+    """The reduction every transport's reduce_scatter_sum ends with (core.transport)."""
+    parts = [np.array([1e8], np.float32), np.array([-1e8], np.float32), np.array([1.0], np.float32)]
+    total = sum_contributions("k", (4, 2, 7), 2, parts)
+    assert total.tolist() == [1.0]  # (p0 + p1) + p2; p0 + (p1 + p2) rounds to 0 in float32
+    assert total is not parts[0] and parts[0][0] == 1e8  # a new array
+    bad = [*parts[:2], np.zeros(2, np.float32)]
+    with pytest.raises(ValueError, match=r"'k': rank 7 sent \(2,\) float32, rank 2 expects"):
+        sum_contributions("k", (4, 2, 7), 2, bad)

@@ -50,6 +50,7 @@ from ppswap.core.transport import (
     Started,
     TransportStats,
     complete_all,
+    sum_contributions,
 )
 from ppswap.core.wire import digest, p2p_identity, wire_array
 
@@ -340,18 +341,8 @@ class TorchDistTransport:
         bodies = [wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
         outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
         received = await self._exchange("reduce_scatter_sum", group, key, outgoing)
-        mine = bodies[index]
-        parts = [mine if j == index else received[j] for j in range(len(group))]
-        for j, part in enumerate(parts):
-            if part.shape != mine.shape or part.dtype != mine.dtype:
-                raise ValueError(
-                    f"reduce_scatter_sum {key!r}: rank {group[j]} sent {part.shape} "
-                    f"{part.dtype}, rank {self._rank} expects {mine.shape} {mine.dtype}"
-                )
-        total = parts[0].copy()
-        for part in parts[1:]:
-            total += part
-        return total
+        parts = [bodies[j] if j == index else received[j] for j in range(len(group))]
+        return sum_contributions(key, group, self._rank, parts)
 
     # -- failure and shutdown -----------------------------------------------------------------
 
