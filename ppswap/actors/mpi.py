@@ -37,7 +37,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NoReturn
 
@@ -59,6 +58,7 @@ from ppswap.core.wire import (
     INLINE_MAX_BYTES,
     PAGE_BYTES,
     RecvBufferPool,
+    WireCounters,
     decode_header,
     digest,
     encode_message,
@@ -72,14 +72,6 @@ Array = npt.NDArray[Any]
 
 _DEFAULT_MICRO_COUNT = 1 << 16
 _ABORT_GRACE_S = 0.5  # for mpiexec to forward what a failing rank printed (see abort)
-
-
-@dataclass(slots=True)
-class _Counters:
-    sent: int = 0
-    received: int = 0
-    bytes_sent: int = 0
-    collective_calls: dict[tuple[str, tuple[int, ...], str], int] = field(default_factory=dict)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
@@ -138,7 +130,7 @@ class MPITransport:
         self._epoch = 0
         self._epoch_slots = 1  # disjoint tag ranges that consecutive epochs rotate through
         self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
-        self._counters = _Counters()
+        self._counters = WireCounters()
         self._recv_pool = RecvBufferPool(recv_pool_bytes)
         self._header_buffers: list[bytearray] = []  # free receive buffers of FIRST_BYTES
 
@@ -193,7 +185,7 @@ class MPITransport:
             self._check_p2p_call("src", src, "dst", dst)
         body = wire_array(payload, "payload")
         tag, identity = self._p2p_address(key)
-        done = partial(self._sent, body.nbytes, on_done)
+        done = partial(self._counters.sent_then, body.nbytes, on_done)
         return self._start_message(self._p2p_comm, dst, tag, identity, body, done)
 
     def start_recv(self, dst: int, src: int, key: MessageKey, on_done: RecvDone) -> Started:
@@ -209,21 +201,8 @@ class MPITransport:
             (self._epoch, identity),
             ("recv", key, "from rank", src),
             (self._header_buffers, self._recv_pool),
-            partial(self._received, on_done),
+            partial(self._counters.received_then, on_done),
         )
-
-    def _sent(self, nbytes: int, on_done: SendDone, error: BaseException | None) -> None:
-        if error is None:
-            self._counters.sent += 1
-            self._counters.bytes_sent += nbytes
-        on_done(error)
-
-    def _received(
-        self, on_done: RecvDone, payload: Array | None, error: BaseException | None
-    ) -> None:
-        if error is None:
-            self._counters.received += 1
-        on_done(payload, error)
 
     async def send(self, src: int, dst: int, key: MessageKey, payload: Array) -> None:
         """Send ``payload`` to rank ``dst``; returns once MPI may reuse the buffer."""
@@ -232,8 +211,7 @@ class MPITransport:
         body = wire_array(payload, "payload")
         tag, identity = self._p2p_address(key)
         await self._send_message(self._p2p_comm, dst, tag, identity, body)
-        self._counters.sent += 1
-        self._counters.bytes_sent += body.nbytes
+        self._counters.count_sent(body.nbytes)
 
     async def recv(self, dst: int, src: int, key: MessageKey) -> Array:
         """Wait for message ``key`` from rank ``src`` and return a new array holding it."""
@@ -247,9 +225,7 @@ class MPITransport:
 
     def stats(self) -> TransportStats:
         """P2P counts of this rank; ``undelivered`` = its sends not yet completed."""
-        counters = self._counters
-        pending_sends = self._requests.pending_p2p_sends()
-        return TransportStats(counters.sent, counters.received, counters.bytes_sent, pending_sends)
+        return self._counters.stats(self._requests.pending_p2p_sends())
 
     # -- collectives --------------------------------------------------------------------------
 
@@ -400,12 +376,7 @@ class MPITransport:
 
     def _collective_tag(self, op: str, group: tuple[int, ...], key: str) -> tuple[int, int]:
         """``(tag, identity)`` of this rank's next ``op`` call on ``(group, key)``."""
-        if not isinstance(key, str):
-            raise TypeError(f"key must be a str, got {key!r}")
-        members = tuple(sorted(group))
-        calls = self._counters.collective_calls
-        call = calls.get((op, members, key), 0)
-        calls[(op, members, key)] = call + 1
+        members, call = self._counters.next_call(op, group, key)
         tag_hash = digest(op, members, key, call, self._epoch) % ((self._tag_ub + 1) // 2)
         return 2 * tag_hash, digest(op, group, key, call)
 

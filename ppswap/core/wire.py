@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from dataclasses import dataclass, field
 from sys import getrefcount
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ppswap.core.messages import MessageKey
+from ppswap.core.transport import RecvDone, SendDone, TransportStats
 
 __all__ = [
     "HEADER_MAX_BYTES",
@@ -27,6 +29,7 @@ __all__ = [
     "PAGE_BYTES",
     "POOL_MIN_BYTES",
     "RecvBufferPool",
+    "WireCounters",
     "decode_header",
     "digest",
     "encode_message",
@@ -115,6 +118,48 @@ class RecvBufferPool:
         """Forget every block (those still in use live on with their arrays)."""
         self._blocks.clear()
         self._held_bytes = 0
+
+
+@dataclass(slots=True)
+class WireCounters:
+    """A multi-process transport's P2P counts (its ``TransportStats``) and the number of
+    each collective call it made (collective messages are addressed by it)."""
+
+    sent: int = 0
+    received: int = 0
+    bytes_sent: int = 0
+    collective_calls: dict[tuple[str, tuple[int, ...], str], int] = field(default_factory=dict)
+
+    def count_sent(self, nbytes: int) -> None:
+        self.sent += 1
+        self.bytes_sent += nbytes
+
+    def sent_then(self, nbytes: int, on_done: SendDone, error: BaseException | None) -> None:
+        """A started send's callback: counted if it succeeded, then ``on_done``."""
+        if error is None:
+            self.count_sent(nbytes)
+        on_done(error)
+
+    def received_then(
+        self, on_done: RecvDone, payload: Array | None, error: BaseException | None
+    ) -> None:
+        """A started receive's callback: counted if it succeeded, then ``on_done``."""
+        if error is None:
+            self.received += 1
+        on_done(payload, error)
+
+    def next_call(self, op: str, group: tuple[int, ...], key: str) -> tuple[tuple[int, ...], int]:
+        """``(sorted members, call number)`` of this rank's next ``op`` on ``(group, key)``
+        (the n-th calls of every member meet); a key that is no str is a TypeError."""
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {key!r}")
+        members = tuple(sorted(group))
+        call = self.collective_calls.get((op, members, key), 0)
+        self.collective_calls[(op, members, key)] = call + 1
+        return members, call
+
+    def stats(self, undelivered: int) -> TransportStats:
+        return TransportStats(self.sent, self.received, self.bytes_sent, undelivered)
 
 
 def digest(*parts: object) -> int:

@@ -31,7 +31,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from typing import Any, NoReturn
@@ -52,7 +51,7 @@ from ppswap.core.transport import (
     complete_all,
     sum_contributions,
 )
-from ppswap.core.wire import digest, p2p_identity, wire_array
+from ppswap.core.wire import WireCounters, digest, p2p_identity, wire_array
 
 __all__ = ["P2P_TAGS", "TorchDistTransport"]
 
@@ -72,14 +71,6 @@ def _check_int(name: str, value: object, low: int, high: int) -> int:
     if not low <= value < high:
         raise ValueError(f"{name}={value} out of range; allowed: {low} <= {name} < {high}")
     return value
-
-
-@dataclass(slots=True)
-class _Counters:
-    sent: int = 0
-    received: int = 0
-    bytes_sent: int = 0
-    collective_calls: dict[tuple[str, tuple[int, ...], str], int] = field(default_factory=dict)
 
 
 def _init_default_group(backend: str, timeout: timedelta) -> None:
@@ -158,7 +149,7 @@ class TorchDistTransport:
         self._epoch = 0
         self._epoch_slots = 1
         self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
-        self._counters = _Counters()
+        self._counters = WireCounters()
         self._io = MessageIO(self._groups, device, recv_pool_bytes)
         self._device = device
         self._to_self: dict[MessageKey, Array] = {}  # messages to this rank itself
@@ -221,7 +212,7 @@ class TorchDistTransport:
             on_done(None)
             return FINISHED
         what = ("send", key, "to rank", dst)
-        done = partial(self._sent, body.nbytes, on_done)
+        done = partial(self._counters.sent_then, body.nbytes, on_done)
         return self._io.start_send(dst, tag, (self._epoch, identity), body, what, done)
 
     def start_recv(self, dst: int, src: int, key: MessageKey, on_done: RecvDone) -> Started:
@@ -238,7 +229,7 @@ class TorchDistTransport:
             self._self_callbacks[key] = on_done
             return _SelfReceive(self._self_callbacks, key, on_done)
         what = ("recv", key, "from rank", src)
-        done = partial(self._received, on_done)
+        done = partial(self._counters.received_then, on_done)
         return self._io.start_recv(src, tag, (self._epoch, identity), what, done)
 
     async def send(self, src: int, dst: int, key: MessageKey, payload: Array) -> None:
@@ -251,8 +242,7 @@ class TorchDistTransport:
             return
         what = ("send", key, "to rank", dst)
         await self._io.send(dst, tag, (self._epoch, identity), body, what)
-        self._counters.sent += 1
-        self._counters.bytes_sent += body.nbytes
+        self._counters.count_sent(body.nbytes)
 
     async def recv(self, dst: int, src: int, key: MessageKey) -> Array:
         """Wait for message ``key`` from rank ``src`` and return a new array holding it."""
@@ -280,8 +270,7 @@ class TorchDistTransport:
         receive that waits for it."""
         if key in self._to_self:
             raise RuntimeError(f"message {key} from rank {src} to itself sent twice")
-        self._counters.sent += 1
-        self._counters.bytes_sent += body.nbytes
+        self._counters.count_sent(body.nbytes)
         on_arrival = self._self_callbacks.pop(key, None)
         if on_arrival is not None:
             self._counters.received += 1
@@ -291,24 +280,9 @@ class TorchDistTransport:
         if key in self._self_waiters:
             self._self_waiters[key].set()
 
-    def _sent(self, nbytes: int, on_done: SendDone, error: BaseException | None) -> None:
-        if error is None:
-            self._counters.sent += 1
-            self._counters.bytes_sent += nbytes
-        on_done(error)
-
-    def _received(
-        self, on_done: RecvDone, payload: Array | None, error: BaseException | None
-    ) -> None:
-        if error is None:
-            self._counters.received += 1
-        on_done(payload, error)
-
     def stats(self) -> TransportStats:
         """P2P counts of this rank; ``undelivered`` = its sends not yet completed."""
-        counters = self._counters
-        pending = self._io.waiters.pending_sends
-        return TransportStats(counters.sent, counters.received, counters.bytes_sent, pending)
+        return self._counters.stats(self._io.waiters.pending_sends)
 
     # -- collectives (point-to-point exchanges among the members) ---------------------------
 
@@ -450,12 +424,7 @@ class TorchDistTransport:
         The tag hashes ``(op, sorted group, key, call number, epoch)``; the header carries
         a digest of ``(op, group, key, call number)``. The first failure is raised as itself.
         """
-        if not isinstance(key, str):
-            raise TypeError(f"key must be a str, got {key!r}")
-        members = tuple(sorted(group))
-        calls = self._counters.collective_calls
-        call = calls.get((op, members, key), 0)
-        calls[(op, members, key)] = call + 1
+        members, call = self._counters.next_call(op, group, key)
         tag = P2P_TAGS + 2 * (digest(op, members, key, call, self._epoch) % (P2P_TAGS // 2))
         identity = digest(op, group, key, call)
         header = (self._epoch, identity)
