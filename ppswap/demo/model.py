@@ -9,13 +9,14 @@ projects to the vocabulary. The causal mask is one tensor shared by every block 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mindspore as ms
 import numpy as np
 import numpy.typing as npt
 from mindspore import Tensor, nn, ops
+
+from ppswap.demo.config import LMConfig
 
 __all__ = [
     "LMConfig",
@@ -27,16 +28,6 @@ __all__ = [
     "mse_loss",
     "unsplit_loss_and_grads",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class LMConfig:
-    vocab: int = 64
-    seq: int = 32
-    dim: int = 64
-    heads: int = 4
-    layers_per_stage: int = 1
-    seed: int = 0
 
 
 class TransformerBlock(nn.Cell):  # type: ignore[misc]

@@ -15,11 +15,12 @@ Importing this module imports torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ppswap.demo.config import LMConfig
 
 __all__ = [
     "LMConfig",
@@ -29,18 +30,6 @@ __all__ = [
     "cross_entropy_loss",
     "sgd_step",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class LMConfig:
-    """The LM's sizes, as ``ppswap.demo.model.LMConfig`` (which imports MindSpore)."""
-
-    vocab: int = 64
-    seq: int = 32
-    dim: int = 64
-    heads: int = 4
-    layers_per_stage: int = 1
-    seed: int = 0
 
 
 class TransformerBlock(nn.Module):
