@@ -46,6 +46,13 @@ from mpi4py import MPI
 
 from ppswap.actors.mpi_requests import FIRST_BYTES, InFlightRequests, StartedRecv
 from ppswap.core.messages import MessageKey
+from ppswap.core.rank_args import (
+    check_int,
+    check_local,
+    check_message_key,
+    check_peer_call,
+    group_index,
+)
 from ppswap.core.transport import (
     RecvDone,
     SendDone,
@@ -72,15 +79,6 @@ Array = npt.NDArray[Any]
 
 _DEFAULT_MICRO_COUNT = 1 << 16
 _ABORT_GRACE_S = 0.5  # for mpiexec to forward what a failing rank printed (see abort)
-
-
-def _check_int(name: str, value: object, low: int, high: int) -> int:
-    """``value`` as an int in ``[low, high)``, else TypeError/ValueError naming it."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if not low <= value < high:
-        raise ValueError(f"{name}={value} out of range; allowed: {low} <= {name} < {high}")
-    return value
 
 
 class MPITransport:
@@ -112,7 +110,7 @@ class MPITransport:
         ):
             if not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ValueError(f"{name}={value!r}; allowed: a finite number >= 0")
-        _check_int("recv_pool_bytes", recv_pool_bytes, 0, 1 << 62)
+        check_int("recv_pool_bytes", recv_pool_bytes, 0, 1 << 62)
         base = MPI.COMM_WORLD if comm is None else comm
         self._p2p_comm = base.Dup()
         self._coll_comm = base.Dup()
@@ -156,8 +154,8 @@ class MPITransport:
         Every rank calls it with the same values before the run's first message. Raises
         ValueError when ``4 * num_stages * micro_count`` tags exceed ``MPI.TAG_UB``.
         """
-        _check_int("num_stages", num_stages, 1, self._tag_ub + 1)
-        _check_int("micro_count", micro_count, 1, self._tag_ub + 1)
+        check_int("num_stages", num_stages, 1, self._tag_ub + 1)
+        check_int("micro_count", micro_count, 1, self._tag_ub + 1)
         if 4 * num_stages * micro_count - 1 > self._tag_ub:
             raise ValueError(
                 f"num_stages={num_stages} and micro_count={micro_count} need "
@@ -238,9 +236,7 @@ class MPITransport:
         distinct ranks containing it, and every member passes the same tuple and ``key``.
         Arrays may differ in shape and dtype between members.
         """
-        self._check_open()
-        self._check_local("rank", rank)
-        index = self._check_group(group)
+        index = self._check_collective(rank, group)
         body = wire_array(array, "array")
         tag, identity = self._collective_tag("all_gather", group, key)
         outgoing = {j: body for j in range(len(group)) if j != index}
@@ -256,9 +252,7 @@ class MPITransport:
         a left fold in ``group`` order (``a_0 + a_1 + ...``), so it is bit-identical on
         every run; contributions must match this rank's ``arrays[i]`` in shape and dtype.
         """
-        self._check_open()
-        self._check_local("rank", rank)
-        index = self._check_group(group)
+        index = self._check_collective(rank, group)
         if not isinstance(arrays, Sequence):
             raise TypeError(f"arrays must be a list of arrays, got {type(arrays).__name__}")
         if len(arrays) != len(group):
@@ -296,7 +290,7 @@ class MPITransport:
         report a failing rank printed just before (which rank failed, and why) was seen
         lost without that pause.
         """
-        _check_int("errorcode", errorcode, 0, 256)
+        check_int("errorcode", errorcode, 0, 256)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a closed or replaced stream
                 stream.flush()
@@ -333,12 +327,13 @@ class MPITransport:
     def _check_p2p_call(self, local_name: str, local: object, peer_name: str, peer: object) -> None:
         """Raise unless the transport is open, ``local`` is this rank and ``peer`` a rank."""
         self._check_open()
-        self._check_local(local_name, local)
-        _check_int(peer_name, peer, 0, self._world_size)
+        check_peer_call(local_name, local, peer_name, peer, self._rank, self._world_size)
 
-    def _check_local(self, name: str, value: object) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value != self._rank:
-            raise ValueError(f"{name}={value!r}; allowed: this process's rank {self._rank}")
+    def _check_collective(self, rank: int, group: tuple[int, ...]) -> int:
+        """This rank's index in ``group``, after checking the call."""
+        self._check_open()
+        check_local("rank", rank, self._rank)
+        return group_index(group, self._rank, self._world_size)
 
     def _p2p_address(self, key: MessageKey) -> tuple[int, int]:
         """``(header tag, identity)`` of ``key`` in this run's layout (validated once)."""
@@ -350,10 +345,7 @@ class MPITransport:
         return address
 
     def _new_p2p_tag(self, key: MessageKey) -> int:
-        if key.direction not in ("F", "B"):
-            raise ValueError(f"key.direction={key.direction!r}; allowed: 'F' or 'B'")
-        _check_int("key.stage", key.stage, 0, self._num_stages)
-        _check_int("key.micro", key.micro, 0, self._micro_count)
+        check_message_key(key, self._num_stages, self._micro_count)
         # each epoch uses its own range of tags (while the tag space has room for more
         # than one), so that a message left over from an earlier run never matches a
         # receive of this one: not the header, which the epoch in it would catch, and not
@@ -362,17 +354,6 @@ class MPITransport:
         keys_per_epoch = 2 * self._num_stages * self._micro_count
         slot = self._epoch % self._epoch_slots
         return 2 * (slot * keys_per_epoch + key.tag(self._num_stages, self._micro_count))
-
-    def _check_group(self, group: tuple[int, ...]) -> int:
-        if not isinstance(group, tuple) or not group:
-            raise TypeError(f"group must be a non-empty tuple of ranks, got {group!r}")
-        for member in group:
-            _check_int("group member", member, 0, self._world_size)
-        if len(set(group)) != len(group) or self._rank not in group:
-            raise ValueError(
-                f"group={group} must hold distinct ranks including this rank {self._rank}"
-            )
-        return group.index(self._rank)
 
     def _collective_tag(self, op: str, group: tuple[int, ...], key: str) -> tuple[int, int]:
         """``(tag, identity)`` of this rank's next ``op`` call on ``(group, key)``."""

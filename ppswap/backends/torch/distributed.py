@@ -42,6 +42,13 @@ import torch.distributed as dist
 
 from ppswap.backends.torch.distributed_io import MessageIO
 from ppswap.core.messages import MessageKey
+from ppswap.core.rank_args import (
+    check_int,
+    check_local,
+    check_message_key,
+    check_peer_call,
+    group_index,
+)
 from ppswap.core.transport import (
     FINISHED,
     RecvDone,
@@ -62,15 +69,6 @@ _DEFAULT_MICRO_COUNT = 1 << 16
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _CLOSE_GRACE_S = 3.0
 _SECONDARY_ABORT_DELAY_S = 1.0
-
-
-def _check_int(name: str, value: object, low: int, high: int) -> int:
-    """``value`` as an int in ``[low, high)``, else TypeError/ValueError naming it."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if not low <= value < high:
-        raise ValueError(f"{name}={value} out of range; allowed: {low} <= {name} < {high}")
-    return value
 
 
 def _init_default_group(backend: str, timeout: timedelta) -> None:
@@ -125,7 +123,7 @@ class TorchDistTransport:
             raise ValueError(f"backend={backend!r}; allowed: 'gloo' or 'nccl'")
         if not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s={timeout_s!r}; allowed: a finite number > 0")
-        _check_int("recv_pool_bytes", recv_pool_bytes, 0, 1 << 62)
+        check_int("recv_pool_bytes", recv_pool_bytes, 0, 1 << 62)
         timeout = timedelta(seconds=timeout_s)
         self._owns_default_group = not dist.is_initialized()
         if self._owns_default_group:
@@ -178,8 +176,8 @@ class TorchDistTransport:
         Every rank calls it with the same values before the run's first message. Raises
         ValueError when ``4 * num_stages * micro_count`` tags exceed 2**30.
         """
-        _check_int("num_stages", num_stages, 1, P2P_TAGS + 1)
-        _check_int("micro_count", micro_count, 1, P2P_TAGS + 1)
+        check_int("num_stages", num_stages, 1, P2P_TAGS + 1)
+        check_int("micro_count", micro_count, 1, P2P_TAGS + 1)
         if 4 * num_stages * micro_count > P2P_TAGS:
             raise ValueError(
                 f"num_stages={num_stages} and micro_count={micro_count} need "
@@ -349,7 +347,7 @@ class TorchDistTransport:
         waits ``_SECONDARY_ABORT_DELAY_S`` before it exits, so that torchrun's summary
         names the rank that failed first as the root cause.
         """
-        _check_int("errorcode", errorcode, 0, 256)
+        check_int("errorcode", errorcode, 0, 256)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a closed or replaced stream
                 stream.flush()
@@ -376,45 +374,29 @@ class TorchDistTransport:
         if self._io.waiters.closed:
             raise RuntimeError("TorchDistTransport is closed")
 
-    def _check_p2p_call(self, local_name: str, local: object, peer_name: str, peer: object) -> None:
-        """Raise unless the transport is open, ``local`` is this rank and ``peer`` a rank."""
-        self._check_open()
-        self._check_local(local_name, local)
-        _check_int(peer_name, peer, 0, self._world_size)
-
-    def _check_local(self, name: str, value: object) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value != self._rank:
-            raise ValueError(f"{name}={value!r}; allowed: this process's rank {self._rank}")
-
     def _p2p_address(self, key: MessageKey) -> tuple[int, int]:
         """``(header tag, identity)`` of ``key`` in this run's layout (validated once)."""
         if not isinstance(key, MessageKey):
             raise TypeError(f"key must be a MessageKey, got {key!r}")
         address = self._p2p_addresses.get(key)
         if address is None:
-            if key.direction not in ("F", "B"):
-                raise ValueError(f"key.direction={key.direction!r}; allowed: 'F' or 'B'")
-            _check_int("key.stage", key.stage, 0, self._num_stages)
-            _check_int("key.micro", key.micro, 0, self._micro_count)
+            check_message_key(key, self._num_stages, self._micro_count)
             keys_per_epoch = 2 * self._num_stages * self._micro_count
             slot = self._epoch % self._epoch_slots  # each epoch in its own tag range
             tag = 2 * (slot * keys_per_epoch + key.tag(self._num_stages, self._micro_count))
             address = self._p2p_addresses[key] = (tag, p2p_identity(key))
         return address
 
+    def _check_p2p_call(self, local_name: str, local: object, peer_name: str, peer: object) -> None:
+        """Raise unless the transport is open, ``local`` is this rank and ``peer`` a rank."""
+        self._check_open()
+        check_peer_call(local_name, local, peer_name, peer, self._rank, self._world_size)
+
     def _check_collective(self, rank: int, group: tuple[int, ...]) -> int:
         """This rank's index in ``group``, after checking the call."""
         self._check_open()
-        self._check_local("rank", rank)
-        if not isinstance(group, tuple) or not group:
-            raise TypeError(f"group must be a non-empty tuple of ranks, got {group!r}")
-        for member in group:
-            _check_int("group member", member, 0, self._world_size)
-        if len(set(group)) != len(group) or self._rank not in group:
-            raise ValueError(
-                f"group={group} must hold distinct ranks including this rank {self._rank}"
-            )
-        return group.index(self._rank)
+        check_local("rank", rank, self._rank)
+        return group_index(group, self._rank, self._world_size)
 
     async def _exchange(
         self, op: str, group: tuple[int, ...], key: str, outgoing: dict[int, Array]
