@@ -7,24 +7,20 @@ the test instead of leaving stray ranks behind.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from process_group import Launch, run_group
 
 pytest.importorskip("mpi4py")
 
 pytestmark = pytest.mark.mpi
 
 SCRIPTS = Path(__file__).parent / "scripts"
-REPO = Path(__file__).resolve().parents[2]
 ABORT_DEADLINE_S = 10.0
 
 
@@ -37,35 +33,11 @@ MPIEXEC = find_mpiexec()
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 
-@dataclass(frozen=True)
-class Launch:
-    returncode: int
-    output: str
-    elapsed_s: float
-
-
 def launch(ranks: int, *argv: str, timeout_s: float) -> Launch:
     """Run ``mpiexec -n ranks python argv...``; kill its process group at the deadline."""
     assert MPIEXEC is not None
     command = [MPIEXEC, "-n", str(ranks), sys.executable, *argv]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"mpiexec -n {ranks} {argv} hung for {timeout_s}s:\n{output}")
-    return Launch(process.returncode, output, time.monotonic() - start)
+    return run_group(command, env={}, timeout_s=timeout_s, what=f"mpiexec -n {ranks} {argv}")
 
 
 @needs_mpiexec

@@ -7,27 +7,14 @@ leaving stray ranks behind.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from process_group import REPO, Launch, run_group
 
 __all__ = ["REPO", "SCRIPTS", "Launch", "launch"]
 
 SCRIPTS = Path(__file__).parent / "scripts"
-REPO = Path(__file__).resolve().parents[2]
-
-
-@dataclass(frozen=True)
-class Launch:
-    returncode: int
-    output: str
-    elapsed_s: float
 
 
 def launch(ranks: int, script: str, *argv: str, timeout_s: float) -> Launch:
@@ -43,21 +30,5 @@ def launch(ranks: int, script: str, *argv: str, timeout_s: float) -> Launch:
         str(SCRIPTS / script),
         *argv,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    start = time.monotonic()
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"torchrun --nproc_per_node {ranks} {script} hung for {timeout_s}s:\n{output}")
-    return Launch(process.returncode, output, time.monotonic() - start)
+    what = f"torchrun --nproc_per_node {ranks} {script}"
+    return run_group(command, env={"OMP_NUM_THREADS": "1"}, timeout_s=timeout_s, what=what)

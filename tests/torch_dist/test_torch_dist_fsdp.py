@@ -28,11 +28,7 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 import torch
-
-try:  # the shared launch helper, once it has its own module
-    from launch import launch  # type: ignore[import-not-found]
-except ImportError:
-    from test_torch_dist_transport import launch
+from launch import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_backend"))
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
