@@ -21,12 +21,11 @@ import dataclasses
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ppswap.core.transport import DistributedTransport
-from ppswap.core.transport import is_distributed as is_distributed_transport
+from ppswap.core.transport import DistributedTransport, is_distributed
 from ppswap.results import RankStats
 
 __all__ = [
@@ -40,13 +39,9 @@ __all__ = [
 _RESULT_KEY = "ppswap.run_result"
 
 
-def is_distributed(transport: object) -> TypeGuard[DistributedTransport]:
-    return is_distributed_transport(transport)
-
-
 def configure_transport(transport: object, num_stages: int, micro_count: int) -> None:
     """Give a distributed transport the run's tag layout (and a new epoch)."""
-    if is_distributed_transport(transport):
+    if is_distributed(transport):
         transport.configure(num_stages, micro_count)
 
 
