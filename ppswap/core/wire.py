@@ -3,9 +3,9 @@ one): message headers, payload encoding, receive pool.
 
 Pure numpy and the standard library (no MPI or framework import), so it is testable and
 readable on its own, and both transports share it. A message is a header (magic, epoch,
-identity, byte count, ``dtype.str``, shape) followed, for payloads up to
-``INLINE_MAX_BYTES``, by the payload itself; larger payloads travel as a second message
-(see ``ppswap.actors.mpi``).
+identity, byte count, ``dtype.str``, shape) followed, for payloads up to the transport's
+inline limit (``INLINE_MAX_BYTES`` for ``MPITransport``), by the payload itself; larger
+payloads travel as a second message (see ``ppswap.actors.mpi``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ MAX_NDIM = 32
 # magic, epoch, identity, nbytes, ndim, page offset of the sender's body, dtype.str
 HEADER_STRUCT = struct.Struct("<Qqqqqq32s")  # then ndim int64 dims
 HEADER_MAX_BYTES = HEADER_STRUCT.size + 8 * MAX_NDIM
-INLINE_MAX_BYTES = 16 * 1024  # payloads up to this size travel inside the header message
+INLINE_MAX_BYTES = 16 * 1024  # MPITransport inlines payloads up to this size in the header
 POOL_MIN_BYTES = 128 << 10  # glibc serves allocations from this size up with fresh mmaps
 PAGE_BYTES = 4096
 SHAPE_STRUCTS = tuple(struct.Struct(f"<{ndim}q") for ndim in range(MAX_NDIM + 1))
@@ -197,8 +197,16 @@ def wire_array(payload: object, name: str) -> Array:
     return payload if payload.flags.c_contiguous else payload.copy(order="C")
 
 
-def encode_message(epoch: int, identity: int, body: Array, page_offset: int = 0) -> bytes:
-    """The header, followed by the payload itself when it is small enough to inline.
+def encode_message(
+    epoch: int,
+    identity: int,
+    body: Array,
+    page_offset: int = 0,
+    inline_max_bytes: int = INLINE_MAX_BYTES,
+) -> bytearray:
+    """The header, followed by the payload itself when it has at most ``inline_max_bytes``
+    (the transport's limit: its receivers post buffers of ``HEADER_MAX_BYTES`` plus that
+    much). One writable buffer, the payload copied into it once.
 
     ``body`` comes from ``wire_array`` (so its dtype is known to be sendable);
     ``page_offset`` is how far into its page a body sent as a second message starts, for
@@ -206,12 +214,25 @@ def encode_message(epoch: int, identity: int, body: Array, page_offset: int = 0)
     """
     ndim = body.ndim
     nbytes = body.nbytes
-    header = HEADER_STRUCTS[ndim].pack(
-        MAGIC, epoch, identity, nbytes, ndim, page_offset, wire_dtype(body.dtype), *body.shape
+    struct_of = HEADER_STRUCTS[ndim]
+    inline = 0 < nbytes <= inline_max_bytes
+    message = bytearray(struct_of.size + (nbytes if inline else 0))
+    struct_of.pack_into(
+        message,
+        0,
+        MAGIC,
+        epoch,
+        identity,
+        nbytes,
+        ndim,
+        page_offset,
+        wire_dtype(body.dtype),
+        *body.shape,
     )
-    if 0 < nbytes <= INLINE_MAX_BYTES:
-        return header + body.tobytes()
-    return header
+    if inline:
+        payload = np.frombuffer(message, dtype=np.uint8, offset=struct_of.size)
+        np.copyto(payload.view(body.dtype).reshape(body.shape), body, casting="no")
+    return message
 
 
 @functools.lru_cache(maxsize=256)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ppswap.actors.distributed import AbortingTransport, gather_results, is_distributed
 from ppswap.backends.torch.distributed import P2P_TAGS, TorchDistTransport
-from ppswap.backends.torch.distributed_io import MessageIO
+from ppswap.backends.torch.distributed_io import DEFAULT_INLINE_MAX_BYTES, MessageIO
 from ppswap.backends.torch.distributed_wait import Waiters, WorkError, host_tensor
 from ppswap.core.messages import MessageKey
 from ppswap.core.transport import CollectiveTransport, DistributedTransport, Transport
@@ -45,7 +45,10 @@ PAYLOADS = {
     "datetime": np.arange(3).astype("datetime64[ns]"),
     "strings": np.array(["ab", "xyz"], dtype="<U3"),
     "not contiguous": np.arange(40, dtype=np.int64).reshape(5, 8)[:, ::3],
-    "above inline": np.linspace(-1, 1, INLINE_MAX_BYTES // 4 + 1, dtype=np.float32),
+    "above MPI's inline limit": np.linspace(-1, 1, INLINE_MAX_BYTES // 4 + 1, dtype=np.float32),
+    "above the torch inline limit": np.linspace(
+        -1, 1, DEFAULT_INLINE_MAX_BYTES // 4 + 1, dtype=np.float32
+    ),
 }
 
 
@@ -96,18 +99,19 @@ def test_host_tensor_of_a_read_only_array_warns_nothing() -> None:
         assert host_tensor(array).numpy().tobytes() == array.tobytes()
 
 
+@pytest.mark.parametrize("limit", [INLINE_MAX_BYTES, DEFAULT_INLINE_MAX_BYTES])
 @pytest.mark.parametrize("name", sorted(PAYLOADS))
-def test_a_header_in_a_larger_buffer_decodes_to_the_same_array(name: str) -> None:
+def test_a_header_in_a_larger_buffer_decodes_to_the_same_array(name: str, limit: int) -> None:
     body = np.ascontiguousarray(PAYLOADS[name])
-    message = bytearray(encode_message(5, 42, body))
-    received = bytearray(b"\xff" * (HEADER_MAX_BYTES + INLINE_MAX_BYTES))  # as gloo fills it
+    message = encode_message(5, 42, body, inline_max_bytes=limit)
+    received = bytearray(b"\xff" * (HEADER_MAX_BYTES + limit))  # as gloo fills it
     torch.frombuffer(received, dtype=torch.uint8)[: len(message)].copy_(
         torch.frombuffer(message, dtype=torch.uint8)
     )
     nbytes, dtype, shape, size, _ = decode_header(received, 5, 42, ("recv", name))
     assert (nbytes, dtype, shape) == (body.nbytes, body.dtype, body.shape)
     inlined = len(message) > size
-    assert inlined == (0 < body.nbytes <= INLINE_MAX_BYTES)
+    assert inlined == (0 < body.nbytes <= limit)
     if inlined:
         raw = np.frombuffer(received[size : size + nbytes], dtype=np.uint8)
         assert same_bits(np.ndarray(shape, dtype, raw), body)
@@ -254,6 +258,8 @@ def test_construction_validates_and_names_what_is_missing(
         TorchDistTransport(backend="mpi")
     with pytest.raises(ValueError, match="timeout_s=0"):
         TorchDistTransport(timeout_s=0)
+    with pytest.raises(ValueError, match="inline_max_bytes=-1 out of range"):
+        TorchDistTransport(inline_max_bytes=-1)
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set"):

@@ -9,8 +9,9 @@ At 2 processes every case: GPipe, 1F1B and Interleaved (vpp 2) in every P2P mode
 with ``split_dw``, and 1F1B and Interleaved with ``overlap_b_f`` with and without
 ``split_dw``. At 4 processes every family in every P2P mode, and each variant of each
 family once (the P2P mode rotating). Both also run three cases with activations above the
-transport's 16 KiB inline limit (one per P2P mode). A last launch perturbs two cases'
-results on purpose and must fail, naming them, so the checks cannot pass vacuously.
+16 KiB inline limit the script gives its transport (one per P2P mode). A last launch
+perturbs two cases' results on purpose and must fail, naming them, so the checks cannot
+pass vacuously.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ FOUR_RANK_CASES = [f"{f}-{p2p}" for f in VARIANTS for p2p in P2P_MODES] + [
     for i, v in enumerate(variants[1:])
 ]
 # Micro-batches of 160 samples: activations and gradients of 20 KiB, sent as a header and
-# a body (above the transport's 16 KiB inline limit), in each P2P mode.
+# a body (above the script's 16 KiB inline limit), in each P2P mode.
 BIG_CASES = ["gpipe-boundary-big", "1f1b-plain-overlap-big", "interleaved-batch-dw-overlap-big"]
 CASES_BY_RANKS = {2: EVERY_CASE + BIG_CASES, 4: FOUR_RANK_CASES + BIG_CASES}
 

@@ -6,7 +6,8 @@ the design and the measured figures. In short:
 - Construction creates the transport's own gloo group (a collective call, like
   ``MPI.Comm.Dup``), so its tags never meet the application's. Messages use
   ``MPITransport``'s wire format (``ppswap.core.wire``): a header on tag ``2t`` carrying
-  payloads of up to 16 KiB, a larger payload's raw bytes on tag ``2t + 1``
+  payloads of up to ``inline_max_bytes`` (1 MiB by default; the same on every rank,
+  checked at construction), a larger payload's raw bytes on tag ``2t + 1``
   (``distributed_io``).
 - gloo matches a receive by ``(source, tag)``, in posting order within a tag (verified,
   torch 2.13). P2P tags ``t`` come from ``MessageKey.tag`` below 2**30, in a range per
@@ -40,7 +41,7 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from ppswap.backends.torch.distributed_io import MessageIO
+from ppswap.backends.torch.distributed_io import DEFAULT_INLINE_MAX_BYTES, MessageIO
 from ppswap.core.messages import MessageKey
 from ppswap.core.rank_args import (
     check_int,
@@ -68,6 +69,7 @@ P2P_TAGS = 1 << 30  # P2P tags lie below, collective tags from here up to 2**31 
 _DEFAULT_MICRO_COUNT = 1 << 16
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _CLOSE_GRACE_S = 3.0
+_INLINE_LIMIT = 64 << 20  # every posted receive holds a buffer of the inline limit
 _SECONDARY_ABORT_DELAY_S = 1.0
 
 
@@ -82,6 +84,18 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def _check_same_everywhere(name: str, value: int, group: dist.ProcessGroup) -> None:
+    """Raise ValueError on every rank unless every rank of ``group`` passed ``value``."""
+    values = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.int64), group=group)
+    found = [int(v.item()) for v in values]
+    if len(set(found)) > 1:
+        raise ValueError(
+            f"{name} must be the same on every rank, got {found} by rank: a receiver sizes "
+            "its buffers by its own value, and the senders must keep to it"
+        )
 
 
 class _SelfReceive:
@@ -108,7 +122,10 @@ class TorchDistTransport:
     collective call: every rank constructs its transport, in the same order relative to
     its other group creations. Ranks are global ranks. ``timeout_s`` bounds every gloo
     operation; ``abort_on_failure`` asks the runtime to ``abort`` the job when this rank
-    fails (``ppswap.actors.distributed.abort_job``).
+    fails (``ppswap.actors.distributed.abort_job``). Payloads of up to ``inline_max_bytes``
+    travel in one message (copied into it), larger ones as a second message of their own
+    bytes; every rank must pass the same value (a mismatch raises ``ValueError`` on every
+    rank).
     """
 
     def __init__(
@@ -118,12 +135,14 @@ class TorchDistTransport:
         timeout_s: float = 1800.0,
         recv_pool_bytes: int = 256 << 20,
         abort_on_failure: bool = True,
+        inline_max_bytes: int = DEFAULT_INLINE_MAX_BYTES,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}; allowed: 'gloo' or 'nccl'")
         if not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s={timeout_s!r}; allowed: a finite number > 0")
         check_int("recv_pool_bytes", recv_pool_bytes, 0, 1 << 62)
+        check_int("inline_max_bytes", inline_max_bytes, 0, _INLINE_LIMIT + 1)
         timeout = timedelta(seconds=timeout_s)
         self._owns_default_group = not dist.is_initialized()
         if self._owns_default_group:
@@ -136,6 +155,7 @@ class TorchDistTransport:
             )
             if backend == "nccl":  # bodies: one group low -> high ranks, one high -> low
                 self._groups += [dist.new_group(backend="nccl", timeout=timeout) for _ in "lh"]
+            _check_same_everywhere("inline_max_bytes", inline_max_bytes, self._groups[0])
         except BaseException:
             self._destroy_groups()
             raise
@@ -148,7 +168,7 @@ class TorchDistTransport:
         self._epoch_slots = 1
         self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
         self._counters = WireCounters()
-        self._io = MessageIO(self._groups, device, recv_pool_bytes)
+        self._io = MessageIO(self._groups, device, recv_pool_bytes, inline_max_bytes)
         self._device = device
         self._to_self: dict[MessageKey, Array] = {}  # messages to this rank itself
         self._self_waiters: dict[MessageKey, anyio.Event] = {}

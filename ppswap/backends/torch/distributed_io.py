@@ -1,10 +1,16 @@
 """One message over torch.distributed: the header, the body, and how they are matched.
 
-A message is ``ppswap.core.wire``'s format on a gloo group: the header (payloads of up to
-16 KiB inside it) on tag ``t``, a larger payload's raw bytes on tag ``t + 1``. gloo lets
-a receive buffer be larger than the message, so every header lands in a buffer of the
-largest header size; once it is in, the waiting thread decodes it and posts the body's
+A message is ``ppswap.core.wire``'s format on a gloo group: the header on tag ``t``, with
+the payload inside it up to ``inline_max_bytes`` (``DEFAULT_INLINE_MAX_BYTES``, 1 MiB),
+a larger payload's raw bytes on tag ``t + 1``. gloo lets a receive buffer be larger than
+the message, so every header lands in a (reused) buffer of the largest header size plus
+the inline limit; once it is in, the waiting thread decodes it and posts the body's
 receive itself (one wake-up of the event loop per message).
+
+Why 1 MiB, where ``MPITransport`` inlines up to 16 KiB: every gloo message costs the
+receiver a wake-up of a waiting thread and the sender a rendezvous; up to about that size
+that costs more than copying the payload into the header message and out of it (once on
+each side; a body travels without a copy). ``docs/torch_dist.md`` has the measurement.
 
 With NCCL bodies (``device`` set): NCCL ignores tags and matches a pair's operations in
 posting order, and a pair's sends and receives share one CUDA stream per group. So bodies
@@ -39,19 +45,18 @@ from ppswap.backends.torch.distributed_wait import (
 from ppswap.core.transport import FINISHED, Started
 from ppswap.core.wire import (
     HEADER_MAX_BYTES,
-    INLINE_MAX_BYTES,
     RecvBufferPool,
     decode_header,
     describe,
     encode_message,
 )
 
-__all__ = ["MessageIO"]
+__all__ = ["DEFAULT_INLINE_MAX_BYTES", "MessageIO"]
 
 Array = npt.NDArray[Any]
 Header = tuple[int, np.dtype[Any], tuple[int, ...], int, int]
 
-_FIRST_BYTES = HEADER_MAX_BYTES + INLINE_MAX_BYTES  # the header message, inline payload included
+DEFAULT_INLINE_MAX_BYTES = 1 << 20
 
 
 class MessageIO:
@@ -59,11 +64,16 @@ class MessageIO:
     two NCCL groups when ``device`` is a CUDA device), on the event loop's thread.
 
     ``what`` names a message in errors. A failed operation raises ``RuntimeError`` naming
-    the message and sets ``peer_failed``.
+    the message and sets ``peer_failed``. ``inline_max_bytes``: payloads up to this size
+    travel inside the header message (every rank must use the same).
     """
 
     def __init__(
-        self, groups: list[dist.ProcessGroup], device: torch.device | None, recv_pool_bytes: int
+        self,
+        groups: list[dist.ProcessGroup],
+        device: torch.device | None,
+        recv_pool_bytes: int,
+        inline_max_bytes: int = DEFAULT_INLINE_MAX_BYTES,
     ) -> None:
         self.waiters = Waiters()
         self.peer_failed = False
@@ -72,7 +82,9 @@ class MessageIO:
         self._rank = dist.get_rank()
         self._recv_pool = RecvBufferPool(recv_pool_bytes)
         self._pool_lock = threading.Lock()  # the waiting threads take buffers too
-        self._header_buffers: list[bytearray] = []  # free receive buffers of _FIRST_BYTES
+        self._inline_max_bytes = inline_max_bytes
+        self._first_bytes = HEADER_MAX_BYTES + inline_max_bytes  # a header, payload inline
+        self._header_buffers: list[bytearray] = []  # free receive buffers of _first_bytes
         self._body_locks: dict[int, anyio.Lock] = {}  # NCCL: one body per peer at a time
         self._failed_send: str | None = None  # a send nobody awaited failed (see send)
 
@@ -137,10 +149,10 @@ class MessageIO:
         """Post the header message: its work, or None for a payload inside it (then the
         send is waited for in the background, and a failure fails the next call)."""
         self._check_failed_send()
-        message = bytearray(encode_message(*header, body))  # writable: torch warns otherwise
-        header_tensor = torch.frombuffer(message, dtype=torch.uint8)
+        message = encode_message(*header, body, inline_max_bytes=self._inline_max_bytes)
+        header_tensor = torch.frombuffer(message, dtype=torch.uint8)  # writable: no warning
         works: Posted = [(self._post(dist.isend, header_tensor, dst, tag), False)]
-        if body.nbytes <= INLINE_MAX_BYTES:
+        if body.nbytes <= self._inline_max_bytes:
             self.waiters.start(works, p2p_send, lambda error: self._send_failed(error, what))
             return None
         return works
@@ -171,7 +183,7 @@ class MessageIO:
         """The message from ``src`` on ``tag``, checked against ``(epoch, identity)``."""
         first, works, post_body, found, bodies = self._post_recv(src, tag, header, what)
         await self._complete(works, what, then=post_body)
-        if self._device is None or found[0][0] <= INLINE_MAX_BYTES:
+        if self._device is None or found[0][0] <= self._inline_max_bytes:
             return self._landed(first, found[0], bodies)
         nbytes, dtype, shape, _, _ = found[0]
         self._header_buffers.append(first)
@@ -196,7 +208,8 @@ class MessageIO:
         decodes the header on the waiting thread and posts a gloo body's receive, and the
         lists that continuation fills (the header's fields, the body's buffer)."""
         self._check_failed_send()
-        first = self._header_buffers.pop() if self._header_buffers else bytearray(_FIRST_BYTES)
+        buffers = self._header_buffers
+        first = buffers.pop() if buffers else bytearray(self._first_bytes)
         posted = self._post(dist.irecv, torch.frombuffer(first, dtype=torch.uint8), src, tag)
         found: list[Header] = []
         bodies: list[Array] = []
@@ -204,7 +217,7 @@ class MessageIO:
         def post_body() -> Posted | None:  # on the waiting thread, once the header is in
             found.append(decode_header(first, *header, what))
             nbytes = found[0][0]
-            if nbytes <= INLINE_MAX_BYTES or self._device is not None:
+            if nbytes <= self._inline_max_bytes or self._device is not None:
                 return None
             with self._pool_lock:
                 bodies.append(raw := self._recv_pool.take(nbytes))
@@ -216,7 +229,7 @@ class MessageIO:
         """The array of a received message whose payload is inline or in ``bodies``; the
         header buffer goes back for reuse."""
         nbytes, dtype, shape, size, _ = found
-        if nbytes <= INLINE_MAX_BYTES:
+        if nbytes <= self._inline_max_bytes:
             inline = first[size : size + nbytes]  # a copy
             self._header_buffers.append(first)
             return np.ndarray(shape, dtype, np.frombuffer(inline, dtype=np.uint8))

@@ -1,7 +1,7 @@
 """Run under ``torchrun --nproc_per_node N`` (N >= 2): TorchDistTransport across processes.
 
 1. Every rank exchanges arrays of many shapes and dtypes (empty, 0-d, odd shapes, not
-   contiguous, below and above the 16 KiB inline limit) with every other rank, in both
+   contiguous, below and above the 1 MiB inline limit) with every other rank, in both
    directions, started concurrently in shuffled orders with random delays, so messages
    arrive out of order; every payload is checked bit-exact.
 2. ``all_gather`` and ``reduce_scatter_sum`` on the whole world, on a sub-group given in
@@ -10,6 +10,8 @@
    contributions (all members simulated in this process).
 3. A mismatched ``reduce_scatter_sum`` raises ValueError on every rank (no hang), and a
    message left unreceived in one epoch never reaches a receive of the next.
+4. A second transport constructed with a different ``inline_max_bytes`` on each rank
+   raises ValueError on every rank.
 
 A rank that finds a mismatch prints it and aborts the job, so torchrun exits non-zero.
 """
@@ -49,12 +51,12 @@ def payload(src: int, dst: int, index: int) -> Array:
         (rng.standard_normal((2, 3)) + 1j * rng.standard_normal((2, 3))).astype(np.complex64),
         np.array(["ab", "xyz", str(src)], dtype="<U3"),
         (np.arange(4) + src).astype("datetime64[ns]"),
-        # above the 16 KiB inline limit: a second message of raw bytes
-        rng.standard_normal((129, 33)).astype(np.float32),  # 17028 bytes, just above
-        rng.standard_normal(1 << 18).astype(np.float32),  # 1 MiB
-        rng.integers(0, 2, size=(150, 150)).astype(np.bool_)[:, ::-1],  # not contiguous
-        rng.standard_normal((16, 32, 20)).astype(">f8"),  # big-endian
-        rng.standard_normal((2047,)).astype(np.float64),  # 16376 bytes, just below
+        rng.standard_normal((129, 33)).astype(np.float32),  # 17028 bytes
+        # above the 1 MiB inline limit: a second message of raw bytes
+        rng.standard_normal((1 << 18) + 1).astype(np.float32),  # 4 bytes above
+        rng.integers(0, 2, size=(1100, 1000)).astype(np.bool_)[:, ::-1],  # not contiguous
+        rng.standard_normal((64, 64, 40)).astype(">f8"),  # big-endian
+        rng.standard_normal(1 << 17).astype(np.float64),  # 1 MiB: the largest inline
     ]
     return cases[index % len(cases)]
 
@@ -212,10 +214,22 @@ async def main(transport: TorchDistTransport) -> None:
     )
 
 
+def mismatched_inline_limit(rank: int) -> None:
+    """Ranks that disagree on ``inline_max_bytes`` are refused when the transport is made."""
+    try:
+        TorchDistTransport(timeout_s=120, inline_max_bytes=1024 * (rank + 1))
+    except ValueError as error:
+        if "inline_max_bytes must be the same on every rank" not in str(error):
+            raise
+    else:
+        raise AssertionError(f"rank {rank}: ranks disagreeing on inline_max_bytes were accepted")
+
+
 if __name__ == "__main__":
     with TorchDistTransport(timeout_s=120) as torch_transport:
         try:
             anyio.run(main, torch_transport)
+            mismatched_inline_limit(torch_transport.rank)
         except BaseException:
             print(f"rank {torch_transport.rank} FAILED", file=sys.stderr, flush=True)
             traceback.print_exc()

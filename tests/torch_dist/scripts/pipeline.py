@@ -6,8 +6,9 @@ A case is ``SCHEDULE-P2P[-dw][-overlap][-big]``: SCHEDULE ``gpipe``, ``1f1b`` or
 ``interleaved`` (vpp 2), P2P ``plain``, ``batch`` or ``boundary``, ``-dw`` for
 ``split_dw``, ``-overlap`` for ``overlap_b_f``. The run has pp = N ranks, N * vpp stages
 and 2 * N micro-batches of 2 samples (``-big``: 160 samples, so every activation and
-gradient between ranks is 20 KiB, above the transport's 16 KiB inline limit, and travels
-as a header and a body), ``min_swap_gap=2`` (so 1F1B at pp 2 swaps too).
+gradient between ranks is 20 KiB, above the 16 KiB inline limit this script gives its
+transport (``INLINE_MAX_BYTES``), and travels as a header and a body), ``min_swap_gap=2``
+(so 1F1B at pp 2 swaps too).
 
 Every process builds all stages from one seed (the attention + MLP stage model of
 ``tests/torch_backend/torch_support.py``, both blocks swap-wrapped), keeps its own
@@ -53,6 +54,7 @@ from torch import nn
 
 from ppswap import PipelineStage, RankStats, run_schedule
 from ppswap.backends.torch.distributed import TorchDistTransport
+from ppswap.core.wire import INLINE_MAX_BYTES
 from ppswap.scheduler.config import P2PMode, ScheduleConfig, ScheduleName
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.swap_plan import eligible_chunks
@@ -307,7 +309,7 @@ def parse() -> tuple[list[Case], dict[str, str]]:
 
 if __name__ == "__main__":
     chosen, perturbations = parse()
-    with TorchDistTransport(timeout_s=120) as torch_transport:
+    with TorchDistTransport(timeout_s=120, inline_max_bytes=INLINE_MAX_BYTES) as torch_transport:
         try:
             failed = anyio.run(main, torch_transport, chosen, perturbations)
         except BaseException:
