@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("torch")
 import torch
 import torch.distributed as dist
+from fake_work import FakeWork
 
 from ppswap.actors.distributed import AbortingTransport, gather_results, is_distributed
 from ppswap.backends.torch.distributed import P2P_TAGS, TorchDistTransport
@@ -281,28 +282,6 @@ def test_construction_from_the_environment_owns_the_default_group(
 
 
 # -- the waiting threads, with stand-in works -------------------------------------------------
-
-
-class FakeWork:
-    """Completes when ``finish()`` is called; ``wait()`` blocks until then (as gloo's)."""
-
-    def __init__(self, error: str | None = None) -> None:
-        self._done = threading.Event()
-        self._error = error
-        self.waited = False
-
-    def finish(self) -> None:
-        self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> bool:
-        self.waited = True
-        self._done.wait(30)
-        if self._error is not None:
-            raise RuntimeError(self._error)
-        return True
 
 
 def test_waiters_complete_and_run_the_continuation() -> None:

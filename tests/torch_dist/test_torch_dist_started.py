@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("torch")
 import torch.distributed as dist
+from fake_work import FakeWork
 
 from ppswap.backends.torch.distributed import TorchDistTransport
 from ppswap.backends.torch.distributed_wait import Waiters, WorkError
@@ -29,26 +30,6 @@ from ppswap.core.messages import MessageKey
 from ppswap.core.transport import CallbackTransport
 
 Array = npt.NDArray[Any]
-
-
-class FakeWork:
-    """Completes when ``finish()`` is called; ``wait()`` blocks until then (as gloo's)."""
-
-    def __init__(self, error: str | None = None) -> None:
-        self._done = threading.Event()
-        self._error = error
-
-    def finish(self) -> None:
-        self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> bool:
-        self._done.wait(30)
-        if self._error is not None:
-            raise RuntimeError(self._error)
-        return True
 
 
 @pytest.fixture
