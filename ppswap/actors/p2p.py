@@ -269,8 +269,7 @@ class P2PActor:
         else:
             transport.expect(self.rank, request.src, request.key, request.reply.set_result)
         if self._log_steps:
-            event = "send" if isinstance(request, SendRequest) else "recv"
-            log_step(self._log, event, request.step, self._generation, peer=request.step.peer)
+            self._log_message(request)
 
     # -- the callback path ----------------------------------------------------------------
     def _start(self, transport: CallbackTransport, request: SendRequest | RecvRequest) -> None:
@@ -307,8 +306,7 @@ class P2PActor:
             if self._recorder.keeps_spans:
                 self._recorder.add_span(self.rank, self.actor_name, _label(request), op.started_us)
             if self._log_steps:
-                event = "send" if isinstance(request, SendRequest) else "recv"
-                log_step(self._log, event, request.step, self._generation, peer=request.step.peer)
+                self._log_message(request)
         else:
             self._fail(request, error)
         if not self._started and self._idle is not None:
@@ -375,14 +373,18 @@ class P2PActor:
                     payload = await self._transport.recv(self.rank, request.src, request.key)
                     request.reply.set_result(payload)
             if self._log_steps:
-                event = label.split(" ", 1)[0]
-                log_step(self._log, event, step, self._generation, peer=step.peer)
+                self._log_message(request)
         except Exception as exc:
             error = self._named(exc, label, step)
             request.reply.fail(error)
             raise error from exc
         finally:
             self._pending.pop(id(request), None)
+
+    def _log_message(self, request: SendRequest | RecvRequest) -> None:
+        """The structured log event of a send or receive that completed."""
+        event = "send" if isinstance(request, SendRequest) else "recv"
+        log_step(self._log, event, request.step, self._generation, peer=request.step.peer)
 
     def _named(self, error: BaseException, label: str, step: MetaStep) -> PipelineError:
         message = f"{label} failed: {error!r}"
