@@ -7,6 +7,12 @@ launch that follows it, a swap wait whose copy is done and the BWD after it. The
 the steps' bodies in order and times each one on the thread; the first body that raises
 ends the job, and the outcome says which step it was. ``StepBodies`` holds those bodies.
 
+When the rank is the only one of its process, a FWD or BWD whose received input is not
+there yet can still join a batch: its job carries the receive's ``Arrival``, and the
+thread waits for it (with the step deadline) before the body runs, instead of ending the
+batch and going back to the event loop (``core.arrival``). The wait is not in the step's
+timing.
+
 A job whose result is sent to another rank (a FWD or BWD followed by its SEND) is
 *announced*: its result goes to the event loop as soon as the body returns, so the send
 leaves while the batch's later steps still run. A batch *yields* before a compute leaf
@@ -18,12 +24,14 @@ compete for it (as a copy's start does: swap steps go on the urgent lane).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
+from ppswap.core.arrival import Arrival
 from ppswap.core.messages import Payload
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage, StageCollector
@@ -36,6 +44,7 @@ __all__ = [
     "StepBodies",
     "StepJob",
     "SwapDriver",
+    "after_arrival",
     "payload_maker",
     "run_batch",
 ]
@@ -58,12 +67,20 @@ COMPUTE_JOB_KINDS = frozenset(JOB_KINDS) - SWAP_JOB_KINDS
 @dataclass(frozen=True, slots=True)
 class StepJob:
     """The compute-thread body of one step: ``run()`` (its result goes back to the loop;
-    ``announce``: as soon as it returns, not with the batch's outcome)."""
+    ``announce``: as soon as it returns, not with the batch's outcome; ``arrival``: the
+    received input the thread waits for before ``run``, which reads it: ``after_arrival``)."""
 
     step: MetaStep
     kind: str
     run: Callable[[], Any]
     announce: bool = False
+    arrival: Arrival | None = None
+
+
+def after_arrival(arrival: Arrival, body: Callable[..., Any], *rest: Any) -> Any:
+    """``body(payload, *rest)`` with the payload ``arrival`` landed with (``run_batch``
+    waited for it before the job's run)."""
+    return body(arrival.wait(0.0), *rest)
 
 
 _MAKES_PAYLOAD_OF = {
@@ -112,10 +129,13 @@ def run_batch(
     jobs: Sequence[StepJob],
     announce: Callable[[int, Any], None] | None = None,
     yield_to: Callable[[], bool] | None = None,
+    arrival_timeout_s: float = math.inf,
 ) -> BatchOutcome:
     """Compute thread: run ``jobs`` in order, stopping at the first that raises; after an
     announced job, ``announce(index, result)``; before a compute leaf other than the
-    first, stop if ``yield_to()`` (other work waits for the thread)."""
+    first, stop if ``yield_to()`` (other work waits for the thread). A job's ``arrival``
+    is waited for first, up to ``arrival_timeout_s`` (``ArrivalTimeoutError``: the job
+    fails)."""
     results: list[Any] = []
     started: list[float] = []
     seconds: list[float] = []
@@ -123,6 +143,11 @@ def run_batch(
     for index, job in enumerate(jobs):
         if index and yield_to is not None and job.kind in COMPUTE_JOB_KINDS and yield_to():
             break
+        try:
+            if job.arrival is not None:
+                job.arrival.wait(arrival_timeout_s)
+        except Exception as exc:
+            return BatchOutcome(results, started, seconds, exc)
         begin = clock()
         try:
             result = job.run()

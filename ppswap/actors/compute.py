@@ -9,7 +9,11 @@ of the batch makes: that job is announced (its result comes back to the loop as 
 it returns, ``_send_early``) and the send is posted then, while the thread runs the
 batch's later steps. A SEND_* of anything else, a BATCH_SEND_RECV, a composite and an
 FSDP step end the batch. A local step is ready when its inputs
-are: a FWD/BWD's received payload has arrived, a SWAP_WAIT's copy has completed. When the
+are: a FWD/BWD's received payload has arrived, a SWAP_WAIT's copy has completed. With
+``arrival_waits`` (the rank is alone in its process, without FSDP or a fault plan), a
+FWD/BWD whose payload is still on its way is ready too: its job waits for the payload on
+the compute thread (``core.arrival``), so a batch runs on through the receives instead of
+coming back to the loop for each. When the
 first local step is not ready the actor waits for it (with the step deadline); the time
 blocked at a SWAP_WAIT_* is the *exposed* copy wait. A batch that starts with a swap step
 goes on the thread's urgent lane (``DedicatedThread.run_urgent``): in-process ranks share
@@ -71,6 +75,7 @@ from ppswap.actors.local_steps import LAUNCH_OF_WAIT, LEAVES, LOCAL_KINDS, Local
 from ppswap.actors.mail import RankMail
 from ppswap.actors.p2p import P2PChannel
 from ppswap.actors.trace import FlightRecorder
+from ppswap.core.arrival import ArrivalTimeoutError
 from ppswap.core.executor import DedicatedThread, JobDeadlineError, loop_caller
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.core.messages import (
@@ -142,6 +147,7 @@ class ComputeActor:
         log_steps: bool = False,
         faults: FaultPlan | None = None,
         host_payloads: bool = True,
+        arrival_waits: int = 0,
     ) -> None:
         self.rank = rank
         self._order = order
@@ -168,7 +174,8 @@ class ComputeActor:
         )
         self._faults = faults
         self._errors = StepFailures(rank, self.actor_name, recorder)
-        self._mail = RankMail(p2p, self._errors.failure)
+        self._arrival_waits = arrival_waits
+        self._mail = RankMail(p2p, self._errors.failure, arrivals=arrival_waits > 0)
         self._local = LocalSteps(stages, data, self._mail, bodies, session, self._errors.failure)
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
         self.losses: dict[int, float] = {}
@@ -252,7 +259,11 @@ class ComputeActor:
         one); return the index of the next step to look at."""
         order, fsdp = self._order, self._fsdp
         plan, index = self._local.next_batch(
-            order, index, self._post_receive, one_leaf=fsdp is not None
+            order,
+            index,
+            self._post_receive,
+            one_leaf=fsdp is not None,
+            arrival_waits=self._arrival_waits,
         )
         if not plan.jobs:
             if index < len(order) and order[index].kind in LOCAL_KINDS:
@@ -317,12 +328,24 @@ class ComputeActor:
         if sends:
             call = loop_caller()
             announce = partial(call, self._send_early, early)
+        arrivals = [job.arrival for job in jobs if job.arrival is not None]
+        outcome: BatchOutcome | None = None
         try:
-            outcome: BatchOutcome = await self._call(
-                run_batch, jobs, announce, self._compute.has_waiting, urgent=urgent
+            outcome = await self._call(
+                run_batch,
+                jobs,
+                announce,
+                self._compute.has_waiting,
+                self._timeout_s,
+                urgent=urgent,
+                # each arrival is waited for with the step deadline on its own
+                timeout_s=self._timeout_s * (1 + len(arrivals)),
             )
         finally:
             early.open = False  # an announcement still queued is dropped
+            if outcome is None:  # cancelled or failed: free a thread blocked on an arrival
+                for arrival in arrivals:
+                    arrival.abandon("the run stopped while the compute thread waited for it")
         self._batches += 1
         ran = len(outcome.results)
         for index, (job, result, seconds) in enumerate(
@@ -346,6 +369,8 @@ class ComputeActor:
             failed = jobs[len(outcome.results)].step
             self._current = failed
             recorder.note(rank, self.actor_name, "FAILED", failed, type(outcome.error).__name__)
+            if isinstance(outcome.error, ArrivalTimeoutError):
+                raise self._errors.hang(failed, str(outcome.error)) from outcome.error
             raise self._errors.named(failed, outcome.error)
         recorder.note(rank, self.actor_name, "end", jobs[-1].step)
 
@@ -480,17 +505,23 @@ class ComputeActor:
         del self._waiting[id(future)]
         return result
 
-    async def _call(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
-        """Run on the compute thread with the step deadline (the job itself cannot be
-        interrupted: on a missed deadline the run fails and teardown waits for it).
-        ``urgent``: on the thread's urgent lane, ahead of the leaves queued there."""
+    async def _call(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        urgent: bool = False,
+        timeout_s: float | None = None,
+    ) -> T:
+        """Run on the compute thread with the step deadline, or ``timeout_s`` (the job
+        itself cannot be interrupted: on a missed deadline the run fails and teardown
+        waits for it). ``urgent``: on the thread's urgent lane, ahead of the leaves
+        queued there."""
         submit = self._compute.run_urgent if urgent else self._compute.run
+        deadline_s = self._timeout_s if timeout_s is None else timeout_s
         try:
-            return await submit(fn, *args, timeout_s=self._timeout_s)
+            return await submit(fn, *args, timeout_s=deadline_s)
         except JobDeadlineError:
             pass
         name = getattr(fn, "__qualname__", repr(fn))
         current = self._current if self._current is not None else "idle"
-        raise self._errors.hang(
-            current, f"compute job {name} still running after {self._timeout_s}s"
-        )
+        raise self._errors.hang(current, f"compute job {name} still running after {deadline_s}s")

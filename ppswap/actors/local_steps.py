@@ -8,7 +8,9 @@ copy's completion) or None while an input is missing. ``next_batch`` scans a ran
 for the run of such jobs the compute actor hands the thread as one batch
 (``ppswap.actors.batch``): receives met on the way are posted and do not end it, nor does a
 send of a payload one of its jobs makes; anything else that is not local, or is not ready,
-does. Everything here runs on the event loop.
+does. With ``arrival_waits`` (the rank is alone in its process), up to that many FWD/BWD
+whose received input is still on its way join the batch too, waiting for it on the
+compute thread (``core.arrival``). Everything here runs on the event loop.
 """
 
 from __future__ import annotations
@@ -17,14 +19,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from ppswap.actors.batch import StepBodies, StepJob, SwapDriver, payload_maker
+from ppswap.actors.batch import StepBodies, StepJob, SwapDriver, after_arrival, payload_maker
 from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.core.messages import HostArray, MessageKey, Payload
 from ppswap.errors import PipelineError
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage
 
-__all__ = ["LAUNCH_OF_WAIT", "LEAVES", "LOCAL_KINDS", "BatchPlan", "LocalSteps", "RankInputs"]
+__all__ = [
+    "ARRIVAL_WAITS_PER_BATCH",
+    "LAUNCH_OF_WAIT",
+    "LEAVES",
+    "LOCAL_KINDS",
+    "BatchPlan",
+    "LocalSteps",
+    "RankInputs",
+]
 
 LAUNCH_OF_WAIT = {
     StepKind.SWAP_WAIT_OFFLOAD: StepKind.SWAP_LAUNCH_OFFLOAD,
@@ -37,6 +47,10 @@ LOCAL_KINDS = (
     | frozenset(LAUNCH_OF_WAIT)
 )
 """The local steps: they need no other actor, only their inputs."""
+ARRIVAL_WAITS_PER_BATCH = 4
+"""At most this many jobs of a batch wait for their received input on the compute thread:
+a batch posts the receives it meets, and a gloo receive in flight holds a waiting thread
+and a header buffer, so the batch does not run arbitrarily far ahead of its inputs."""
 _RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
 _SENDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
 _JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_input"}
@@ -74,14 +88,17 @@ class LocalSteps:
     session: SwapDriver
     failure: Callable[[MetaStep, str], PipelineError]
 
-    def job_if_ready(self, step: MetaStep, launched: set[CopyKey]) -> StepJob | None:
+    def job_if_ready(
+        self, step: MetaStep, launched: set[CopyKey], *, wait: bool = False
+    ) -> StepJob | None:
         """The compute-thread job of a local step, or None while its inputs are not
-        there (``launched``: copies launched earlier in the batch being built)."""
+        there (``launched``: copies launched earlier in the batch being built; ``wait``:
+        a FWD/BWD whose receive has an ``Arrival`` gets a job that waits for it)."""
         kind = step.kind
         if kind is StepKind.FWD:
-            return self._forward(step)
+            return self._forward(step, wait)
         if kind is StepKind.BWD or kind is StepKind.BWD_INPUT:
-            return self._backward(step)
+            return self._backward(step, wait)
         if kind is StepKind.BWD_WEIGHT:
             stage = self.stages[step.stage]
             body = partial(self.bodies.backward_weight, stage, step.micro)
@@ -103,15 +120,18 @@ class LocalSteps:
         post_receive: Callable[[MetaStep, bool], None],
         *,
         one_leaf: bool = False,
+        arrival_waits: int = 0,
     ) -> tuple[BatchPlan, int]:
         """The batch of ready local steps from ``order[index]`` on (module docstring), and
         the index of the next step to look at. A receive met on the way is posted at once,
         ``post_receive(step, first)`` (``first``: before the batch's first job).
         ``one_leaf`` (FSDP: a leaf is preceded by its all-gather's install): at most one
-        leaf, the first step, and no send rides along."""
+        leaf, the first step, and no send rides along. ``arrival_waits``: how many jobs
+        may wait for their received input on the thread."""
         plan = BatchPlan()
         jobs = plan.jobs
         launched: set[CopyKey] = set()
+        waits_left = arrival_waits
         while index < len(order):
             step = order[index]
             if step.kind in _RECVS:
@@ -131,9 +151,11 @@ class LocalSteps:
                 continue
             if step.kind not in LOCAL_KINDS or (jobs and one_leaf and step.kind in LEAVES):
                 break
-            job = self.job_if_ready(step, launched)
+            job = self.job_if_ready(step, launched, wait=waits_left > 0)
             if job is None:
                 break
+            if job.arrival is not None:
+                waits_left -= 1
             jobs.append(job)
             index += 1
         return plan, index
@@ -158,29 +180,42 @@ class LocalSteps:
         )
         return StepJob(step, "swap_finish", partial(finish, step.stage, step.micro))
 
-    def _forward(self, step: MetaStep) -> StepJob | None:
+    def _forward(self, step: MetaStep, wait: bool) -> StepJob | None:
         stage = self.stages[step.stage]
-        payload: Payload = None
-        if stage.is_first:
-            payload = self.data.inputs[step.micro]
-        else:
-            arrived, payload = self.mail.take(MessageKey("F", step.stage, step.micro), step)
-            if not arrived:
-                return None
         target = None
         if stage.is_last:
             assert self.data.targets is not None
             target = self.data.targets[step.micro]
+        payload: Payload = None
+        if stage.is_first:
+            payload = self.data.inputs[step.micro]
+        else:
+            key = MessageKey("F", step.stage, step.micro)
+            arrived, payload = self.mail.take(key, step)
+            if not arrived:
+                arrival = self.mail.take_arrival(key, step) if wait else None
+                if arrival is None:
+                    return None
+                forward = partial(self.bodies.forward, stage, step.micro)
+                body = partial(after_arrival, arrival, forward, target)
+                return StepJob(step, "forward", body, arrival=arrival)
         body = partial(self.bodies.forward, stage, step.micro, payload, target)
         return StepJob(step, "forward", body)
 
-    def _backward(self, step: MetaStep) -> StepJob | None:
+    def _backward(self, step: MetaStep, wait: bool) -> StepJob | None:
         stage = self.stages[step.stage]
+        split = step.kind is StepKind.BWD_INPUT
+        kind = _JOB_OF_BACKWARD[step.kind]
         grad: Payload = None
         if not stage.is_last:
-            arrived, grad = self.mail.take(MessageKey("B", step.stage, step.micro), step)
+            key = MessageKey("B", step.stage, step.micro)
+            arrived, grad = self.mail.take(key, step)
             if not arrived:
-                return None
-        split = step.kind is StepKind.BWD_INPUT
+                arrival = self.mail.take_arrival(key, step) if wait else None
+                if arrival is None:
+                    return None
+                backward = partial(self.bodies.backward, stage, step.micro)
+                body = partial(after_arrival, arrival, backward, split)
+                return StepJob(step, kind, body, arrival=arrival)
         body = partial(self.bodies.backward, stage, step.micro, grad, split)
-        return StepJob(step, _JOB_OF_BACKWARD[step.kind], body)
+        return StepJob(step, kind, body)

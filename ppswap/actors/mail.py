@@ -1,7 +1,9 @@
 """RankMail: what one rank's compute actor has in flight with the other actors.
 
 - receives posted to the P2P actor, by message key, with the future their payload
-  resolves (the consuming FWD/BWD reads it);
+  resolves (the consuming FWD/BWD reads it); with ``arrivals``, each future has an
+  ``Arrival`` too, which a batch can take before the payload is there (its compute
+  thread waits for it, ``core.arrival``);
 - payloads produced by a leaf and not sent yet (the outbox, by the key they travel under);
 - sends posted (their futures are awaited at the end of the order);
 - copies launched on the copy stream, by ``(launch kind, stage, micro)``, until their
@@ -18,6 +20,7 @@ from typing import Any
 
 from ppswap.actors.copy_stream import CopyCompletion
 from ppswap.actors.p2p import P2PChannel
+from ppswap.core.arrival import Arrival
 from ppswap.core.messages import MessageKey, Payload, RecvRequest, ReplyFuture, SendRequest
 from ppswap.errors import PipelineError
 from ppswap.scheduler.steps import MetaStep, StepKind
@@ -33,17 +36,22 @@ class RankMail:
     """A rank's receives, outbox, sends and launched copies (see the module docstring).
 
     ``failure(step, message)`` makes the error for a step the order cannot run (a send
-    before its producer, a leaf consuming a message nobody received).
+    before its producer, a leaf consuming a message nobody received). ``arrivals``: give
+    every receive an ``Arrival`` (``take_arrival``).
     """
 
     def __init__(
         self,
         p2p: P2PChannel,
         failure: Callable[[MetaStep, str], PipelineError],
+        *,
+        arrivals: bool = False,
     ) -> None:
         self._p2p = p2p
         self._failure = failure
+        self._arrivals = arrivals
         self.recvs: dict[MessageKey, ReplyFuture[Payload]] = {}
+        self.awaited_on_thread: dict[MessageKey, ReplyFuture[Payload]] = {}  # take_arrival
         self.outbox: dict[MessageKey, Payload] = {}
         self.sends: list[ReplyFuture[None]] = []
         self.copies: dict[CopyKey, CopyCompletion] = {}
@@ -60,7 +68,10 @@ class RankMail:
         if kind in _RECVS:
             direction = "F" if kind is StepKind.RECV_F else "B"
             key = MessageKey(direction, step.stage, step.micro)
-            future: ReplyFuture[Any] = ReplyFuture(f"{direction}{step.micro}.s{step.stage}")
+            label = f"{direction}{step.micro}.s{step.stage}"
+            future: ReplyFuture[Any] = ReplyFuture(
+                label, Arrival(label) if self._arrivals else None
+            )
             self.recvs[key] = future
             request = RecvRequest(step, key, step.peer, future)
         else:
@@ -92,9 +103,24 @@ class RankMail:
         del self.recvs[key]
         return True, future.result()
 
+    def take_arrival(self, key: MessageKey, step: MetaStep) -> Arrival | None:
+        """The ``Arrival`` of the receive of ``key``, taken (the caller's thread waits for
+        it), while its payload is not there yet; None without arrivals or once it is
+        there (``take`` it then)."""
+        future = self.received(key, step)
+        if future.done or future.arrival is None:
+            return None
+        self.awaited_on_thread[key] = self.recvs.pop(key)
+        return future.arrival
+
     def pending(self) -> list[str]:
         """Receives, copies and sends still in flight (for hang dumps)."""
         items = [f"recv {f.label}" for f in self.recvs.values() if not f.done]
+        items += [
+            f"recv {f.label} (awaited on the compute thread)"
+            for f in self.awaited_on_thread.values()
+            if not f.done
+        ]
         items += [c.label for c in self.copies.values() if not c.is_set()]
         items += [f"send {f.label}" for f in self.sends if not f.done]
         return items

@@ -14,7 +14,10 @@ the transport (``ppswap/core/transport.py`` has the protocols):
   the send or receive is started (``start_send`` / ``start_recv``) and the transport
   calls back on the loop when it completes; the actor keeps the started operations and
   their handles, and resolves the future in the callback. No task, no cancel scope, no
-  await per message. Once the channel closes the actor waits for the operations still
+  await per message. A receive whose future has an ``Arrival`` (a compute thread waits
+  for it itself) is started with ``start_recv_landing`` where the transport is a
+  ``LandingTransport``, so the payload reaches that thread from the transport's. Once the
+  channel closes the actor waits for the operations still
   started, with the step deadline (a missed one is a ``PipelineHangError``); when it
   ends otherwise (failure, cancellation) it cancels them, so no callback reaches a run
   that is over.
@@ -67,10 +70,12 @@ from ppswap.core.transport import (
     CallbackTransport,
     CollectiveTransport,
     ImmediateTransport,
+    LandingTransport,
     Started,
     Transport,
     is_callback,
     is_immediate,
+    is_landing,
 )
 from ppswap.errors import PipelineError, PipelineHangError, named_failure
 from ppswap.logs import log_step
@@ -183,11 +188,14 @@ class P2PActor:
         self._taking = True  # until run() ends: take() serves sends and receives
         self._immediate: ImmediateTransport | None = None
         self._callbacks: CallbackTransport | None = None
+        self._landing: LandingTransport | None = None
         if faults is None:
             if is_immediate(transport):
                 self._immediate = transport
             elif is_callback(transport) and transport.starts_messages:
                 self._callbacks = transport
+            if self._callbacks is not None and is_landing(transport):
+                self._landing = transport
         recorder.register_pending(rank, self.actor_name, self._pending_items)
 
     def _pending_items(self) -> list[str]:
@@ -282,6 +290,10 @@ class P2PActor:
             if isinstance(request, SendRequest):
                 handle = transport.start_send(
                     self.rank, request.dst, request.key, request.payload, op.sent
+                )
+            elif (arrival := request.reply.arrival) is not None and self._landing is not None:
+                handle = self._landing.start_recv_landing(
+                    self.rank, request.src, request.key, op.received, arrival.land
                 )
             else:
                 handle = transport.start_recv(self.rank, request.src, request.key, op.received)

@@ -15,6 +15,7 @@ from anyio.abc import TaskGroup
 
 from ppswap.actors.compute import ComputeActor, RankInputs
 from ppswap.actors.copy_stream import CopyStream, CopyStreamActor
+from ppswap.actors.local_steps import ARRIVAL_WAITS_PER_BATCH
 from ppswap.actors.p2p import P2PActor, p2p_channel
 from ppswap.actors.prepare import Batches, RunPlan
 from ppswap.actors.trace import FlightRecorder
@@ -98,6 +99,13 @@ class RankRuntime:
             fsdp=self.fsdp,
             faults=plan.faults,
             host_payloads=not is_immediate(transport),
+            # Alone in its process (one rank, no FSDP collectives, no fault plan), the
+            # compute thread may wait for a receive itself: nobody else needs the thread.
+            arrival_waits=(
+                ARRIVAL_WAITS_PER_BATCH
+                if len(plan.local_ranks) == 1 and self.fsdp is None and plan.faults is None
+                else 0
+            ),
         )
         self.copy_actor = CopyStreamActor(self.copy_stream, timeout_s=plan.step_timeout)
         self.p2p_actor = P2PActor(

@@ -14,6 +14,7 @@ from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeAlias, TypeV
 
 import numpy.typing as npt
 
+from ppswap.core.arrival import Arrival
 from ppswap.core.deadlines import resolve, wait_woken
 from ppswap.scheduler.steps import MetaStep
 
@@ -53,12 +54,16 @@ class ReplyFuture(Generic[T]):
     waiter can hang. ``result()`` reads a resolved future without waiting. A waiter's
     loop future is made only when someone has to wait (most replies are there before
     anyone asks for them); the deadline is one loop timer (``core.deadlines``).
+
+    ``arrival``: a thread-side twin (``core.arrival``) landed with the same result when
+    the future resolves, for a compute thread that waits for a receive itself.
     """
 
-    __slots__ = ("_done", "_error", "_result", "_waiters", "label")
+    __slots__ = ("_done", "_error", "_result", "_waiters", "arrival", "label")
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, arrival: Arrival | None = None) -> None:
         self.label = label
+        self.arrival = arrival
         self._done = False
         self._waiters: list[asyncio.Future[None]] = []
         self._result: T | None = None
@@ -87,6 +92,8 @@ class ReplyFuture(Generic[T]):
 
     def _resolve(self) -> None:
         self._done = True
+        if self.arrival is not None:
+            self.arrival.land(self._result, self._error)
         for waiter in self._waiters:
             resolve(waiter)
 

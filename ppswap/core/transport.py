@@ -5,7 +5,9 @@
 ``reduce_scatter_sum``); ``ImmediateTransport`` matches messages on the spot (every rank in
 this event loop); ``CallbackTransport`` starts a send or a receive and calls back on the
 event loop when it completes (the multi-process transports: the P2P actor serves them
-without a task per message); ``MultiProcessTransport`` has one process per rank, and
+without a task per message); ``LandingTransport`` also hands a received payload over on
+its own thread (to a compute thread waiting for it, ``core.arrival``);
+``MultiProcessTransport`` has one process per rank, and
 ``DistributedTransport`` is one the runtime configures per run and gathers results
 over. Implementations: ``ppswap.actors.p2p.InProcessTransport`` (the default),
 ``ppswap.actors.mpi.MPITransport``,
@@ -30,6 +32,7 @@ __all__ = [
     "CollectiveTransport",
     "DistributedTransport",
     "ImmediateTransport",
+    "LandingTransport",
     "MultiProcessTransport",
     "RecvDone",
     "SendDone",
@@ -42,6 +45,7 @@ __all__ = [
     "is_collective",
     "is_distributed",
     "is_immediate",
+    "is_landing",
     "is_multi_process",
     "is_transport",
     "sum_contributions",
@@ -158,6 +162,25 @@ class CallbackTransport(Protocol):
 
 
 @runtime_checkable
+class LandingTransport(CallbackTransport, Protocol):
+    """A ``CallbackTransport`` whose receives complete on threads of its own, which hand
+    the payload over right there: ``start_recv_landing`` is ``start_recv`` that also calls
+    ``on_landed(payload)`` on that thread the moment the payload is decoded, before
+    ``on_done`` runs on the loop with the same payload (not for a failure: that goes to
+    ``on_done`` only). ``on_landed`` must be thread-safe and must not block.
+    """
+
+    def start_recv_landing(
+        self,
+        dst: int,
+        src: int,
+        key: MessageKey,
+        on_done: RecvDone,
+        on_landed: Callable[[HostArray], object],
+    ) -> Started: ...
+
+
+@runtime_checkable
 class MultiProcessTransport(Protocol):
     """A transport whose ranks are separate processes: this process is rank ``rank`` of
     ``world_size``."""
@@ -269,6 +292,10 @@ def is_immediate(value: object) -> TypeGuard[ImmediateTransport]:
 
 def is_callback(value: object) -> TypeGuard[CallbackTransport]:
     return conforms(value, CallbackTransport)
+
+
+def is_landing(value: object) -> TypeGuard[LandingTransport]:
+    return conforms(value, LandingTransport)
 
 
 def is_multi_process(value: object) -> TypeGuard[MultiProcessTransport]:

@@ -235,6 +235,29 @@ class TorchDistTransport:
 
     def start_recv(self, dst: int, src: int, key: MessageKey, on_done: RecvDone) -> Started:
         """``recv`` without a task (``CallbackTransport``): ``on_done`` on the loop."""
+        return self._start_recv(dst, src, key, on_done, None)
+
+    def start_recv_landing(
+        self,
+        dst: int,
+        src: int,
+        key: MessageKey,
+        on_done: RecvDone,
+        on_landed: Callable[[Array], object],
+    ) -> Started:
+        """``start_recv`` that also hands the payload to ``on_landed`` on the waiting
+        thread, before ``on_done`` (``LandingTransport``; not for a message from this
+        rank to itself, which never leaves the loop)."""
+        return self._start_recv(dst, src, key, on_done, on_landed)
+
+    def _start_recv(
+        self,
+        dst: int,
+        src: int,
+        key: MessageKey,
+        on_done: RecvDone,
+        on_landed: Callable[[Array], object] | None,
+    ) -> Started:
         self._check_p2p_call("dst", dst, "src", src)
         tag, identity = self._p2p_address(key)
         if src == self._rank:
@@ -248,7 +271,7 @@ class TorchDistTransport:
             return _SelfReceive(self._self_callbacks, key, on_done)
         what = ("recv", key, "from rank", src)
         done = partial(self._counters.received_then, on_done)
-        return self._io.start_recv(src, tag, (self._epoch, identity), what, done)
+        return self._io.start_recv(src, tag, (self._epoch, identity), what, done, on_landed)
 
     async def send(self, src: int, dst: int, key: MessageKey, payload: Array) -> None:
         """Send ``payload`` to rank ``dst``; returns once its buffer may be reused."""

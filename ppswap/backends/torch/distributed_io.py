@@ -164,18 +164,26 @@ class MessageIO:
         header: tuple[int, int],
         what: tuple[object, ...],
         on_done: Callable[[Array | None, BaseException | None], None],
+        on_landed: Callable[[Array], object] | None = None,
     ) -> Started:
         """``recv`` without a task (gloo only): ``on_done`` gets ``(array, None)`` or
-        ``(None, error)`` on the loop."""
+        ``(None, error)`` on the loop. The array is made on the waiting thread, which
+        hands it to ``on_landed`` first (``LandingTransport``)."""
         first, works, post_body, found, bodies = self._post_recv(src, tag, header, what)
+        arrived: list[Array] = []
 
-        def landed(error: BaseException | None) -> None:
+        def landed() -> None:  # on the waiting thread, once the payload is in
+            arrived.append(array := self._landed(first, found[0], bodies))
+            if on_landed is not None:
+                on_landed(array)
+
+        def ended(error: BaseException | None) -> None:
             if error is not None:
                 on_done(None, self._failure(error, what))
                 return
-            on_done(self._landed(first, found[0], bodies), None)
+            on_done(arrived[0], None)
 
-        return self.waiters.submit(works, post_body, False, landed, first)
+        return self.waiters.submit(works, post_body, False, ended, first, landed)
 
     async def recv(
         self, src: int, tag: int, header: tuple[int, int], what: tuple[object, ...]
@@ -227,7 +235,8 @@ class MessageIO:
 
     def _landed(self, first: bytearray, found: Header, bodies: list[Array]) -> Array:
         """The array of a received message whose payload is inline or in ``bodies``; the
-        header buffer goes back for reuse."""
+        header buffer goes back for reuse (any thread: only the loop takes buffers out,
+        so appending here races with nothing)."""
         nbytes, dtype, shape, size, _ = found
         if nbytes <= self._inline_max_bytes:
             inline = first[size : size + nbytes]  # a copy

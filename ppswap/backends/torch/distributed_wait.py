@@ -74,6 +74,7 @@ class _Job:
 
     works: Posted
     then: Then | None  # runs on the thread once the works completed
+    landed: Callable[[], None] | None  # runs on the thread once every work completed
     p2p_send: bool
     loop: asyncio.AbstractEventLoop
     on_done: Done | None
@@ -123,17 +124,25 @@ class Waiters:
         await future  # cancelled: the thread waits on
 
     def submit(
-        self, works: Posted, then: Then | None, p2p_send: bool, on_done: Done, keep: object = None
+        self,
+        works: Posted,
+        then: Then | None,
+        p2p_send: bool,
+        on_done: Done,
+        keep: object = None,
+        landed: Callable[[], None] | None = None,
     ) -> _Job:
         """Wait for ``works`` (then for those ``then`` returns) on a thread; ``on_done`` gets
         ``None`` or what failed, on the loop, unless the returned job is cancelled first.
 
-        ``keep`` stays referenced until the works ended (the buffers they use). Raises
-        ``RuntimeError`` if the transport is closed; ``close()`` fails a waiting job.
+        ``keep`` stays referenced until the works ended (the buffers they use); ``landed``
+        runs on the thread once every work completed, before the loop is told (what it
+        raises is the job's failure). Raises ``RuntimeError`` if the transport is closed;
+        ``close()`` fails a waiting job.
         """
         if self.closed:
             raise RuntimeError("TorchDistTransport is closed")
-        job = _Job(works, then, p2p_send, asyncio.get_running_loop(), on_done, keep)
+        job = _Job(works, then, landed, p2p_send, asyncio.get_running_loop(), on_done, keep)
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
             self._busy += 1
@@ -206,6 +215,8 @@ class Waiters:
                     except Exception as exc:
                         raise WorkError(str(exc)) from exc
                 works, then = (None if then is None else then()), None
+            if job.landed is not None:
+                job.landed()
         except Exception as exc:
             return exc
         return None
@@ -236,7 +247,7 @@ class Waiters:
     def _resolve(self, job: _Job, error: BaseException | None) -> None:
         self.pending_sends -= job.p2p_send
         self._waiting.discard(job)
-        job.works, job.then, job.keep = [], None, None  # the thread is done with them
+        job.works, job.then, job.landed, job.keep = [], None, None, None  # the thread is done
         on_done, job.on_done = job.on_done, None
         if on_done is not None:  # not cancelled, not failed by close()
             call_back(on_done, error)
