@@ -115,7 +115,8 @@ class _Receive:
 class PlayedPeer:
     """Rank 1 of 2; the test plays rank 0 (module docstring). ``payloads``: what each
     receive lands with, from a thread ``delay_s`` after it was started; a key missing
-    never lands; ``fail``: receives that fail on the loop instead."""
+    never lands; ``fail``: receives that fail on the loop instead; ``refuse``: sends whose
+    start raises."""
 
     rank = 1
     world_size = 2
@@ -127,8 +128,9 @@ class PlayedPeer:
         *,
         delay_s: float = 0.02,
         fail: frozenset[MessageKey] = frozenset(),
+        refuse: frozenset[MessageKey] = frozenset(),
     ) -> None:
-        self.payloads, self.delay_s, self.fail = payloads, delay_s, fail
+        self.payloads, self.delay_s, self.fail, self.refuse = payloads, delay_s, fail, refuse
         self.live: dict[MessageKey, _Receive] = {}
         self.sent: dict[MessageKey, HostArray] = {}
         self.landed_on_thread = 0
@@ -138,6 +140,8 @@ class PlayedPeer:
     def start_send(
         self, src: int, dst: int, key: MessageKey, payload: HostArray, on_done: SendDone
     ) -> Started:
+        if key in self.refuse:
+            raise ConnectionError(f"send {key} refused")
         self.sent[key] = payload.copy()
         on_done(None)
         return FINISHED
@@ -209,9 +213,8 @@ async def _run_last_stage(peer: PlayedPeer, **options: Any) -> Any:
     rng = np.random.default_rng(5)
     x, y = (rng.standard_normal((ROWS, DIM)).astype(np.float32) for _ in range(2))
     kwargs: dict[str, Any] = {"micro_batch_num": MICRO, "loss_fn": mse_loss, "step_timeout": 30.0}
-    result = await run_schedule(
-        [stage], "gpipe", inputs=x, targets=y, transport=peer, **(kwargs | options)
-    )
+    kwargs |= {"schedule": "gpipe"} | options
+    result = await run_schedule([stage], inputs=x, targets=y, transport=peer, **kwargs)
     return result, stage
 
 
@@ -283,5 +286,24 @@ async def test_a_failed_receive_wakes_the_waiting_compute_thread_with_the_p2p_fa
     assert time.perf_counter() - started < 5.0
     assert caught.value.actor == "p2p"
     assert "recv F2->s1 from rank 0 failed" in str(caught.value)
+    assert _compute_threads() == []
+    assert peer.live == {}
+
+
+@pytest.mark.asyncio
+async def test_a_send_that_fails_ends_the_run_without_waiting_for_what_comes_after_it() -> None:
+    # B1 cannot be sent; the compute thread must not then wait for F2 and F3 (the same
+    # batch), which the peer would only send after B1 (here they never come).
+    payloads = {k: v for k, v in _activations().items() if k.micro < 2}
+    peer = PlayedPeer(payloads, refuse=frozenset({MessageKey("B", 0, 1)}))
+    started = time.perf_counter()
+    with pytest.raises(PipelineError) as caught:
+        await _run_last_stage(peer, schedule="1f1b", step_timeout=60.0)
+    peer.join()
+    assert time.perf_counter() - started < 5.0
+    error = caught.value
+    assert (error.rank, error.actor) == (1, "p2p")
+    assert "send B1->s0 to rank 0 failed: ConnectionError" in str(error)
+    assert sorted(peer.sent) == [MessageKey("B", 0, 0)]
     assert _compute_threads() == []
     assert peer.live == {}
