@@ -51,7 +51,9 @@ class RankMail:
         self._failure = failure
         self._arrivals = arrivals
         self.recvs: dict[MessageKey, ReplyFuture[Payload]] = {}
-        self.awaited_on_thread: dict[MessageKey, ReplyFuture[Payload]] = {}  # take_arrival
+        # taken by take_arrival and not resolved yet when last looked (hang dumps); pruned
+        # as it goes, so that no payload is kept here after its leaf ran
+        self.awaited_on_thread: dict[MessageKey, ReplyFuture[Payload]] = {}
         self.outbox: dict[MessageKey, Payload] = {}
         self.sends: list[ReplyFuture[None]] = []
         self.copies: dict[CopyKey, CopyCompletion] = {}
@@ -110,7 +112,9 @@ class RankMail:
         future = self.received(key, step)
         if future.done or future.arrival is None:
             return None
-        self.awaited_on_thread[key] = self.recvs.pop(key)
+        awaited = {k: f for k, f in self.awaited_on_thread.items() if not f.done}
+        awaited[key] = self.recvs.pop(key)
+        self.awaited_on_thread = awaited
         return future.arrival
 
     def pending(self) -> list[str]:

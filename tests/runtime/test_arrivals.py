@@ -23,6 +23,7 @@ import pytest
 
 from ppswap import PipelineError, PipelineHangError, PipelineStage, run_schedule
 from ppswap.actors.batch import StepJob, after_arrival, run_batch
+from ppswap.actors.mail import RankMail
 from ppswap.core.arrival import Arrival, ArrivalTimeoutError
 from ppswap.core.messages import HostArray, MessageKey, ReplyFuture
 from ppswap.core.transport import (
@@ -98,6 +99,31 @@ def test_a_batch_waits_for_a_jobs_arrival_outside_the_jobs_timing_and_stops_at_i
     assert outcome.results == ["before", 3.0]
     assert outcome.seconds[1] < 0.05  # the 0.1 s wait is not the job's
     assert isinstance(outcome.error, ConnectionError)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+
+    def send_nowait(self, request: Any) -> None:
+        self.requests.append(request)
+
+
+def test_the_mail_lists_receives_awaited_on_the_thread_until_they_resolve_and_no_longer() -> None:
+    sink = _Sink()
+    mail = RankMail(sink, lambda step, message: PipelineError(message), arrivals=True)  # type: ignore[arg-type]
+    steps = [MetaStep(StepKind.RECV_F, 1, micro, peer=0) for micro in range(3)]
+    for step in steps:
+        mail.post(step)
+    for step, request in zip(steps, sink.requests, strict=True):
+        arrival = mail.take_arrival(request.key, step)
+        assert arrival is request.reply.arrival is not None
+        assert f"recv {request.reply.label} (awaited on the compute thread)" in mail.pending()
+        request.reply.set_result(np.zeros(2))
+        assert arrival.landed
+    # A resolved receive is dropped at the next take: no payload stays for the whole run.
+    assert list(mail.awaited_on_thread) == [MessageKey("F", 1, 2)]
+    assert mail.pending() == [] and mail.leftovers() is None
 
 
 # -- a rank alone in its process ---------------------------------------------------------
@@ -270,6 +296,7 @@ async def test_a_payload_that_never_comes_misses_the_deadline_on_the_compute_thr
     error = caught.value
     assert (error.rank, error.actor, error.step) == (1, "compute", "F0.1")
     assert "F0.s1 not received within 0.3s" in str(error)
+    assert "recv F3.s1 (awaited on the compute thread)" in str(error.dump)
     assert _compute_threads() == []
     assert peer.live == {}
 
