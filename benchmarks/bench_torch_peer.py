@@ -475,26 +475,24 @@ async def _measure_schedule(
 # -- the driver: launch, collect, report ---------------------------------------------------------
 
 
-def launch(model: Model, args: argparse.Namespace, out: Path) -> None:
-    """``torchrun --standalone --nproc_per_node PP`` this script as the workers; the whole
-    process group is killed at the deadline."""
+def launch(
+    script: Path, worker_args: Sequence[str], nproc: int, timeout_s: float, out: Path
+) -> None:
+    """``torchrun --standalone --nproc_per_node NPROC script --worker --out OUT
+    *worker_args`` (the workers write ``out``); the whole process group is killed at the
+    deadline."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node",
-        str(args.pp),
-        str(Path(__file__).resolve()),
+        str(nproc),
+        str(script),
         "--worker",
         "--out",
         str(out),
-        "--model",
-        json.dumps(asdict(model)),
-        "--rounds",
-        str(args.rounds),
-        "--warmup",
-        str(args.warmup),
+        *worker_args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
@@ -507,11 +505,11 @@ def launch(model: Model, args: argparse.Namespace, out: Path) -> None:
         start_new_session=True,
     )
     try:
-        output, _ = process.communicate(timeout=args.timeout_s)
+        output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        raise SystemExit(f"torchrun did not finish within {args.timeout_s} s:\n{output}") from None
+        raise SystemExit(f"torchrun did not finish within {timeout_s} s:\n{output}") from None
     if process.returncode != 0 or not out.exists():
         raise SystemExit(f"torchrun exited with status {process.returncode}:\n{output}")
 
@@ -714,7 +712,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ppswap-peer-") as scratch:
         out = Path(scratch) / "results.json"
-        launch(model, args, out)
+        worker_args = ["--model", json.dumps(asdict(model))]
+        worker_args += ["--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+        launch(Path(__file__).resolve(), worker_args, args.pp, args.timeout_s, out)
         results = json.loads(out.read_text())
     from importlib import metadata
 

@@ -180,6 +180,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         limit_s=420.0,
         json_out=True,
     ),
+    Benchmark(
+        "torch-overhead",
+        "bench_torch_overhead.py",
+        "Against torch.distributed.pipelining without compute: per micro-batch and per step",
+        "A width-8 model (each leaf computes for tens of microseconds), 1F1B pp2 over gloo, "
+        "2 and 16 micro-batches, torch.distributed.pipelining and ppswap (no swap) "
+        "alternating: a straight line through each one's median step times splits it into "
+        "a cost per micro-batch (two messages and two leaves per rank) and a fixed cost per "
+        "step, what the runtime adds beyond the compute.",
+        quick_args=("--rounds", "5", "--warmup", "2"),
+        limit_s=300.0,
+    ),
 )
 
 

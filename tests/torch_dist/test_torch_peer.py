@@ -9,7 +9,8 @@ every stage on every rank (rtol 1e-5); with swap they are bit-identical to ppswa
 The launch runs in its own process group with a deadline and is killed whole on timeout.
 
 ``benchmarks/bench_torch_peer.py --quick`` (the same comparison timed, in ``make bench``)
-runs end to end and reports every figure; no timing is judged here.
+and ``benchmarks/bench_torch_overhead.py`` (a few rounds) run end to end and report every
+figure; no timing is judged here.
 """
 
 from __future__ import annotations
@@ -89,3 +90,25 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
             assert all(r["swap_peak"] < r["ppswap_peak"] for r in result["ranks"])
     assert report["headline"].startswith("Against torch.distributed.pipelining (pp2")
     assert "| GPipe pp2 m8 |" in output and report["headline"] in output
+
+
+@pytest.mark.timeout(200)
+def test_overhead_benchmark_splits_both_contenders_into_per_micro_and_fixed_costs(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "overhead.json"
+    script = "benchmarks/bench_torch_overhead.py"
+    command = [sys.executable, script, "--rounds", "3", "--warmup", "1", "--json", str(out)]
+    command += ["--timeout-s", "150"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["micros"] == [2, 16] and report["rounds"] == 3
+    for contender in ("torch", "ppswap"):
+        times = [report["times_s"][m][contender] for m in ("2", "16")]
+        assert all(len(t) == 3 and min(t) > 0 for t in times)
+        row = report["fit"][contender]
+        # the line goes through both medians (no timing is judged)
+        assert row["fixed_ms"] + 2 * row["per_micro_ms"] == pytest.approx(row["m2_ms"])
+        assert row["fixed_ms"] + 16 * row["per_micro_ms"] == pytest.approx(row["m16_ms"])
+    assert "| ppswap |" in result.stdout and "ppswap over torch:" in result.stdout
