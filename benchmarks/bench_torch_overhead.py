@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    for name in ("rounds", "warmup"):
-        if getattr(args, name) < (1 if name == "rounds" else 0):
-            parser.error(f"--{name} must be >= {1 if name == 'rounds' else 0}")
+    for name, least in (("rounds", 1), ("warmup", 0)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} must be >= {least}, got {getattr(args, name)}")
     load_before = os.getloadavg()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ppswap-overhead-") as scratch:
