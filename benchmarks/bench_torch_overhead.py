@@ -34,10 +34,10 @@ from typing import Any
 from bench_torch_peer import (
     Model,
     PeerRunner,
-    _build_modules,
-    _data,
-    _mse,
+    build_modules,
     launch,
+    model_data,
+    mse,
     ppswap_source,
 )
 
@@ -89,9 +89,9 @@ async def _measure(
     from ppswap import PipelineStage, run_schedule
 
     rank, pp = transport.rank, transport.world_size
-    x, y = _data(model)
+    x, y = model_data(model)
     peer = PeerRunner("1f1b", model, rank, pp, pp, (x, y))
-    modules = _build_modules(model, pp, wrap=False)
+    modules = build_modules(model, pp, wrap=False)
     stages = [PipelineStage(m, s, pp) for s, m in enumerate(modules) if s % pp == rank]
     xs, ys = x.numpy(), y.numpy()
 
@@ -106,7 +106,7 @@ async def _measure(
             micro_batch_num=model.micro,
             inputs=xs,
             targets=ys,
-            loss_fn=_mse,
+            loss_fn=mse,
             count_saved_bytes=False,
             transport=transport,
         )

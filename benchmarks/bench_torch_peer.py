@@ -221,7 +221,7 @@ class _Held:
         self.counter.drop(self.ptr)
 
 
-def _build_modules(model: Model, stage_num: int, *, wrap: bool) -> list[Any]:
+def build_modules(model: Model, stage_num: int, *, wrap: bool) -> list[Any]:
     """``stage_num`` stage modules (``model.blocks // stage_num`` blocks each) from seed 0;
     ``wrap``: each block ``swap_wrapper``-ed."""
     import torch
@@ -252,13 +252,13 @@ def _build_modules(model: Model, stage_num: int, *, wrap: bool) -> list[Any]:
         ]
 
 
-def _mse(output: Any, target: Any) -> Any:
+def mse(output: Any, target: Any) -> Any:
     import torch.nn.functional as F
 
     return F.mse_loss(output, target)
 
 
-def _data(model: Model) -> tuple[Any, Any]:
+def model_data(model: Model) -> tuple[Any, Any]:
     import torch
 
     generator = torch.Generator().manual_seed(1)
@@ -277,7 +277,7 @@ class PeerRunner:
         from torch import nn
         from torch.distributed import pipelining
 
-        modules = _build_modules(model, stage_num, wrap=False)
+        modules = build_modules(model, stage_num, wrap=False)
         self.mine = [s for s in range(stage_num) if s % pp == rank]
         self.modules = [modules[s] for s in self.mine]
         self.has_first, self.has_last = 0 in self.mine, stage_num - 1 in self.mine
@@ -300,7 +300,7 @@ class PeerRunner:
 
         def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             with counter.counting():
-                value: torch.Tensor = _mse(output, target)
+                value: torch.Tensor = mse(output, target)
             return value
 
         cpu = torch.device("cpu")
@@ -346,11 +346,11 @@ async def _measure_schedule(
     rank, pp = transport.rank, transport.world_size
     vpp = 2 if schedule == "interleaved_1f1b" else 1
     stage_num = pp * vpp
-    x, y = _data(model)
+    x, y = model_data(model)
     peer = PeerRunner(schedule, model, rank, pp, stage_num, (x, y))
     stages = [
         PipelineStage(m, s, stage_num)
-        for s, m in enumerate(_build_modules(model, stage_num, wrap=True))
+        for s, m in enumerate(build_modules(model, stage_num, wrap=True))
         if s % pp == rank
     ]
     engines = {"ppswap": EmulatedDevice(), "ppswap+swap": EmulatedDevice()}
@@ -364,7 +364,7 @@ async def _measure_schedule(
             micro_batch_num=model.micro,
             inputs=inputs,
             targets=targets,
-            loss_fn=_mse,
+            loss_fn=mse,
             swap=swap,
             count_saved_bytes=swap or count_saved_bytes,
             device=engines[contender],
