@@ -35,9 +35,9 @@ queued, as it would not on a device of its own.
   (``finish``: the gradient reduce-scatters are awaited and installed). With FSDP a batch
   holds at most one leaf, its first.
 
-Every wait has a deadline (``timeout_s``); a missed deadline raises PipelineHangError with
-the flight recorder's dump. Any other failure raises PipelineError naming this rank, the
-actor and the step.
+Every wait has a deadline (``timeout_s``, ``ppswap.actors.step_waits``); a missed deadline
+raises PipelineHangError with the flight recorder's dump. Any other failure raises
+PipelineError naming this rank, the actor and the step.
 
 Forward-only runs (``config.forward_only``) run each FWD without recording a graph (no
 backward will come) and copy every output before it is sent.
@@ -54,7 +54,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
 import anyio
 import structlog
@@ -69,20 +69,17 @@ from ppswap.actors.batch import (
     SwapDriver,
     run_batch,
 )
-from ppswap.actors.copy_stream import CopyCompletion, CopyStream
+from ppswap.actors.copy_stream import CopyStream
 from ppswap.actors.failures import StepFailures
 from ppswap.actors.local_steps import LAUNCH_OF_WAIT, LEAVES, LOCAL_KINDS, LocalSteps, RankInputs
 from ppswap.actors.mail import RankMail
 from ppswap.actors.p2p import P2PChannel
+from ppswap.actors.step_waits import StepWaits
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.arrival import ArrivalTimeoutError
-from ppswap.core.executor import DedicatedThread, JobDeadlineError, loop_caller
+from ppswap.core.executor import DedicatedThread, loop_caller
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
-from ppswap.core.messages import (
-    FutureTimeoutError,
-    MessageKey,
-    ReplyFuture,
-)
+from ppswap.core.messages import MessageKey
 from ppswap.errors import (
     PipelineError,
     first_pipeline_error,
@@ -93,8 +90,6 @@ from ppswap.scheduler.steps import MetaStep, Order, StepKind
 from ppswap.stage import PipelineStage
 
 __all__ = ["JOB_KINDS", "ComputeActor", "ComputeStats", "FsdpDriver", "RankInputs", "SwapDriver"]
-
-T = TypeVar("T")
 
 
 class FsdpDriver(Protocol):
@@ -159,7 +154,6 @@ class ComputeActor:
         self._recorder = recorder
         self._data = data
         self._generation = generation
-        self._timeout_s = timeout_s
         self._fsdp = fsdp
         self._log_steps = log_steps
         self._log = structlog.get_logger("ppswap").bind(rank=rank, actor=self.actor_name)
@@ -177,21 +171,20 @@ class ComputeActor:
         self._arrival_waits = arrival_waits
         self._mail = RankMail(p2p, self._errors.failure, arrivals=arrival_waits > 0)
         self._local = LocalSteps(stages, data, self._mail, bodies, session, self._errors.failure)
+        self._waits = StepWaits(compute, self._errors, timeout_s)
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
         self.losses: dict[int, float] = {}
         self._steps_executed = 0
         self._batches = 0
-        self._exposed_wait_s = 0.0
         self._job_s = dict.fromkeys(JOB_KINDS, 0.0)
         self._jobs = dict.fromkeys(JOB_KINDS, 0)
         self._current: MetaStep | str | None = None
-        self._waiting: dict[int, str] = {}  # id(what is awaited) -> who waits for what
         recorder.register_pending(rank, self.actor_name, self._pending)
 
     def stats(self) -> ComputeStats:
         return ComputeStats(
             self._steps_executed,
-            self._exposed_wait_s,
+            self._waits.exposed_copy_s,
             dict(self._job_s),
             dict(self._jobs),
             self._batches,
@@ -202,7 +195,7 @@ class ComputeActor:
         items = [f"at {current.short() if isinstance(current, MetaStep) else current}"]
         items = items if current is not None else []
         items.append(f"{self._steps_executed} of {len(self._order)} steps done")
-        items += sorted(self._waiting.values())
+        items += sorted(self._waits.waiting.values())
         items += self._mail.pending()
         return items
 
@@ -216,7 +209,7 @@ class ComputeActor:
                 await self._finish_fsdp(self._fsdp)
             self._current = "final sends"
             for future in self._mail.sends:
-                await self._wait(future, MetaStep(StepKind.SEND_F, -1, -1, peer=self.rank))
+                await self._waits.reply(future, MetaStep(StepKind.SEND_F, -1, -1, peer=self.rank))
             self._current = None
         self._copy_stream.close()
         leftovers = self._mail.leftovers()
@@ -287,28 +280,12 @@ class ComputeActor:
         if kind in _WAITS:
             completion = self._mail.copies.get((_WAITS[kind], step.stage, step.micro))
             if completion is not None:
-                await self._wait_copy(completion, step)
+                self._waited_s[step] = await self._waits.copy(completion, step)
             return
         direction = "F" if kind is StepKind.FWD else "B"
         future = self._mail.recvs.get(MessageKey(direction, step.stage, step.micro))
         if future is not None:
-            await self._wait(future, step)
-
-    async def _wait_copy(self, completion: CopyCompletion, step: MetaStep) -> None:
-        """Wait (deadline) for a launched copy: the exposed copy wait."""
-        started = time.perf_counter()
-        if not completion.is_set():
-            self._waiting[id(completion)] = f"{step.short()} waits for {completion.label}"
-            if not await completion.wait_async(self._timeout_s):
-                raise self._errors.hang(
-                    step, f"{completion.label} not done within {self._timeout_s}s"
-                )
-            del self._waiting[id(completion)]
-        waited = time.perf_counter() - started
-        self._exposed_wait_s += waited
-        self._waited_s[step] = waited
-        if completion.error is not None:
-            raise completion.error
+            await self._waits.reply(future, step)
 
     async def _execute(
         self,
@@ -331,15 +308,16 @@ class ComputeActor:
         arrivals = [job.arrival for job in jobs if job.arrival is not None]
         outcome: BatchOutcome | None = None
         try:
-            outcome = await self._call(
+            outcome = await self._waits.call(
+                self._current,
                 run_batch,
                 jobs,
                 announce,
                 self._compute.has_waiting,
-                self._timeout_s,
+                self._waits.timeout_s,
                 urgent=urgent,
                 # each arrival is waited for with the step deadline on its own
-                timeout_s=self._timeout_s * (1 + len(arrivals)),
+                timeout_s=self._waits.timeout_s * (1 + len(arrivals)),
             )
         finally:
             early.open = False  # an announcement still queued is dropped
@@ -477,9 +455,9 @@ class ComputeActor:
             return
         self._recorder.note(self.rank, self.actor_name, rule.describe(self.rank, step))
         if rule.action is FaultAction.RAISE:
-            await self._call(rule.raise_fault, self.rank, step)
+            await self._waits.call(self._current, rule.raise_fault, self.rank, step)
         elif rule.action is FaultAction.DELAY:
-            await self._call(time.sleep, rule.delay_s)
+            await self._waits.call(self._current, time.sleep, rule.delay_s)
         elif rule.callback is not None:
             rule.callback()
 
@@ -491,37 +469,3 @@ class ComputeActor:
         StepKind.FSDP_UNSHARD: _fsdp_step,
         StepKind.FSDP_RESHARD: _fsdp_step,
     }
-
-    # -- deadlines and failures ----------------------------------------------------------
-    async def _wait(self, future: ReplyFuture[T], step: MetaStep) -> T:
-        if future.done:
-            return future.result()
-        self._waiting[id(future)] = f"{step.short()} waits for {future.label}"
-        try:
-            result = await future.wait(self._timeout_s)
-        except FutureTimeoutError as exc:
-            raise self._errors.hang(step, str(exc)) from exc
-        # Only on success: a wait that failed stays listed for the hang dump.
-        del self._waiting[id(future)]
-        return result
-
-    async def _call(
-        self,
-        fn: Callable[..., T],
-        *args: Any,
-        urgent: bool = False,
-        timeout_s: float | None = None,
-    ) -> T:
-        """Run on the compute thread with the step deadline, or ``timeout_s`` (the job
-        itself cannot be interrupted: on a missed deadline the run fails and teardown
-        waits for it). ``urgent``: on the thread's urgent lane, ahead of the leaves
-        queued there."""
-        submit = self._compute.run_urgent if urgent else self._compute.run
-        deadline_s = self._timeout_s if timeout_s is None else timeout_s
-        try:
-            return await submit(fn, *args, timeout_s=deadline_s)
-        except JobDeadlineError:
-            pass
-        name = getattr(fn, "__qualname__", repr(fn))
-        current = self._current if self._current is not None else "idle"
-        raise self._errors.hang(current, f"compute job {name} still running after {deadline_s}s")

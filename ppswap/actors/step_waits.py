@@ -1,0 +1,89 @@
+"""StepWaits: the compute actor's waits, each bounded by the step deadline.
+
+A compute actor waits for three things: a reply future (a received payload, a send's
+completion), a launched copy (a SWAP_WAIT_*'s exposed wait) and a job on the compute
+thread. Each wait has the deadline ``timeout_s``; a missed one raises the
+``PipelineHangError`` of ``StepFailures.hang`` (with the flight recorder's dump), naming
+the step that waited. While a wait is in progress it is listed in ``waiting`` for hang
+dumps; a wait that failed stays listed. Everything here runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ppswap.actors.copy_stream import CopyCompletion
+from ppswap.actors.failures import StepFailures
+from ppswap.core.executor import DedicatedThread, JobDeadlineError
+from ppswap.core.messages import FutureTimeoutError, ReplyFuture
+from ppswap.scheduler.steps import MetaStep
+
+__all__ = ["StepWaits"]
+
+T = TypeVar("T")
+
+
+class StepWaits:
+    """One compute actor's deadline-bounded waits (module docstring). ``exposed_copy_s``
+    sums the time blocked on copies."""
+
+    def __init__(self, compute: DedicatedThread, errors: StepFailures, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.waiting: dict[int, str] = {}  # id(what is awaited) -> who waits for what
+        self.exposed_copy_s = 0.0
+        self._compute = compute
+        self._errors = errors
+
+    async def reply(self, future: ReplyFuture[T], step: MetaStep) -> T:
+        """The future's result, waited for at most the deadline."""
+        if future.done:
+            return future.result()
+        self.waiting[id(future)] = f"{step.short()} waits for {future.label}"
+        try:
+            result = await future.wait(self.timeout_s)
+        except FutureTimeoutError as exc:
+            raise self._errors.hang(step, str(exc)) from exc
+        # Only on success: a wait that failed stays listed for the hang dump.
+        del self.waiting[id(future)]
+        return result
+
+    async def copy(self, completion: CopyCompletion, step: MetaStep) -> float:
+        """Wait for a launched copy (the exposed copy wait); the seconds waited. Raises
+        the copy's error if it failed."""
+        started = time.perf_counter()
+        if not completion.is_set():
+            self.waiting[id(completion)] = f"{step.short()} waits for {completion.label}"
+            if not await completion.wait_async(self.timeout_s):
+                raise self._errors.hang(
+                    step, f"{completion.label} not done within {self.timeout_s}s"
+                )
+            del self.waiting[id(completion)]
+        waited = time.perf_counter() - started
+        self.exposed_copy_s += waited
+        if completion.error is not None:
+            raise completion.error
+        return waited
+
+    async def call(
+        self,
+        at: MetaStep | str | None,
+        fn: Callable[..., T],
+        *args: Any,
+        urgent: bool = False,
+        timeout_s: float | None = None,
+    ) -> T:
+        """Run ``fn(*args)`` on the compute thread with the step deadline, or
+        ``timeout_s`` (the job itself cannot be interrupted: on a missed deadline the run
+        fails, naming ``at``, and teardown waits for the job). ``urgent``: on the thread's
+        urgent lane, ahead of the leaves queued there."""
+        submit = self._compute.run_urgent if urgent else self._compute.run
+        deadline_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return await submit(fn, *args, timeout_s=deadline_s)
+        except JobDeadlineError:
+            pass
+        name = getattr(fn, "__qualname__", repr(fn))
+        where = at if at is not None else "idle"
+        raise self._errors.hang(where, f"compute job {name} still running after {deadline_s}s")
