@@ -39,6 +39,7 @@ from bench_torch_peer import (
     model_data,
     mse,
     ppswap_source,
+    run_worker,
 )
 
 TINY = Model(dim=8, blocks=2, micro=2, micro_batch=1, seq=8)
@@ -54,30 +55,13 @@ def worker(args: argparse.Namespace) -> int:
 
 
 async def _worker(args: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
+    async def measure(transport: Any) -> dict[str, dict[str, list[float]]]:
+        return {
+            str(micro): await _measure(replace(TINY, micro=micro), transport, args)
+            for micro in MICROS
+        }
 
-    from ppswap.backends.torch.distributed import TorchDistTransport
-
-    torch.set_num_threads(1)
-    dist.init_process_group(backend="gloo")
-    transport = TorchDistTransport()
-    times: dict[str, dict[str, list[float]]] = {}
-    try:
-        for micro in MICROS:
-            times[str(micro)] = await _measure(replace(TINY, micro=micro), transport, args)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        print(f"rank {transport.rank}: failed, aborting the job", flush=True)
-        transport.abort(1)
-    finally:
-        transport.close()
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(times))
-    dist.destroy_process_group()
-    return 0
+    return await run_worker(measure, Path(args.out))
 
 
 async def _measure(

@@ -69,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -119,22 +119,33 @@ def worker(args: argparse.Namespace) -> int:
 
 
 async def _worker(args: argparse.Namespace) -> int:
+    model = Model(**json.loads(args.model))
+
+    async def measure(transport: Any) -> list[dict[str, Any]]:
+        return [
+            await _measure_schedule(name, schedule, model, transport, args)
+            for name, schedule in SCHEDULES
+        ]
+
+    return await run_worker(measure, Path(args.out))
+
+
+async def run_worker(measure: Callable[[Any], Awaitable[Any]], out: Path) -> int:
+    """One torchrun worker: one intra-op thread, the default gloo group and a
+    ``TorchDistTransport``; ``measure(transport)``'s result goes to ``out`` as JSON (rank
+    0). A failure prints its traceback and aborts the whole job."""
     import torch
     import torch.distributed as dist
 
     from ppswap.backends.torch.distributed import TorchDistTransport
 
     torch.set_num_threads(1)
-    model = Model(**json.loads(args.model))
     # torch.distributed.pipelining needs the default group; the transport then uses it
     # (with a gloo group of its own for its tags) instead of initializing one itself.
     dist.init_process_group(backend="gloo")
     transport = TorchDistTransport()
     try:
-        results = [
-            await _measure_schedule(name, schedule, model, transport, args)
-            for name, schedule in SCHEDULES
-        ]
+        result = await measure(transport)
     except BaseException:
         import traceback
 
@@ -144,7 +155,7 @@ async def _worker(args: argparse.Namespace) -> int:
     finally:
         transport.close()
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        out.write_text(json.dumps(result, indent=2))
     dist.destroy_process_group()
     return 0
 
