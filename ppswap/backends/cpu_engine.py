@@ -15,6 +15,13 @@ Host buffers come from a pool shared by every binding of the engine and living a
 it (so across runs): raw ``uint8`` buffers grouped by size class (the size rounded up to
 1/8 of its power of two, at least 4 KiB), handed out as typed views and returned with
 ``release_host``. Plain memory: ``pinned`` is False.
+
+The "device" memory a load lands in is cached the way a device's caching allocator caches
+it (:class:`BlockCache`): a loaded span is a block taken from a pool of the same size
+classes, and it goes back to the pool when the last array or framework tensor using it is
+gone. A load then writes into memory that is already mapped, instead of asking the
+system for fresh pages on every load and returning them when the backward drops them
+(on this 2-core machine that cost as much CPU as the copies themselves, docs/swap.md).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import copy
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +43,7 @@ from ppswap.backends.base import Backend, CopyEngine, ViewKey
 __all__ = [
     "HOST_ALIGNMENT",
     "Array",
+    "BlockCache",
     "CopyCounters",
     "EmulatedDevice",
     "HostPool",
@@ -211,6 +220,71 @@ class HostPool:
             )
 
 
+class _Lease:
+    """The owner of one cached block while it is in use: the arrays made from it (and
+    the framework tensors made from those) keep it alive as their numpy ``base``; when
+    the last of them is gone its block is handed back (to a deque: a finalizer may run
+    on any thread, inside any lock, so it takes none)."""
+
+    __slots__ = ("__array_interface__", "_raw", "_returned")
+
+    def __init__(self, raw: Array, ptr: int, nbytes: int, returned: deque[Array]) -> None:
+        self._raw = raw
+        self._returned = returned
+        self.__array_interface__ = {
+            "data": (ptr, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        self._returned.append(self._raw)
+
+
+class BlockCache:
+    """Cached "device" memory of a CPU engine, as a caching allocator keeps device memory.
+
+    :meth:`empty` hands out a contiguous ``uint8`` array starting at a
+    :data:`HOST_ALIGNMENT` boundary; its block returns to the cache by itself once
+    nothing uses it any more (no release call: the framework's tensors decide when).
+    ``max_idle_bytes`` caps the idle bytes kept (``None``: no cap). Thread-safe.
+    """
+
+    def __init__(self, max_idle_bytes: int | None = None) -> None:
+        self._pool = HostPool(max_idle_bytes)
+        self._returned: deque[Array] = deque()
+
+    def empty(self, nbytes: int) -> Array:
+        """An uninitialised block of ``nbytes`` bytes (see the class docstring)."""
+        self._take_back()
+        raw = self._pool.acquire(nbytes + HOST_ALIGNMENT)
+        root = _root(raw)
+        ptr = root.ctypes.data
+        ptr += -ptr % HOST_ALIGNMENT
+        block: Array = np.asarray(_Lease(root, ptr, nbytes, self._returned))
+        return block
+
+    def stats(self) -> PoolStats:
+        """The cache as a pool: ``lent`` blocks are in use, ``buffers`` idle."""
+        self._take_back()
+        return self._pool.stats()
+
+    def clear(self) -> None:
+        """Free every idle block (blocks in use return to the cache when freed)."""
+        self._take_back()
+        self._pool.clear()
+
+    def _take_back(self) -> None:
+        returned = self._returned
+        while True:
+            try:
+                raw = returned.popleft()
+            except IndexError:
+                return
+            self._pool.release(raw)
+
+
 class EmulatedDevice:
     """A CPU copy engine: real memcpy, optional bandwidth floor, pooled host buffers.
 
@@ -231,6 +305,7 @@ class EmulatedDevice:
         self.d2h_gbps = _validate_bandwidth("d2h_gbps", d2h_gbps)
         self.h2d_gbps = _validate_bandwidth("h2d_gbps", h2d_gbps)
         self.pool = HostPool(max_pool_bytes)
+        self.blocks = BlockCache(max_pool_bytes)
         self._backend: Backend | None = None
 
     @property
@@ -257,11 +332,26 @@ class EmulatedDevice:
         self.pool.release(buf)
 
     def clear_pool(self) -> None:
-        """Free every idle buffer (lent buffers are unaffected)."""
+        """Free every idle host buffer and cached device block (those in use are
+        unaffected)."""
         self.pool.clear()
+        self.blocks.clear()
 
     def pool_stats(self) -> PoolStats:
+        """The host buffer pool."""
         return self.pool.stats()
+
+    def block_stats(self) -> PoolStats:
+        """The cached device blocks loads land in (:class:`BlockCache`)."""
+        return self.blocks.stats()
+
+    def _fresh(self, like: Array, strides: tuple[int, ...] | None) -> Array:
+        """Device memory for a load of ``like``: a cached block, or (another layout than
+        C-contiguous) a plain allocation."""
+        if strides is not None and tuple(strides) != contiguous_strides(like.shape):
+            return fresh_array(like, strides)
+        block: Array = self.blocks.empty(like.nbytes).view(like.dtype).reshape(like.shape)
+        return block
 
     def counters(self) -> CopyCounters:
         return self.pool.counters()
@@ -294,7 +384,7 @@ class EmulatedDevice:
         self, host: Array, strides: tuple[int, ...] | None = None, dtype: str | None = None
     ) -> Array:
         """A plain copy on the calling thread (no bandwidth floor: not the copy stream)."""
-        fresh = fresh_array(host, strides)
+        fresh = self._fresh(host, strides)
         np.copyto(fresh, host, casting="no")
         return fresh
 
@@ -334,7 +424,7 @@ class EmulatedDevice:
         self, host: Array, strides: tuple[int, ...] | None = None, dtype: str | None = None
     ) -> Array:
         started = time.perf_counter()
-        fresh = fresh_array(host, strides)
+        fresh = self._fresh(host, strides)
         np.copyto(fresh, host, casting="no")
         _throttle(host.nbytes, self.h2d_gbps, started)
         self.pool.count_h2d(host.nbytes)

@@ -147,3 +147,63 @@ def test_size_classes_bound_the_waste(nbytes):
 def test_bad_engine_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         EmulatedDevice(**kwargs)
+
+
+# -- the cached device blocks loads land in -----------------------------------------------
+
+
+def test_a_load_reuses_a_cached_block_once_nothing_uses_it():
+    engine = EmulatedDevice()
+    host = engine.d2h(np.arange(1000, dtype=np.float32))
+    first = engine.h2d(host)
+    assert first.ctypes.data % 64 == 0 and first.flags.c_contiguous
+    address = first.ctypes.data
+    assert engine.block_stats().lent == 1
+    del first
+    stats = engine.block_stats()
+    assert stats.lent == 0 and stats.buffers == 1 and stats.misses == 1
+    again = engine.h2d(host)
+    assert again.ctypes.data == address  # the same memory, no new allocation
+    assert engine.block_stats().hits == 1
+    assert again.tolist() == list(range(1000))
+    engine.release_host(host)
+
+
+def test_a_block_in_use_is_never_handed_out_again():
+    engine = EmulatedDevice()
+    ones, twos = np.ones(4096, np.float32), np.full(4096, 2, np.float32)
+    held = engine.h2d(ones)[100:200]  # only a view of the loaded array is kept
+    other = engine.h2d(twos)
+    assert not np.shares_memory(held, other)
+    assert engine.block_stats().lent == 2
+    assert held.tolist() == [1.0] * 100 and other.tolist() == [2.0] * 4096
+
+
+def test_a_framework_tensor_keeps_its_block_until_it_is_freed():
+    engine = EmulatedDevice()
+    loaded = engine.h2d(np.arange(64, dtype=np.float32))
+    tensor = ms.Tensor.from_numpy(loaded[16:])  # shares the block's memory
+    del loaded
+    assert engine.block_stats().lent == 1
+    assert float(tensor.sum().asnumpy()) == float(sum(range(16, 64)))
+    del tensor
+    assert engine.block_stats().lent == 0 and engine.block_stats().buffers == 1
+
+
+def test_a_block_freed_on_another_thread_comes_back():
+    engine = EmulatedDevice()
+    box = [engine.h2d(np.zeros(5000, np.uint8))]
+    thread = threading.Thread(target=box.clear)
+    thread.start()
+    thread.join(10)
+    assert engine.block_stats().lent == 0
+    engine.clear_pool()
+    assert engine.block_stats().buffers == 0
+
+
+def test_a_strided_load_is_not_a_cached_block():
+    engine = EmulatedDevice()
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    back = engine.h2d(host, (1, 3))  # column-major
+    assert back.strides == (4, 12) and back.tolist() == host.tolist()
+    assert engine.block_stats().misses == 0
