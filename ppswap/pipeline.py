@@ -65,9 +65,7 @@ class _PipelineSchedule:
         if pp is not None and stage_num % pp:
             raise ValueError(f"pp must be an int >= 1 dividing stage_num={stage_num}, got {pp!r}")
         if options.device is None:
-            first = self.stages[0]
-            engine = first.backend.copy_engine(first.backend.device_of(first.module))
-            options = RunOptions.of(options, device=engine)
+            options = RunOptions.of(options, device=self.stages[0].default_copy_engine())
         self.options = options
         self.loss_fn = loss_fn
 

@@ -34,7 +34,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ppswap.backends import backend_for, type_name
-from ppswap.backends.base import Backend, ForwardRecord, Module, Tensor, WeightGrads
+from ppswap.backends.base import (
+    Backend,
+    CopyEngine,
+    ForwardRecord,
+    Module,
+    Tensor,
+    WeightGrads,
+)
 from ppswap.errors import PipelineInputError
 
 __all__ = ["LossFn", "PipelineStage", "StageCollector"]
@@ -96,6 +103,7 @@ class PipelineStage:
         self._micro_count = 1
         self._forward_fn: Callable[..., Tensor] | None = None
         self._module_state: tuple[Tensor, ...] = ()
+        self._copy_engine: tuple[str, CopyEngine] | None = None
 
     def __repr__(self) -> str:
         return f"PipelineStage({type(self.module).__name__}, {self.stage_index}/{self.stage_num})"
@@ -128,6 +136,18 @@ class PipelineStage:
     @property
     def live_chunks(self) -> int:
         return len(self._chunks) + len(self._pending_dw)
+
+    def default_copy_engine(self) -> CopyEngine:
+        """The copy engine a run led by this stage uses when it is given none: its
+        backend's engine for the module's device, made on first use and kept (made again
+        if the module moved to another device). Host buffers and device blocks pooled in
+        one step then serve the next, as a device's caching allocator keeps its memory;
+        ``default_copy_engine().clear_pool()`` gives the idle ones back."""
+        device = self.backend.device_of(self.module)
+        kept = self._copy_engine
+        if kept is None or kept[0] != device:
+            kept = self._copy_engine = (device, self.backend.copy_engine(device))
+        return kept[1]
 
     # -- run lifecycle (compute thread) ---------------------------------------------------
     def begin_run(

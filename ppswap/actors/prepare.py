@@ -87,11 +87,6 @@ class RunPlan:
     mesh: DeviceMesh | None = None
 
     @property
-    def device(self) -> str:
-        """Where the stages' parameters live (their backend's ``device_of``)."""
-        return self.backend.device_of(self.stages[0].module)
-
-    @property
     def step_timeout(self) -> float:
         return float(self.options.step_timeout)
 

@@ -124,7 +124,7 @@ async def run_schedule(
     plan = prepare_run(
         stages, run_options, inputs=inputs, targets=targets, loss_fn=loss_fn, trace=trace
     )
-    engine = run_options.device or plan.backend.copy_engine(plan.device)
+    engine = run_options.device or plan.stages[0].default_copy_engine()
     transport = run_options.transport or InProcessTransport()
     async with _exclusive_run():
         with plan.backend.run_scope():

@@ -150,6 +150,28 @@ async def test_ten_runs_in_a_row_leave_nothing_behind() -> None:
     assert device.pool_stats().hits > 0
 
 
+@pytest.mark.asyncio
+async def test_runs_without_a_device_reuse_the_stages_engine() -> None:
+    """run_schedule without ``device``: the first stage's kept engine moves every step,
+    so the host buffers and device blocks pooled in one step serve the next."""
+    stages = _stages(2)
+    x, y = _data()
+    engine = stages[0].default_copy_engine()
+    assert stages[0].default_copy_engine() is engine
+    misses = []
+    for _ in range(3):
+        result = await run_schedule(
+            stages, micro_batch_num=4, inputs=x, targets=y, loss_fn=mse_loss, swap=True
+        )
+        assert sum(r.offloaded_bytes for r in result.ranks) > 0
+        host, blocks = engine.pool_stats(), engine.block_stats()
+        assert host.lent == 0 and blocks.lent == 0  # every buffer and block came back
+        misses.append((host.misses, blocks.misses))
+    assert misses[0][0] > 0 and misses[0][1] > 0  # the copies ran through this engine
+    assert misses[2] == misses[0]  # later steps allocated nothing new
+    assert engine.pool_stats().hits > 0 and engine.block_stats().hits > 0
+
+
 def _other_tasks() -> set[asyncio.Task[Any]]:
     current = asyncio.current_task()
     return {t for t in asyncio.all_tasks() if t is not current and not t.done()}
