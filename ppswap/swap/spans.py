@@ -184,7 +184,7 @@ class StorageSpan:
         """Move every member to ``to_state`` (legal moves only; all or, on a refused
         move, the members before it)."""
         for entry in self.entries:
-            entry.transition(to_state)
+            entry.storage.transition(to_state)
 
     def views(self, array: HostArray) -> list[HostArray]:
         """Each member's elements in ``array`` (a contiguous ``uint8`` copy of the span)."""

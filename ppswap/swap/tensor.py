@@ -39,7 +39,6 @@ from __future__ import annotations
 import enum
 import functools
 import math
-import threading
 import zlib
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
 
@@ -165,13 +164,12 @@ class Storage:
     Its bytes move with the other captured views of the same storage, as one
     :class:`~ppswap.swap.spans.StorageSpan` (``span``, set when the forward ends; it holds
     the copy source, the host copy and the views' reference digests). Fields are owned by
-    the compute thread (copy jobs carry their own buffers). :meth:`transition` is atomic
-    under the storage's lock so a concurrent reader of :attr:`state` always sees a legal
-    state.
+    the compute thread, which changes them under the group's lock (copy jobs carry their
+    own buffers); another thread may read :attr:`state`, always a legal state (one
+    attribute, written once per move).
     """
 
     __slots__ = (
-        "_lock",
         "_state",
         "device",
         "device_block",
@@ -192,7 +190,6 @@ class Storage:
         self.nbytes = nbytes
         self.shape = shape
         self.dtype = dtype
-        self._lock = threading.Lock()
         self._state = SwapState.DEVICE
         self.device: Tensor | None = None
         self.device_block: tuple[str, int] | None = None
@@ -203,8 +200,7 @@ class Storage:
 
     @property
     def state(self) -> SwapState:
-        with self._lock:
-            return self._state
+        return self._state
 
     @property
     def host_bucket(self) -> Any:
@@ -213,22 +209,21 @@ class Storage:
 
     def transition(self, to_state: SwapState) -> SwapState:
         """Move to ``to_state``; return the previous state. Illegal moves raise."""
-        with self._lock:
-            current = self._state
-            if self.released:
-                raise SwapStateError(
-                    group=self.group,
-                    tag=self.tag,
-                    from_state="released",
-                    to_state=to_state,
-                    detail="the group was released",
-                )
-            if LEGAL_TRANSITIONS[current] is not to_state:
-                raise SwapStateError(
-                    group=self.group, tag=self.tag, from_state=current, to_state=to_state
-                )
-            self._state = to_state
-            return current
+        current = self._state
+        if self.released:
+            raise SwapStateError(
+                group=self.group,
+                tag=self.tag,
+                from_state="released",
+                to_state=to_state,
+                detail="the group was released",
+            )
+        if LEGAL_TRANSITIONS[current] is not to_state:
+            raise SwapStateError(
+                group=self.group, tag=self.tag, from_state=current, to_state=to_state
+            )
+        self._state = to_state
+        return current
 
 
 class EntryOwner(Protocol):
