@@ -16,6 +16,7 @@ import anyio
 import numpy as np
 
 from ppswap.core.messages import HostArray, MessageKey
+from ppswap.core.rank_args import group_index
 from ppswap.core.transport import TransportStats, sum_contributions
 
 __all__ = ["InProcessTransport"]
@@ -148,10 +149,7 @@ class InProcessTransport:
         """Wait until every member of ``group`` contributed to the same call; return the
         contributions by member index. The n-th call of ``(op, group, key)`` by each member
         meet (a key may be reused, as with MPITransport)."""
-        if not isinstance(group, tuple) or not group or rank not in group:
-            raise ValueError(f"group must be a tuple of ranks holding rank {rank}, got {group!r}")
-        if len(set(group)) != len(group):
-            raise ValueError(f"group must hold distinct ranks, got {group!r}")
+        mine = group_index(group, rank, None)
         members = tuple(sorted(group))
         call = (op, members, key, rank)
         count = self._collective_calls.get(call, 0)
@@ -164,7 +162,7 @@ class InProcessTransport:
             raise RuntimeError(
                 f"{op} {key!r}: members disagree on the group order: {slot.group} and {group}"
             )
-        slot.contributions[group.index(rank)] = payload
+        slot.contributions[mine] = payload
         if len(slot.contributions) == len(group):
             slot.complete.set()
         await slot.complete.wait()

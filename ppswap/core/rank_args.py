@@ -1,11 +1,14 @@
-"""What the multi-process transports (``MPITransport``, ``TorchDistTransport``) check of
-their callers' arguments, with the same messages: ranks, message keys, collective groups.
+"""What the transports check of their callers' arguments, with the same messages: ranks and
+message keys (the multi-process ``MPITransport`` and ``TorchDistTransport``), collective
+groups (those two and ``InProcessTransport``).
 
 Each check raises ``TypeError`` or ``ValueError`` naming the argument, its value and what
 is allowed, before anything is posted.
 """
 
 from __future__ import annotations
+
+import sys
 
 from ppswap.core.messages import MessageKey
 
@@ -44,13 +47,13 @@ def check_message_key(key: MessageKey, num_stages: int, micro_count: int) -> Non
     check_int("key.micro", key.micro, 0, micro_count)
 
 
-def group_index(group: object, rank: int, world_size: int) -> int:
+def group_index(group: object, rank: int, world_size: int | None) -> int:
     """``rank``'s index in a collective's ``group``: a non-empty tuple of distinct ranks of
-    the world that holds ``rank``."""
+    the world that holds ``rank`` (``world_size`` None: a world of any size)."""
     if not isinstance(group, tuple) or not group:
         raise TypeError(f"group must be a non-empty tuple of ranks, got {group!r}")
     for member in group:
-        check_int("group member", member, 0, world_size)
+        check_int("group member", member, 0, sys.maxsize if world_size is None else world_size)
     if len(set(group)) != len(group) or rank not in group:
         raise ValueError(f"group={group} must hold distinct ranks including this rank {rank}")
     return group.index(rank)
