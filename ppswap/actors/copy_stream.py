@@ -146,10 +146,15 @@ class CopyStream:
         return completion
 
     # -- event loop: lifecycle ------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, *, thread: bool = True) -> None:
+        """Start the stream's thread; ``thread=False`` for a rank whose order launches no
+        copy: no thread is made, ``launch`` refuses, and the stream is finished as soon as
+        it is closed or interrupted."""
         self._loop = asyncio.get_running_loop()
         self._settled = anyio.Event()
         self._drained = anyio.Event()
+        if not thread:
+            return
         self._thread = threading.Thread(
             target=self._serve, name=f"ppswap-copy-{self.rank}", daemon=False
         )
@@ -160,6 +165,12 @@ class CopyStream:
         with self._ready:
             self._queue.append(_CLOSE)
             self._ready.notify()
+        self._end_threadless()
+
+    def _end_threadless(self) -> None:
+        if self._thread is None and self._settled is not None and self._drained is not None:
+            self._drained.set()
+            self._settled.set()
 
     def interrupt(self) -> None:
         """Cancel every queued copy and cut a fault-injected delay short (teardown)."""
@@ -172,6 +183,7 @@ class CopyStream:
         for item in dropped:
             item.job.cancel()
             item.completion.set()
+        self._end_threadless()
 
     async def finished(self) -> None:
         """Return when the thread exited after ``close``; raise the first copy failure

@@ -52,12 +52,14 @@ class RankRuntime:
         self.stages: tuple[PipelineStage, ...] = plan.stages_of(rank)
         order = plan.orders[rank]
         config = plan.config
+        eligible = eligible_chunks(order)
+        self._copies_planned = bool(eligible)
         self.session = PipelineSwapSession(
             SwapManager(plan.backend),
             engine,
             rank=rank,
             generation=generation,
-            eligible=eligible_chunks(order),
+            eligible=eligible,
             wait_timeout_s=plan.step_timeout,
             check=plan.swap_check,
             count_saved=plan.count_saved_bytes,
@@ -122,8 +124,9 @@ class RankRuntime:
         p2p_tx.actor = self.p2p_actor  # sends and receives go to it as they are posted
 
     def start(self, tg: TaskGroup) -> None:
-        """Start the copy stream and the three actors in ``tg``."""
-        self.copy_stream.start()
+        """Start the copy stream (with a thread if the rank's order copies anything) and
+        the three actors in ``tg``."""
+        self.copy_stream.start(thread=self._copies_planned)
         tg.start_soon(self.compute_actor.run, name=f"compute-{self.rank}")
         tg.start_soon(self.copy_actor.run, name=f"copy-{self.rank}")
         tg.start_soon(self.p2p_actor.run, name=f"p2p-{self.rank}")

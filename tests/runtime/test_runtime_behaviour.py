@@ -24,7 +24,7 @@ from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.steps import StepKind
-from ppswap.scheduler.swap_plan import chunks_on_host_peak, compute_slots
+from ppswap.scheduler.swap_plan import chunks_on_host_peak, compute_slots, eligible_chunks
 from ppswap.swap import EmulatedDevice, swap_wrapper
 
 DIM = 8
@@ -170,6 +170,31 @@ async def test_runs_without_a_device_reuse_the_stages_engine() -> None:
     assert misses[0][0] > 0 and misses[0][1] > 0  # the copies ran through this engine
     assert misses[2] == misses[0]  # later steps allocated nothing new
     assert engine.pool_stats().hits > 0 and engine.block_stats().hits > 0
+
+
+@pytest.mark.asyncio
+async def test_only_ranks_that_copy_start_a_copy_thread() -> None:
+    """A rank whose order launches no copy (every rank without swap) runs without a copy
+    thread; with swap, exactly the ranks whose plan offloads have one."""
+    stages = _stages(4)
+    x, y = _data()
+    seen: list[set[str]] = []
+
+    def loss(output: Any, target: Any) -> Any:  # runs on the compute thread, mid-run
+        seen.append({t.name for t in threading.enumerate() if t.name.startswith("ppswap-copy")})
+        return mse_loss(output, target)
+
+    await run_schedule(stages, "1f1b", micro_batch_num=8, inputs=x, targets=y, loss_fn=loss)
+    assert len(seen) == 8 and all(names == set() for names in seen)
+    seen.clear()
+    result = await run_schedule(
+        stages, "1f1b", micro_batch_num=8, inputs=x, targets=y, loss_fn=loss, swap=True
+    )
+    orders = build_all_orders(ScheduleConfig(schedule="1f1b", pp=4, micro=8, swap=True))
+    planned = {f"ppswap-copy-{r}" for r, order in enumerate(orders) if eligible_chunks(order)}
+    assert 0 < len(planned) < 4  # 1F1B: the last ranks' gaps are too short to swap
+    assert {f"ppswap-copy-{r.rank}" for r in result.ranks if r.copies > 0} == planned
+    assert len(seen) == 8 and all(names == planned for names in seen)
 
 
 def _other_tasks() -> set[asyncio.Task[Any]]:
