@@ -8,7 +8,8 @@ schedule is calibrated on itself first:
 
 - the *compute slot* is one compute leaf's wall time: no-swap step time / compute leaves
   (the in-process runtime runs every leaf of every rank on one compute thread, so a step
-  is the sum of its leaves); the same with swap on and copies unthrottled gives the
+  is the sum of its leaves); the same with swap on and copies unthrottled (the default
+  engine, which the first stage keeps across runs, as a user's runs get it) gives the
   slowdown swap itself causes (``--calibration-repeats`` runs each, default 5, medians;
   runs without and with swap alternate, so the machine's drift reaches both alike);
 - a *chunk* is what one chunk's offload moves (``RankStats.offloaded_bytes`` per offloaded

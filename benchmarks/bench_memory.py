@@ -10,8 +10,9 @@ the process, world rank ``w`` at pipeline rank ``w % 4``), each stage ``fully_sh
 after wrapping (RFC 5.2.3); each replica takes half of the batch, so its chunks are half
 as large. Parameters are not in these figures (they are never saved activations).
 
-Each schedule runs one training step without swap and one with (``EmulatedDevice``
-without throttling: this table is about memory, ``bench_cost.py`` is about time).
+Each schedule runs one training step without swap and one with (the default copy engine,
+the ``EmulatedDevice`` the first stage keeps across runs, without throttling: this table is
+about memory, ``bench_cost.py`` is about time).
 "Measured" is ``RankStats.peak_saved_bytes``: the largest total of distinct device
 storages that live chunks held (the swap session's ledger, from real tensor sizes,
 parameters excluded).
@@ -50,7 +51,7 @@ from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost import CostModel, SwapPolicy
 from ppswap.scheduler.simulate import memory_table
-from ppswap.swap import CopyEngine, EmulatedDevice, swap_wrapper
+from ppswap.swap import CopyEngine, swap_wrapper
 
 LM = LMConfig(vocab=64, seq=64, dim=128, heads=4, seed=0)
 BLOCKS = 8  # the whole model: 2 blocks per stage at pp4, 1 per virtual stage at pp4 vpp2
@@ -173,7 +174,7 @@ class Runner:
             targets=self.targets,
             loss_fn=cross_entropy_loss,
             swap=swap,
-            device=device if device is not None else EmulatedDevice(),
+            device=device,  # None: the engine the first stage keeps, as a user's run gets
             swap_policy=swap_policy,
             cost_model=cost_model if swap_policy == "cost" else None,
             **self.case.run_kwargs(),
