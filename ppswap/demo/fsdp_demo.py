@@ -25,7 +25,7 @@ import mindspore as ms
 
 from ppswap.core.messages import HostArray
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
-from ppswap.demo.run import DemoOptions, lm_batches, load_corpus
+from ppswap.demo.run import DemoOptions, lm_batches, load_corpus, step_time_line
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.results import RunResult
@@ -45,6 +45,8 @@ class FsdpDemoReport:
     losses_swap: list[float]
     last_no_swap: RunResult
     last_swap: RunResult
+    step_times_no_swap: list[float]
+    step_times_swap: list[float]
 
 
 _SCHEDULES = {
@@ -71,7 +73,7 @@ def _train(
     mesh: DeviceMesh,
     data: list[tuple[HostArray, HostArray]],
     swap: bool,
-) -> tuple[list[float], RunResult]:
+) -> tuple[list[float], list[float], RunResult]:
     stages = _sharded_lm(cfg, opts.pp * opts.vpp, mesh)
     schedule = _SCHEDULES[opts.schedule](
         stages,
@@ -82,6 +84,7 @@ def _train(
         device=EmulatedDevice(),
     )
     losses: list[float] = []
+    step_times: list[float] = []
     result: RunResult | None = None
     label = "fsdp swap on " if swap else "fsdp swap off"
     for step, (x, y) in enumerate(data):
@@ -89,6 +92,7 @@ def _train(
         trace = opts.out_dir / f"trace_fsdp_{'swap' if swap else 'noswap'}.json"
         result = schedule.run(x, targets=y, trace=trace if last else None)
         losses.append(result.loss)
+        step_times.append(result.step_time_s)
         for stage in stages:  # SGD on the shards, with the shard gradients
             for param, grad in zip(stage.parameters, stage.grads, strict=True):
                 param.set_data(param - opts.lr * grad)
@@ -101,7 +105,7 @@ def _train(
         )
     print(file=sys.stderr)
     assert result is not None
-    return losses, result
+    return losses, step_times, result
 
 
 def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
@@ -130,9 +134,11 @@ def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
         f"micro={opts.micro} ({mesh.world_size} ranks), char LM, {opts.steps} steps",
         file=sys.stderr,
     )
-    losses_off, last_off = _train(opts, cfg, mesh, data, swap=False)
-    losses_on, last_on = _train(opts, cfg, mesh, data, swap=True)
-    return FsdpDemoReport(dp, opts.pp, losses_off, losses_on, last_off, last_on)
+    losses_off, times_off, last_off = _train(opts, cfg, mesh, data, swap=False)
+    losses_on, times_on, last_on = _train(opts, cfg, mesh, data, swap=True)
+    return FsdpDemoReport(
+        dp, opts.pp, losses_off, losses_on, last_off, last_on, times_off, times_on
+    )
 
 
 def _cut(before: int, after: int) -> float:
@@ -176,8 +182,7 @@ def format_fsdp_report(report: FsdpDemoReport) -> str:
         f"({_cut(acts_off, acts_on):.1%} saved by swap)",
         f"parameters + activations: {unsharded + acts_off:,} bytes (pp only, no swap) -> "
         f"{resident + acts_on:,} (FSDP + swap, parameters between uses)",
-        f"step time: swap off {report.last_no_swap.step_time_s:.2f}s, "
-        f"swap on {report.last_swap.step_time_s:.2f}s",
+        step_time_line(report.step_times_no_swap, report.step_times_swap),
     ]
     return "\n".join(lines)
 

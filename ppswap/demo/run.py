@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -209,6 +210,22 @@ class DemoReport:
     last_no_swap: RunResult
     last_swap: RunResult
     predicted: list[dict[str, int]]
+    step_times_no_swap: list[float]
+    step_times_swap: list[float]
+
+
+def step_time_line(no_swap: list[float], swap: list[float]) -> str:
+    """The report's step-time line: the median over the steps after the first (which
+    warms up), swap off and on, and their ratio; one step is reported as it is."""
+    if len(no_swap) > 1 and len(swap) > 1:
+        later = "step 2" if len(no_swap) == 2 else f"median of steps 2-{len(no_swap)}"
+        which = f"{later}; step 1 warms up"
+        off, on = statistics.median(no_swap[1:]), statistics.median(swap[1:])
+    else:
+        which = "one step, warm-up included"
+        off, on = no_swap[-1], swap[-1]
+    ratio = f" ({on / off:.2f}x)" if off > 0 else ""
+    return f"step time ({which}): swap off {off:.2f}s, swap on {on:.2f}s{ratio}"
 
 
 def load_corpus() -> str:
@@ -249,7 +266,7 @@ def _train(
     data: list[tuple[HostArray, HostArray]],
     swap: bool,
     transport: Transport | None,
-) -> tuple[list[float], RunResult]:
+) -> tuple[list[float], list[float], RunResult]:
     stage_num = opts.pp * opts.vpp
     modules = model.build_stages(cfg, stage_num)
     for module in modules:
@@ -271,6 +288,7 @@ def _train(
         transport=transport,
     )
     losses: list[float] = []
+    step_times: list[float] = []
     result: RunResult | None = None
     label = "swap on " if swap else "swap off"
     suffix = "" if rank is None else f"_rank{rank}"
@@ -280,6 +298,7 @@ def _train(
         trace = opts.out_dir / f"trace_{'swap' if swap else 'noswap'}{suffix}.json"
         result = schedule.run(x, targets=y, trace=trace if step == len(data) - 1 else None)
         losses.append(result.loss)
+        step_times.append(result.step_time_s)
         for stage in stages:
             model.sgd_step(stage.parameters, stage.grads, opts.lr)
         done = step + 1
@@ -296,7 +315,7 @@ def _train(
     if not rank:
         print(file=sys.stderr)
     assert result is not None
-    return losses, result
+    return losses, step_times, result
 
 
 def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoReport:
@@ -334,12 +353,12 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
             "swap on (first steps are the slowest)",
             file=sys.stderr,
         )
-    losses_off, last_off = _train(opts, model, cfg, data, False, transport)
-    losses_on, last_on = _train(opts, model, cfg, data, True, transport)
+    losses_off, times_off, last_off = _train(opts, model, cfg, data, False, transport)
+    losses_on, times_on, last_on = _train(opts, model, cfg, data, True, transport)
     predicted = memory_table(config)
     if opts.plot and not quiet:
         _plot(config, opts.out_dir / f"schedule_{opts.schedule}.png")
-    return DemoReport(losses_off, losses_on, last_off, last_on, predicted)
+    return DemoReport(losses_off, losses_on, last_off, last_on, predicted, times_off, times_on)
 
 
 def _plot(config: ScheduleConfig, path: Path) -> None:
@@ -396,10 +415,7 @@ def format_report(report: DemoReport) -> str:
     lines.append("")
     lines += REPORT_LEGEND
     lines.append("")
-    lines.append(
-        f"step time: swap off {report.last_no_swap.step_time_s:.2f}s, "
-        f"swap on {report.last_swap.step_time_s:.2f}s"
-    )
+    lines.append(step_time_line(report.step_times_no_swap, report.step_times_swap))
     return "\n".join(lines)
 
 

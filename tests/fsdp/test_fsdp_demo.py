@@ -21,6 +21,7 @@ def test_fsdp_demo_reports_parameter_and_activation_savings(tmp_path: Path) -> N
     text = format_fsdp_report(report)
     assert "bit-identical: yes" in text
     assert "saved by FSDP, dp=2" in text and "saved by swap" in text
+    assert "step time (one step, warm-up included): swap off" in text
     assert (tmp_path / "trace_fsdp_swap.json").exists()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ppswap.cli import main
-from ppswap.demo.run import DemoOptions, format_report, run_demo
+from ppswap.demo.run import DemoOptions, format_report, run_demo, step_time_line
 
 
 def test_demo_trains_and_swap_agrees(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,6 +35,8 @@ def test_demo_trains_and_swap_agrees(tmp_path: Path, capsys: pytest.CaptureFixtu
         "exposed wait",
     ):
         assert sum(line.startswith(f"  {column}  ") for line in legend) == 1, column
+    assert len(report.step_times_swap) == 2
+    assert "step time (step 2; step 1 warms up): swap off" in text
     assert (tmp_path / "trace_swap.json").exists()
 
 
@@ -75,3 +77,16 @@ def test_torch_demo_from_the_console_needs_no_mindspore(tmp_path: Path) -> None:
     assert "bit-identical: yes" in done.stdout
     assert "mindspore loaded: False" in done.stdout
     assert "torch char LM" in done.stderr
+
+
+def test_step_time_line_leaves_out_the_warm_up_step() -> None:
+    # step 1 warms up; the median of the others, and on over off
+    assert step_time_line([9.0, 1.0, 3.0, 2.0], [9.0, 2.2, 2.0, 6.0]) == (
+        "step time (median of steps 2-4; step 1 warms up): swap off 2.00s, swap on 2.20s (1.10x)"
+    )
+    assert step_time_line([9.0, 2.0], [9.0, 3.0]) == (
+        "step time (step 2; step 1 warms up): swap off 2.00s, swap on 3.00s (1.50x)"
+    )
+    assert step_time_line([4.0], [5.0]) == (
+        "step time (one step, warm-up included): swap off 4.00s, swap on 5.00s (1.25x)"
+    )
