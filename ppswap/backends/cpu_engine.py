@@ -20,8 +20,8 @@ The "device" memory a load lands in is cached the way a device's caching allocat
 it (:class:`BlockCache`): a loaded span is a block taken from a pool of the same size
 classes, and it goes back to the pool when the last array or framework tensor using it is
 gone. A load then writes into memory that is already mapped, instead of asking the
-system for fresh pages on every load and returning them when the backward drops them
-(on this 2-core machine that cost as much CPU as the copies themselves, docs/swap.md).
+system for fresh pages (page faults) on every load and returning them when the backward
+drops them (docs/swap.md has the measured cost).
 """
 
 from __future__ import annotations

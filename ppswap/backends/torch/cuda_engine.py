@@ -1,9 +1,9 @@
 """The CUDA copy engine: saved activations of CUDA tensors to page-locked host memory and
 back, on a copy stream of their own.
 
-- Each engine owns one CUDA stream for its copies (the runtime makes one engine per run;
-  every copy of every rank runs on that stream, in the FIFO order of the ranks' copy
-  threads).
+- Each engine owns one CUDA stream for its copies (a run uses one engine: the one given
+  as ``device``, or the one its first stage keeps across runs; every copy of every rank
+  runs on that stream, in the FIFO order of the ranks' copy threads).
 - ``span_sources`` (compute thread, when the chunk's forward ends) records one event on
   the compute stream after the chunk's tensors were produced; each copy waits for it on
   the copy stream (``Stream.wait_event``), so the copy never reads a half-computed
