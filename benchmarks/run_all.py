@@ -123,7 +123,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "Orchestration cost of the actor runtime",
         "Overhead per MetaStep of the actors against a synchronous loop over the same "
         "orders, and event-loop lag while training.",
-        args=("--repeats", "3"),
+        args=("--repeats", "5"),
         quick_args=("--repeats", "1"),
         limit_s=180.0,
     ),
