@@ -271,8 +271,6 @@ def _measure_all(repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         large = _summary(large_runs, statistics.median)
         wall, cpu = _overheads(small, large)
         best_wall, best_cpu = _overheads(_summary(small_runs, min), _summary(large_runs, min))
-        sync_slope = (large[1] - small[1]) / (large[0] - small[0])
-        actor_slope = (large[2] - small[2]) / (large[0] - small[0])
         rows.append(
             {
                 "schedule": schedule,
@@ -283,8 +281,7 @@ def _measure_all(repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                 "steps": f"{small[0]} / {large[0]}",
                 "sync_ms": f"{small[1] * 1e3:.0f} / {large[1] * 1e3:.0f}",
                 "actors_ms": f"{small[2] * 1e3:.0f} / {large[2] * 1e3:.0f}",
-                "fixed_ms": (small[2] - actor_slope * small[0]) * 1e3
-                - (small[1] - sync_slope * small[0]) * 1e3,
+                "fixed_ms": (small[2] - small[1] - wall * small[0]) * 1e3,
                 "overhead_us_per_step": wall * 1e6,
                 "cpu_overhead_us_per_step": cpu * 1e6,
                 "best_overhead_us_per_step": best_wall * 1e6,
