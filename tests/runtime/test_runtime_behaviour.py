@@ -8,6 +8,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +154,16 @@ async def test_ten_runs_in_a_row_leave_nothing_behind() -> None:
 @pytest.mark.asyncio
 async def test_runs_without_a_device_reuse_the_stages_engine() -> None:
     """run_schedule without ``device``: the first stage's kept engine moves every step,
-    so the host buffers and device blocks pooled in one step serve the next."""
+    so the host buffers and device blocks pooled in one step serve the next.
+
+    Not "later steps allocate nothing": both ranks' copy threads share the pools, and how
+    their acquisitions and returns interleave decides how many buffers are out at once,
+    so a later step may need a few more than the first had (about 1 run in 6 did)."""
     stages = _stages(2)
     x, y = _data()
     engine = stages[0].default_copy_engine()
     assert stages[0].default_copy_engine() is engine
-    misses = []
+    counts = [(0, 0, 0, 0)]  # host hits and misses, block hits and misses, after each step
     for _ in range(3):
         result = await run_schedule(
             stages, micro_batch_num=4, inputs=x, targets=y, loss_fn=mse_loss, swap=True
@@ -166,10 +171,19 @@ async def test_runs_without_a_device_reuse_the_stages_engine() -> None:
         assert sum(r.offloaded_bytes for r in result.ranks) > 0
         host, blocks = engine.pool_stats(), engine.block_stats()
         assert host.lent == 0 and blocks.lent == 0  # every buffer and block came back
-        misses.append((host.misses, blocks.misses))
-    assert misses[0][0] > 0 and misses[0][1] > 0  # the copies ran through this engine
-    assert misses[2] == misses[0]  # later steps allocated nothing new
-    assert engine.pool_stats().hits > 0 and engine.block_stats().hits > 0
+        counts.append((host.hits, host.misses, blocks.hits, blocks.misses))
+    steps = [
+        tuple(b - a for a, b in zip(before, after, strict=True))
+        for before, after in pairwise(counts)
+    ]
+    first = steps[0]
+    assert first[1] > 0 and first[3] > 0  # the copies ran through this engine
+    for host_hits, host_misses, block_hits, block_misses in steps[1:]:
+        # every step takes as many buffers and blocks as the first (the same plan) ...
+        assert host_hits + host_misses == first[0] + first[1]
+        assert block_hits + block_misses == first[2] + first[3]
+        # ... and the pools, filled by the steps before, serve most of them
+        assert host_hits > host_misses and block_hits > block_misses
 
 
 @pytest.mark.asyncio
