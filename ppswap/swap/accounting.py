@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 __all__ = ["Chunk", "DeviceBlock", "SwapAccounting", "UnpackCounters"]
@@ -87,16 +87,41 @@ class SwapAccounting:
                 self._peak = max(self._peak, self._resident)
             record.holders[holder] = chunk
 
+    def hold_all(
+        self, block: DeviceBlock, nbytes: int, holders: Iterable[Hashable], chunk: Chunk
+    ) -> None:
+        """:meth:`hold` for several holders of one block, under one lock."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        with self._lock:
+            record = self._blocks.get(block)
+            if record is None:
+                record = _BlockRecord(nbytes)
+                self._blocks[block] = record
+                self._resident += nbytes
+                self._peak = max(self._peak, self._resident)
+            for holder in holders:
+                record.holders[holder] = chunk
+
     def drop(self, block: DeviceBlock, holder: Hashable) -> None:
         """``holder`` no longer keeps ``block`` alive; unknown pairs are ignored."""
         with self._lock:
-            record = self._blocks.get(block)
-            if record is None or holder not in record.holders:
-                return
-            del record.holders[holder]
-            if not record.holders:
-                del self._blocks[block]
-                self._resident -= record.nbytes
+            self._drop(block, holder)
+
+    def drop_all(self, pairs: Iterable[tuple[DeviceBlock, Hashable]]) -> None:
+        """:meth:`drop` for each ``(block, holder)`` pair, under one lock."""
+        with self._lock:
+            for block, holder in pairs:
+                self._drop(block, holder)
+
+    def _drop(self, block: DeviceBlock, holder: Hashable) -> None:
+        record = self._blocks.get(block)
+        if record is None or holder not in record.holders:
+            return
+        del record.holders[holder]
+        if not record.holders:
+            del self._blocks[block]
+            self._resident -= record.nbytes
 
     def chunks_holding(self, block: DeviceBlock) -> frozenset[Chunk]:
         """The chunks that currently hold ``block`` on device."""
@@ -108,7 +133,9 @@ class SwapAccounting:
         """Whether a chunk other than ``chunk`` holds ``block`` on device."""
         with self._lock:
             record = self._blocks.get(block)
-            return record is not None and any(c != chunk for c in record.holders.values())
+            if record is None:
+                return False
+            return any(c != chunk for c in record.holders.values())
 
     def add_offloaded(self, nbytes: int) -> None:
         with self._lock:

@@ -143,11 +143,12 @@ class EntryTable:
                     to_state=GroupPhase.COLLECTING.value,
                     detail="a group only captures during its chunk's forward",
                 )
+            bulk = self.group_swap if group_swap is None else group_swap
             existing = self._by_key.get(key)
             if existing is not None:
                 if selected and not existing.selected:
                     existing.selected = True
-                    existing.bulk = self.group_swap if group_swap is None else group_swap
+                    existing.bulk = bulk
                 return existing
             entry = SwapTensor.capture(
                 self.backend,
@@ -156,17 +157,22 @@ class EntryTable:
                 group=self.name,
                 tag=self._unique_tag(tag or f"t{len(self._entries)}"),
                 key=key,
-                bulk=self.group_swap if group_swap is None else group_swap,
+                bulk=bulk,
                 chunk=self.chunk,
                 storage_info=info,
             )
+            block = ("storage", info.ptr)
             entry.selected = selected
-            entry.storage.device_block = ("storage", info.ptr)
+            entry.storage.device_block = block
             entry.pinned = info.ptr in self._pinned_storages
-            self.accounting.hold(("storage", info.ptr), info.nbytes, entry, self.chunk)
+            self.accounting.hold(block, info.nbytes, entry, self.chunk)
             self._entries.append(entry)
             self._by_key[key] = entry
-            self._by_storage.setdefault(info.ptr, []).append(entry)
+            same_storage = self._by_storage.get(info.ptr)
+            if same_storage is None:
+                self._by_storage[info.ptr] = [entry]
+            else:
+                same_storage.append(entry)
             return entry
 
     def select_storage(self, storage_ptr: int, *, group_swap: bool) -> int:
@@ -182,14 +188,17 @@ class EntryTable:
     def _unique_tag(self, tag: str) -> str:
         """``tag``, or ``tag#n`` with the smallest free ``n``: tags are never removed, so
         the search for a tag starts after the number it last took."""
-        unique, n = tag, self._tag_next.get(tag, 1)
-        if unique in self._tags:
+        tags = self._tags
+        if tag not in tags:
+            tags.add(tag)
+            return tag
+        n = self._tag_next.get(tag, 1)
+        unique = f"{tag}#{n}"
+        while unique in tags:
+            n += 1
             unique = f"{tag}#{n}"
-            while unique in self._tags:
-                n += 1
-                unique = f"{tag}#{n}"
-            self._tag_next[tag] = n + 1
-        self._tags.add(unique)
+        self._tag_next[tag] = n + 1
+        tags.add(unique)
         return unique
 
     def pin_storage(self, storage_ptr: int) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ppswap.backends.base import Backend, CopyEngine, Tensor
 from ppswap.backends.cpu_engine import HOST_ALIGNMENT, Array
-from ppswap.swap.accounting import SwapAccounting
+from ppswap.swap.accounting import DeviceBlock, SwapAccounting
 from ppswap.swap.entries import EntryTable, GroupPhase
 from ppswap.swap.errors import SwapError, SwapStateError
 from ppswap.swap.jobs import CopyJob, JobKind
@@ -163,6 +163,7 @@ class SwapGroup(EntryTable):
                 span.verify(self.engine.host_view(span.source), self.check, "after its copy")
             before = self.accounting.resident_bytes
             bucket_of = {id(s): b for b in self._offload_buckets for s, _ in b.members}
+            dropped: list[tuple[DeviceBlock, SwapTensor]] = []
             for slot in self._offload_slots:
                 span = slot.span
                 span.transition(SwapState.HOST)
@@ -171,7 +172,8 @@ class SwapGroup(EntryTable):
                 span.source = None
                 for entry in span.entries:
                     entry.storage.job = None
-                    self._drop_device(entry)
+                    _forget_device(entry, dropped)
+            self.accounting.drop_all(dropped)
             for bucket in self._offload_buckets:
                 bucket.holding = len(bucket.members)
             self._host_buckets = self._offload_buckets
@@ -180,13 +182,6 @@ class SwapGroup(EntryTable):
             self.accounting.add_offloaded(job.nbytes)
             self._phase = GroupPhase.OFFLOADED
             return before - self.accounting.resident_bytes
-
-    def _drop_device(self, entry: SwapTensor) -> None:
-        storage = entry.storage
-        if storage.device_block is not None:
-            self.accounting.drop(storage.device_block, entry)
-        storage.device = None
-        storage.device_block = None
 
     # -- load ---------------------------------------------------------------------------
 
@@ -234,8 +229,7 @@ class SwapGroup(EntryTable):
             for slot in slots:
                 span = slot.span
                 assert slot.block is not None
-                for entry in span.entries:
-                    self.accounting.hold(slot.block, slot.block_nbytes, entry, self.chunk)
+                self.accounting.hold_all(slot.block, slot.block_nbytes, span.entries, self.chunk)
                 span.transition(SwapState.H2D)
                 span.host, span.host_bucket = None, None
                 for entry in span.entries:
@@ -364,7 +358,7 @@ class SwapGroup(EntryTable):
         block = self.accounting.new_loaded_block()
         for entry in span.entries:
             entry.storage.device_block = block
-            self.accounting.hold(block, span.nbytes, entry, self.chunk)
+        self.accounting.hold_all(block, span.nbytes, span.entries, self.chunk)
         span.host, span.host_bucket = None, None
         if bucket is None:
             self.engine.release_host(host)
@@ -424,11 +418,13 @@ class SwapGroup(EntryTable):
             if bucket.raw is not None:
                 engine.release_host(bucket.raw)
                 bucket.raw = None
+        dropped: list[tuple[DeviceBlock, SwapTensor]] = []
         for entry in self._entries:
-            self._drop_device(entry)
+            _forget_device(entry, dropped)
             entry.storage.span = None
             entry.storage.job = None
             entry.storage.released = True
+        self.accounting.drop_all(dropped)
         self._by_key.clear()
         self._by_storage.clear()
         self._spans.clear()
@@ -441,3 +437,13 @@ class SwapGroup(EntryTable):
             f"SwapGroup(name={self.name!r}, entries={len(self._entries)}, "
             f"phase={self._phase.value})"
         )
+
+
+def _forget_device(entry: SwapTensor, dropped: list[tuple[DeviceBlock, SwapTensor]]) -> None:
+    """Drop ``entry``'s device tensor; add the block it held to ``dropped`` (the caller
+    gives all of them back to the accounting at once)."""
+    storage = entry.storage
+    if storage.device_block is not None:
+        dropped.append((storage.device_block, entry))
+    storage.device = None
+    storage.device_block = None

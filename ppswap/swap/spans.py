@@ -153,6 +153,14 @@ class StorageSpan:
     @classmethod
     def of(cls, storage_ptr: int, entries: Sequence[SwapTensor]) -> StorageSpan:
         """The span of ``entries`` (every captured view of one storage)."""
+        if len(entries) == 1:  # one view (every span on MindSpore): no zips or comprehensions
+            (entry,) = entries
+            key = entry.key
+            start, nbytes, (offset,) = span_layout(storage_ptr, (key,))
+            members, dense = [(entry, offset)], [dense_nbytes(key)]
+            span = cls(storage_ptr, start, nbytes, members, entry.bulk, [entry], dense)
+            entry.storage.span = span
+            return span
         start, nbytes, offsets = span_layout(storage_ptr, [e.key for e in entries])
         span = cls(
             storage_ptr=storage_ptr,
@@ -193,6 +201,11 @@ class StorageSpan:
     def digests_of(self, array: HostArray, mode: CheckMode) -> list[int]:
         """Each member's content digest in ``array`` (a contiguous ``uint8`` copy of the
         span): ``content_digest`` of its elements, read in place where they are dense."""
+        if len(self.members) == 1:
+            ((entry, offset),) = self.members
+            nbytes = self.dense[0]
+            if nbytes is not None:
+                return [digest_bytes(array[offset : offset + nbytes], entry.key.itemsize, mode)]
         return [
             view_digest(array, offset, entry.key, mode, nbytes)
             for (entry, offset), nbytes in zip(self.members, self.dense, strict=True)
