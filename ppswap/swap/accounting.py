@@ -76,21 +76,13 @@ class SwapAccounting:
 
     def hold(self, block: DeviceBlock, nbytes: int, holder: Hashable, chunk: Chunk) -> None:
         """``holder`` (of ``chunk``) keeps ``block`` of ``nbytes`` alive on device."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        with self._lock:
-            record = self._blocks.get(block)
-            if record is None:
-                record = _BlockRecord(nbytes)
-                self._blocks[block] = record
-                self._resident += nbytes
-                self._peak = max(self._peak, self._resident)
-            record.holders[holder] = chunk
+        self.hold_all(block, nbytes, (holder,), chunk)
 
     def hold_all(
         self, block: DeviceBlock, nbytes: int, holders: Iterable[Hashable], chunk: Chunk
     ) -> None:
-        """:meth:`hold` for several holders of one block, under one lock."""
+        """Each of ``holders`` (of ``chunk``) keeps ``block`` of ``nbytes`` alive on device
+        (one lock for all of them)."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         with self._lock:
@@ -133,9 +125,7 @@ class SwapAccounting:
         """Whether a chunk other than ``chunk`` holds ``block`` on device."""
         with self._lock:
             record = self._blocks.get(block)
-            if record is None:
-                return False
-            return any(c != chunk for c in record.holders.values())
+            return record is not None and any(c != chunk for c in record.holders.values())
 
     def add_offloaded(self, nbytes: int) -> None:
         with self._lock:

@@ -168,11 +168,7 @@ class EntryTable:
             self.accounting.hold(block, info.nbytes, entry, self.chunk)
             self._entries.append(entry)
             self._by_key[key] = entry
-            same_storage = self._by_storage.get(info.ptr)
-            if same_storage is None:
-                self._by_storage[info.ptr] = [entry]
-            else:
-                same_storage.append(entry)
+            self._by_storage.setdefault(info.ptr, []).append(entry)
             return entry
 
     def select_storage(self, storage_ptr: int, *, group_swap: bool) -> int:
