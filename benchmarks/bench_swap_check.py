@@ -40,6 +40,7 @@ from ppswap.swap import (
 STAGE = 1
 MICROS_PER_SESSION = 4
 PHASES = ("forward", "swap_prepare", "swap_finish", "backward", "release")
+MIN_BYTES_ROW = 4096
 
 
 def _run_copy(job: CopyJob, seconds: list[float]) -> None:
@@ -55,8 +56,9 @@ def _run_copy(job: CopyJob, seconds: list[float]) -> None:
     thread.join()
 
 
-def measure(check: CheckMode | None, chunks: int) -> dict[str, Any]:
-    """Compute-thread CPU seconds per chunk by phase; ``check=None``: no swap."""
+def measure(check: CheckMode | None, chunks: int, min_bytes: int = 0) -> dict[str, Any]:
+    """Compute-thread CPU seconds per chunk by phase; ``check=None``: no swap;
+    ``min_bytes``: the session's ``min_bytes`` (``RunOptions.swap_min_bytes``)."""
     cfg = LMConfig(vocab=64, seq=64, dim=128, heads=4, layers_per_stage=2)
     module = build_lm_stages(cfg, 4)[STAGE]
     for index, layer in enumerate(module.layers):
@@ -72,6 +74,7 @@ def measure(check: CheckMode | None, chunks: int) -> dict[str, Any]:
     totals = dict.fromkeys(PHASES, 0.0)
     copy_s: list[float] = []
     swapped_bytes = 0
+    swapped_storages = 0
     rng = np.random.default_rng(0)
     sessions = -(-chunks // MICROS_PER_SESSION) + 1  # the first session is a warm-up
     for generation in range(1, sessions + 1):
@@ -83,6 +86,7 @@ def measure(check: CheckMode | None, chunks: int) -> dict[str, Any]:
             generation=generation,
             eligible=eligible,
             check=check or "sampled",
+            min_bytes=min_bytes,
         )
         for micro in range(MICROS_PER_SESSION):
             x = Tensor(rng.standard_normal((4, cfg.seq, cfg.dim)).astype(np.float32))
@@ -100,6 +104,9 @@ def measure(check: CheckMode | None, chunks: int) -> dict[str, Any]:
                     job = launch(STAGE, micro)
                     prepare += time.thread_time() - started
                     swapped_bytes += job.nbytes if generation > 1 else 0
+                    if generation > 1:
+                        group = session.manager.get_group(session.group_name(STAGE, micro))
+                        swapped_storages += len(group.spans())
                     _run_copy(job, copy_s)
                     started = time.thread_time()
                     wait(STAGE, micro)
@@ -121,8 +128,10 @@ def measure(check: CheckMode | None, chunks: int) -> dict[str, Any]:
         session.close()
     measured = (sessions - 1) * MICROS_PER_SESSION
     per_chunk = {phase: seconds / measured for phase, seconds in totals.items()}
+    name = check or "no swap"
     return {
-        "check": check or "no swap",
+        "check": f"{name}, swap_min_bytes={min_bytes}" if min_bytes else name,
+        "storages_per_chunk": swapped_storages / 2 / measured,
         "per_chunk_ms": {k: v * 1e3 for k, v in per_chunk.items()},
         "copy_ms_per_chunk": sum(copy_s[-2 * measured :]) / measured * 1e3 if check else 0.0,
         "mib_per_chunk": swapped_bytes / 2 / measured / 2**20,
@@ -138,21 +147,32 @@ def main() -> None:
     rows: dict[str, list[dict[str, Any]]] = {}
     with MINDSPORE.run_scope():
         for _ in range(args.repeats):
-            for check in (None, "sampled", "full"):
-                row = measure(check, args.chunks)
+            variants: tuple[tuple[CheckMode | None, int], ...] = (
+                (None, 0),
+                ("sampled", 0),
+                ("full", 0),
+                ("sampled", MIN_BYTES_ROW),
+            )
+            for check, min_bytes in variants:
+                row = measure(check, args.chunks, min_bytes)
                 rows.setdefault(row["check"], []).append(row)
     base = statistics.median(sum(r["per_chunk_ms"].values()) for r in rows["no swap"])
     print(
         "| check | forward ms | swap prepare ms | swap finish ms | backward ms | release ms "
-        "| compute thread ms per chunk | over no swap | copy thread ms per chunk |"
+        "| compute thread ms per chunk | over no swap | copy thread ms per chunk "
+        "| storages moved per chunk |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, runs in rows.items():
         phases = {p: statistics.median(r["per_chunk_ms"][p] for r in runs) for p in PHASES}
         total = statistics.median(sum(r["per_chunk_ms"].values()) for r in runs)
         copy_ms = statistics.median(r["copy_ms_per_chunk"] for r in runs)
         cells = " | ".join(f"{phases[p]:.2f}" for p in PHASES)
-        print(f"| {name} | {cells} | {total:.2f} | {total - base:+.2f} | {copy_ms:.2f} |")
+        storages = statistics.median(r["storages_per_chunk"] for r in runs)
+        print(
+            f"| {name} | {cells} | {total:.2f} | {total - base:+.2f} | {copy_ms:.2f} "
+            f"| {storages:.0f} |"
+        )
     mib = statistics.median(r["mib_per_chunk"] for r in rows["sampled"])
     print()
     print(

@@ -31,6 +31,7 @@ from ppswap.scheduler.config import (
     ScheduleName,
 )
 from ppswap.scheduler.cost import SWAP_POLICIES, CostModel, SwapPolicy, check_swap_policy
+from ppswap.swap.manager import SWAP_MIN_BYTES
 from ppswap.swap.tensor import CHECK_MODES, CheckMode
 
 __all__ = ["DEFAULT_STEP_TIMEOUT_S", "RunOptions"]
@@ -79,6 +80,9 @@ class RunOptions:
     the gap rule; ``swap_policy`` / ``cost_model``: which chunks move
     (``ppswap.scheduler.cost``); ``swap_check``: how in-place modification of a saved
     tensor is checked (``"sampled"`` digests, ``"full"`` digests; docs/swap.md);
+    ``swap_min_bytes``: a saved tensor whose storage is smaller stays on device (counted,
+    never moved; default 0: every marked tensor may move; 4096 keeps what is not worth
+    its bookkeeping on device, docs/swap.md);
     ``count_saved_bytes``: count the saved activations of a run without swap
     (``RankStats.peak_saved_bytes``) through saved-tensor hooks; False leaves a run
     without swap free of hooks, and its ``peak_saved_bytes`` 0 (with swap every saved
@@ -100,6 +104,7 @@ class RunOptions:
     swap_policy: SwapPolicy = "gap"
     cost_model: CostModel | None = None
     swap_check: CheckMode = "sampled"
+    swap_min_bytes: int = SWAP_MIN_BYTES
     count_saved_bytes: bool = True
     forward_only: bool = False
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
@@ -120,6 +125,7 @@ class RunOptions:
         _check_one_of("swap_policy", self.swap_policy, SWAP_POLICIES)
         check_swap_policy(self.swap_policy, self.cost_model)
         _check_one_of("swap_check", self.swap_check, CHECK_MODES)
+        _check_int("swap_min_bytes", self.swap_min_bytes, 0)
         timeout = self.step_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise TypeError(f"step_timeout must be a number of seconds > 0, got {timeout!r}")

@@ -99,6 +99,10 @@ class RunPlan:
         return self.options.swap_check
 
     @property
+    def swap_min_bytes(self) -> int:
+        return self.options.swap_min_bytes
+
+    @property
     def count_saved_bytes(self) -> bool:
         return self.options.count_saved_bytes
 

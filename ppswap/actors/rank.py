@@ -63,6 +63,7 @@ class RankRuntime:
             wait_timeout_s=plan.step_timeout,
             check=plan.swap_check,
             count_saved=plan.count_saved_bytes,
+            min_bytes=plan.swap_min_bytes,
         )
         p2p_tx, p2p_rx = p2p_channel(plan.channel_capacity)
         recorder.register_channel(rank, "compute->p2p", p2p_tx)

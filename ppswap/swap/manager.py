@@ -29,8 +29,10 @@ from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.errors import SwapError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
 from ppswap.swap.tensor import CheckMode
+from ppswap.swap.validation import check_int
 
 __all__ = [
+    "SWAP_MIN_BYTES",
     "Collection",
     "PolicyFn",
     "ResidentTensor",
@@ -42,6 +44,12 @@ __all__ = [
 ]
 
 PolicyFn = Callable[[Tensor], bool]
+
+SWAP_MIN_BYTES = 0
+"""The default ``min_bytes``: every saved tensor the user marked may move, whatever its
+size. Raising it (4096 is a good value) keeps small storages on device: moving one costs
+the compute thread on the order of a hundred microseconds of bookkeeping whatever its
+size (docs/swap.md), and a storage under a page frees next to nothing."""
 
 
 class ResidentTensor:
@@ -128,8 +136,10 @@ class Collection:
         protected: Iterable[Tensor] = (),
         parameters: Iterable[Tensor] = (),
         module_states: dict[Module, list[Tensor]] | None = None,
+        min_bytes: int = 0,
     ) -> None:
         self.backend = backend
+        self.min_bytes = check_int("min_bytes", min_bytes, 0)
         self.group = group
         self.sink = sink
         self._module_states = module_states
@@ -210,7 +220,8 @@ class Collection:
         ``tensor`` itself.
 
         Parameters (and empty tensors) are returned untouched and not counted. Without a
-        group, or for a protected storage, or one held on device elsewhere, the tensor
+        group, or for a protected storage, one smaller than ``min_bytes`` or one held on
+        device elsewhere, the tensor
         is reported to the sink and returned as a ResidentTensor (emptied by
         :meth:`abandon` if the forward fails). Otherwise it becomes an entry of
         the group, *selected* for swap when ``capture`` is set and ``policy_fn`` agrees,
@@ -226,6 +237,7 @@ class Collection:
         group = self.group
         if (
             group is None
+            or info.nbytes < self.min_bytes
             or info.ptr in self._protected
             or (self.sink is not None and self.sink.must_stay_resident(info))
         ):

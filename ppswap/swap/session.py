@@ -57,7 +57,7 @@ from ppswap.swap.accounting import Chunk, SwapAccounting
 from ppswap.swap.errors import SwapError, SwapTimeoutError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
 from ppswap.swap.jobs import CopyJob
-from ppswap.swap.manager import Collection, SwapManager, tensors_in
+from ppswap.swap.manager import SWAP_MIN_BYTES, Collection, SwapManager, tensors_in
 from ppswap.swap.tensor import CHECK_MODES, CheckMode, SwapState
 from ppswap.swap.validation import check_bool, check_int, check_positive_seconds
 from ppswap.swap.wrappers import capture_scope
@@ -141,6 +141,7 @@ class PipelineSwapSession:
         bucket_bytes: int = MAX_BUCKET_BYTES,
         check: CheckMode = "sampled",
         count_saved: bool = True,
+        min_bytes: int = SWAP_MIN_BYTES,
     ) -> None:
         if not isinstance(manager, SwapManager):
             raise TypeError(f"manager must be a SwapManager, got {type(manager).__name__}")
@@ -162,6 +163,7 @@ class PipelineSwapSession:
                 "(swap counts every saved tensor it captures)"
             )
         self.wait_timeout_s = check_positive_seconds("wait_timeout_s", wait_timeout_s)
+        self.min_bytes = check_int("min_bytes", min_bytes, 0)
         self.bucket_bytes = bucket_bytes
         self.accounting = SwapAccounting()
         self.baseline_groups = len(manager)
@@ -231,6 +233,7 @@ class PipelineSwapSession:
             protected=protected,
             parameters=parameters,
             module_states=self._module_states,
+            min_bytes=self.min_bytes,
         )
         try:
             with capture_scope(collection):
