@@ -41,6 +41,13 @@ STAGE = 1
 MICROS_PER_SESSION = 4
 PHASES = ("forward", "swap_prepare", "swap_finish", "backward", "release")
 MIN_BYTES_ROW = 4096
+VARIANTS: tuple[tuple[CheckMode | None, int], ...] = (
+    (None, 0),
+    ("sampled", 0),
+    ("full", 0),
+    ("sampled", MIN_BYTES_ROW),
+)
+"""(check, min_bytes) of each row; ``check=None``: no swap."""
 
 
 def _run_copy(job: CopyJob, seconds: list[float]) -> None:
@@ -147,13 +154,7 @@ def main() -> None:
     rows: dict[str, list[dict[str, Any]]] = {}
     with MINDSPORE.run_scope():
         for _ in range(args.repeats):
-            variants: tuple[tuple[CheckMode | None, int], ...] = (
-                (None, 0),
-                ("sampled", 0),
-                ("full", 0),
-                ("sampled", MIN_BYTES_ROW),
-            )
-            for check, min_bytes in variants:
+            for check, min_bytes in VARIANTS:
                 row = measure(check, args.chunks, min_bytes)
                 rows.setdefault(row["check"], []).append(row)
     base = statistics.median(sum(r["per_chunk_ms"].values()) for r in rows["no swap"])

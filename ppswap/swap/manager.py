@@ -136,7 +136,7 @@ class Collection:
         protected: Iterable[Tensor] = (),
         parameters: Iterable[Tensor] = (),
         module_states: dict[Module, list[Tensor]] | None = None,
-        min_bytes: int = 0,
+        min_bytes: int = SWAP_MIN_BYTES,
     ) -> None:
         self.backend = backend
         self.min_bytes = check_int("min_bytes", min_bytes, 0)
