@@ -118,6 +118,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         limit_s=180.0,
     ),
     Benchmark(
+        "swap-overhead",
+        "bench_swap_overhead.py",
+        "Swap's own Python per chunk (torch, compute stripped)",
+        "One stage of the torch peer model at width 16 (the same 23 storages saved per "
+        "chunk, each leaf computing for microseconds): what swap adds per chunk and per "
+        "storage moved, by phase, with the garbage collector off while timed. The steady "
+        "figure for changes to the swap layer's hot path.",
+        quick_args=("--sessions", "5", "--repeats", "2"),
+        limit_s=120.0,
+    ),
+    Benchmark(
         "runtime",
         "bench_runtime.py",
         "Orchestration cost of the actor runtime",

@@ -1,0 +1,173 @@
+"""Swap's own Python per chunk on torch, with the compute made negligible.
+
+    python benchmarks/bench_swap_overhead.py [--sessions 25] [--repeats 7]
+
+``bench_swap_check.py`` times swap beside a real chunk's compute, where run-to-run noise
+on a shared 2-core machine is as large as a tenth of swap's cost, so a change that saves
+a few percent of it cannot be seen there. This one keeps the graph and takes the compute
+away: one stage of ``bench_torch_peer``'s model (four pre-norm MLP blocks, each
+``swap_wrapper``-ed, so the same 40 saved tensors in 23 storages per chunk) at width 16
+with one 4-token sequence per micro-batch. Each leaf then computes for microseconds, and
+what is left per chunk is the framework's own overhead plus swap's bookkeeping.
+
+Chunk after chunk runs through a real ``PipelineSwapSession`` on one thread: the forward
+under the capture hooks, offload (``prepare_offload``, the copy job, ``finish_offload``),
+load (likewise), backward, ``release_chunk``; four micro-batches per session, a fresh
+session per round. Each phase is timed with ``time.thread_time`` with swap and with no
+swap at all (no hooks), the two alternating, with the garbage collector off while timed
+(a collection lands in whichever phase allocates, and would move tens of microseconds at
+random). The copy jobs run inline here (in a pipeline they run on the copy thread), so the
+"offload" and "load" rows include the copy jobs' Python too.
+
+Reported: microseconds per chunk by phase, medians of ``--repeats`` rounds of
+``--sessions`` sessions; what swap adds per chunk and per storage moved. Repeat runs on
+the 2-core machine agree within about 10% (the no-swap figure moves with them: compare the
+ratio too), against 20% or more for swap's share of a real chunk, so this is the figure
+to compare when changing the swap layer's hot path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+from bench_torch_peer import Model, build_modules
+
+from ppswap.backends.torch import BACKEND as TORCH
+from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, module_state_tensors
+
+TINY = Model(dim=16, blocks=8, micro=8, micro_batch=1, seq=4)
+"""Two stages of four blocks; the second is measured (as ``bench_torch_peer`` at pp2)."""
+STAGE = 1
+MICROS_PER_SESSION = 4
+PHASES = ("forward", "offload", "load", "backward", "release")
+
+
+class Chunks:
+    """The measured stage, its engine and inputs, kept across rounds (as a run keeps them)."""
+
+    def __init__(self) -> None:
+        self.module = build_modules(TINY, 2, wrap=True)[STAGE]
+        self.params = tuple(self.module.parameters())
+        self.state = module_state_tensors(self.module)
+        self.engine = EmulatedDevice()
+        generator = torch.Generator().manual_seed(0)
+        self.inputs = [
+            torch.randn((TINY.micro_batch, TINY.seq, TINY.dim), generator=generator)
+            for _ in range(MICROS_PER_SESSION)
+        ]
+        self.saved = 0
+        self.storages = 0
+
+    def run(self, swap: bool, sessions: int) -> dict[str, float]:
+        """Microseconds per chunk by phase over ``sessions`` sessions."""
+        totals = dict.fromkeys(PHASES, 0.0)
+        for generation in range(sessions):
+            eligible = {(STAGE, m) for m in range(MICROS_PER_SESSION)} if swap else set()
+            session = PipelineSwapSession(
+                SwapManager(TORCH),
+                self.engine,
+                rank=0,
+                generation=generation,
+                eligible=eligible,
+                count_saved=swap,
+            )
+            for micro, x in enumerate(self.inputs):
+                self._chunk(session, swap, micro, x, totals)
+            session.close()
+        chunks = sessions * MICROS_PER_SESSION
+        return {phase: seconds / chunks * 1e6 for phase, seconds in totals.items()}
+
+    def _chunk(
+        self,
+        session: PipelineSwapSession,
+        swap: bool,
+        micro: int,
+        x: torch.Tensor,
+        totals: dict[str, float],
+    ) -> None:
+        clock = [time.thread_time()]
+        with session.collection_context(STAGE, micro, protected=(x,), parameters=self.state):
+            out, record = TORCH.autograd.record(self.module, (x,))
+        clock.append(time.thread_time())
+        for launch, wait in (
+            (session.prepare_offload, session.finish_offload),
+            (session.prepare_load, session.finish_load),
+        ):
+            if swap:
+                job = launch(STAGE, micro)
+                job.run()
+                wait(STAGE, micro)
+            clock.append(time.thread_time())
+        if swap and micro == 0:
+            group = session.manager.get_group(session.group_name(STAGE, micro))
+            self.saved, self.storages = len(group), len(group.spans())
+        TORCH.autograd.backward(record, torch.ones_like(out), self.params)
+        clock.append(time.thread_time())
+        session.release_chunk(STAGE, micro)
+        clock.append(time.thread_time())
+        for index, phase in enumerate(PHASES):
+            totals[phase] += clock[index + 1] - clock[index]
+
+
+def measure(sessions: int, repeats: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    chunks = Chunks()
+    chunks.run(True, 3)  # warm-up: pools, caches, first-call costs
+    chunks.run(False, 3)
+    rounds: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for swap in (False, True):
+                rounds[swap].append(chunks.run(swap, sessions))
+    finally:
+        if enabled:
+            gc.enable()
+    phases = {
+        swap: {p: statistics.median(r[p] for r in runs) for p in PHASES}
+        for swap, runs in rounds.items()
+    }
+    totals = {
+        swap: statistics.median(sum(r.values()) for r in runs) for swap, runs in rounds.items()
+    }
+    return {
+        "phases": phases,
+        "totals": totals,
+        "saved": chunks.saved,
+        "storages": chunks.storages,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=25, help="sessions per round")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds per contender")
+    args = parser.parse_args()
+    report = measure(args.sessions, args.repeats)
+    none, swap = report["phases"][False], report["phases"][True]
+    print("| phase | no swap us | swap us | added us |")
+    print("|---|---:|---:|---:|")
+    for phase in PHASES:
+        added_us = swap[phase] - none[phase]
+        print(f"| {phase} | {none[phase]:.0f} | {swap[phase]:.0f} | {added_us:+.0f} |")
+    base, total = report["totals"][False], report["totals"][True]
+    added = total - base
+    print(f"| **chunk** | {base:.0f} | {total:.0f} | {added:+.0f} |")
+    print()
+    print(
+        f"Per chunk: {report['saved']} captured saved tensors in {report['storages']} "
+        f"storages moved; swap adds {added:.0f} us, {added / report['storages']:.0f} us per "
+        "storage moved. Compute-thread CPU "
+        f"(time.thread_time), garbage collector off while timed, medians of "
+        f"{args.repeats} rounds of {args.sessions * MICROS_PER_SESSION} chunks."
+    )
+
+
+if __name__ == "__main__":
+    main()
