@@ -10,8 +10,9 @@ ends the job, and the outcome says which step it was. ``StepBodies`` holds those
 When the rank is the only one of its process, a FWD or BWD whose received input is not
 there yet can still join a batch: its job carries the receive's ``Arrival``, and the
 thread waits for it (with the step deadline) before the body runs, instead of ending the
-batch and going back to the event loop (``core.arrival``). The wait is not in the step's
-timing.
+batch and going back to the event loop (``core.arrival``). So can a SWAP_WAIT_* whose copy
+is still running (its job carries a ``CopyWait``). The wait is not in the step's timing;
+the outcome reports it on its own (a swap wait's is the exposed copy wait).
 
 A job whose result is sent to another rank (a FWD or BWD followed by its SEND) is
 *announced*: its result goes to the event loop as soon as the body returns, so the send
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
-from ppswap.core.arrival import Arrival
+from ppswap.core.arrival import Arrival, ThreadWait
 from ppswap.core.messages import Payload
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage, StageCollector
@@ -67,14 +68,15 @@ COMPUTE_JOB_KINDS = frozenset(JOB_KINDS) - SWAP_JOB_KINDS
 @dataclass(frozen=True, slots=True)
 class StepJob:
     """The compute-thread body of one step: ``run()`` (its result goes back to the loop;
-    ``announce``: as soon as it returns, not with the batch's outcome; ``arrival``: the
-    received input the thread waits for before ``run``, which reads it: ``after_arrival``)."""
+    ``announce``: as soon as it returns, not with the batch's outcome; ``arrival``: what
+    the thread waits for before ``run``: a received input, which ``run`` reads
+    (``after_arrival``), or a copy's completion)."""
 
     step: MetaStep
     kind: str
     run: Callable[[], Any]
     announce: bool = False
-    arrival: Arrival | None = None
+    arrival: ThreadWait | None = None
 
 
 def after_arrival(arrival: Arrival, body: Callable[..., Any], *rest: Any) -> Any:
@@ -115,14 +117,16 @@ class EarlySends:
 
 @dataclass(frozen=True, slots=True)
 class BatchOutcome:
-    """What a batch did: per step that finished its result, start (``perf_counter``) and
-    seconds; ``error`` is the exception of the step after the last one that finished.
-    Fewer results than jobs and no error: the batch yielded the thread there."""
+    """What a batch did: per step that finished its result, start (``perf_counter``),
+    seconds, and seconds waited for its ``arrival`` before it started; ``error`` is the
+    exception of the step after the last one that finished. Fewer results than jobs and
+    no error: the batch yielded the thread there."""
 
     results: list[Any]
     started: list[float]
     seconds: list[float]
     error: Exception | None
+    waited: list[float] = field(default_factory=list)
 
 
 def run_batch(
@@ -133,32 +137,37 @@ def run_batch(
 ) -> BatchOutcome:
     """Compute thread: run ``jobs`` in order, stopping at the first that raises; after an
     announced job, ``announce(index, result)``; before a compute leaf other than the
-    first, stop if ``yield_to()`` (other work waits for the thread). A job's ``arrival``
+    first, stop if ``yield_to()`` (other work waits for the thread); the last job is not
+    announced (its result is in the outcome, which follows at once). A job's ``arrival``
     is waited for first, up to ``arrival_timeout_s`` (``ArrivalTimeoutError``: the job
     fails)."""
     results: list[Any] = []
     started: list[float] = []
     seconds: list[float] = []
+    waited: list[float] = []
     clock = time.perf_counter
     for index, job in enumerate(jobs):
         if index and yield_to is not None and job.kind in COMPUTE_JOB_KINDS and yield_to():
             break
+        begin = clock()
         try:
             if job.arrival is not None:
                 job.arrival.wait(arrival_timeout_s)
-        except Exception as exc:
-            return BatchOutcome(results, started, seconds, exc)
-        begin = clock()
-        try:
+                ready = clock()
+                waited_s, begin = ready - begin, ready
+            else:
+                waited_s = 0.0
             result = job.run()
         except Exception as exc:
-            return BatchOutcome(results, started, seconds, exc)
+            return BatchOutcome(results, started, seconds, exc, waited)
         results.append(result)
         started.append(begin)
         seconds.append(clock() - begin)
-        if job.announce and announce is not None:
+        waited.append(waited_s)
+        # The last job's result comes back with the outcome at once: no extra wake-up.
+        if job.announce and announce is not None and index + 1 < len(jobs):
             announce(index, result)
-    return BatchOutcome(results, started, seconds, None)
+    return BatchOutcome(results, started, seconds, None, waited)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,8 @@ are: a FWD/BWD's received payload has arrived, a SWAP_WAIT's copy has completed.
 ``arrival_waits`` (the rank is alone in its process, without FSDP or a fault plan), a
 FWD/BWD whose payload is still on its way is ready too: its job waits for the payload on
 the compute thread (``core.arrival``), so a batch runs on through the receives instead of
-coming back to the loop for each. When the
+coming back to the loop for each; so is a SWAP_WAIT_* whose copy is still running (the
+thread waits for it: that wait is the exposed copy wait). When the
 first local step is not ready the actor waits for it (with the step deadline); the time
 blocked at a SWAP_WAIT_* is the *exposed* copy wait. A batch that starts with a swap step
 goes on the thread's urgent lane (``DedicatedThread.run_urgent``): in-process ranks share
@@ -326,14 +327,18 @@ class ComputeActor:
                     arrival.abandon("the run stopped while the compute thread waited for it")
         self._batches += 1
         ran = len(outcome.results)
-        for index, (job, result, seconds) in enumerate(
-            zip(jobs, outcome.results, outcome.seconds, strict=False)
+        for index, (job, result, seconds, waited) in enumerate(
+            zip(jobs, outcome.results, outcome.seconds, outcome.waited, strict=False)
         ):
             self._job_s[job.kind] += seconds
             self._jobs[job.kind] += 1
+            if job.kind == "swap_finish" and job.arrival is not None:
+                self._waits.exposed_copy_s += waited  # waited on the thread
+                self._waited_s[job.step] = waited
             if index not in early.applied:
                 self._apply(job.step, result)
                 self._done(job.step)
+                self._post_sends(job.step, early.sends.get(index, ()))
         if recorder.keeps_spans:
             self._trace_batch(jobs, outcome, [(n, s) for n, s in posted if n <= ran])
         if early.error is not None:
@@ -372,12 +377,22 @@ class ComputeActor:
             self._apply(step, result)
             self._done(step)
             early.applied.add(index)
-            for send in early.sends[index]:
-                step = send
-                self._mail.post(send)
-                self._done(send)
+            self._post_sends(step, early.sends[index])
+        except PipelineError as exc:
+            early.error = exc
         except Exception as exc:
             early.error = self._errors.named(step, exc)
+
+    def _post_sends(self, producer: MetaStep, sends: Sequence[MetaStep]) -> None:
+        """Post the sends of the payload ``producer`` made (errors name the send)."""
+        for send in sends:
+            try:
+                self._mail.post(send)
+            except PipelineError:
+                raise
+            except Exception as exc:
+                raise self._errors.named(send, exc) from exc
+            self._done(send)
 
     def _apply(self, step: MetaStep, result: Any) -> None:
         """Loop side of a finished local step: where its result goes."""

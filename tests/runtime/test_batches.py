@@ -35,6 +35,18 @@ def test_an_announced_result_is_handed_over_before_the_next_job_runs() -> None:
     assert outcome.results == ["F0.0", "F1.0"] and outcome.error is None
 
 
+def test_the_last_job_of_a_batch_is_not_announced_its_result_is_in_the_outcome() -> None:
+    events: list[str] = []
+
+    def announce(index: int, result: Any) -> None:
+        events.append(f"announce {index}")
+
+    jobs = [_job(events, "forward", F0, announce=True), _job(events, "forward", F1, announce=True)]
+    outcome = run_batch(jobs, announce)
+    assert events == ["run F0.0", "announce 0", "run F1.0"]
+    assert outcome.results == ["F0.0", "F1.0"]
+
+
 def test_a_batch_yields_before_a_compute_leaf_when_other_work_waits() -> None:
     events: list[str] = []
     jobs = [
