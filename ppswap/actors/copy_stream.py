@@ -34,6 +34,7 @@ import structlog
 
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEvent
+from ppswap.core.arrival import ArrivalTimeoutError
 from ppswap.core.deadlines import resolve, wait_woken
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.errors import PipelineError, PipelineHangError, named_failure
@@ -41,7 +42,7 @@ from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
 from ppswap.swap.jobs import CopyJob
 
-__all__ = ["CopyCompletion", "CopyStats", "CopyStream", "CopyStreamActor"]
+__all__ = ["CopyCompletion", "CopyStats", "CopyStream", "CopyStreamActor", "CopyWait"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,34 @@ class CopyCompletion(CopyEvent):
         self.on_set(wake)
         await wait_woken(woken, timeout_s)
         return self.is_set()
+
+
+class CopyWait:
+    """A launched copy's completion as a ``ThreadWait``: the compute thread of a rank
+    alone in its process waits for it in a batch (a SWAP_WAIT_* whose copy is still
+    running) instead of going back to the event loop. ``wait`` raises the copy's error;
+    ``abandon`` wakes the thread while the copy runs on."""
+
+    __slots__ = ("_abandoned", "_woken", "completion", "label")
+
+    def __init__(self, completion: CopyCompletion) -> None:
+        self.completion = completion
+        self.label = completion.label
+        self._abandoned: str | None = None
+        self._woken = threading.Event()
+        completion.on_set(self._woken.set)
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._woken.wait(None if timeout_s == math.inf else timeout_s):
+            raise ArrivalTimeoutError(f"{self.label} not done within {timeout_s}s")
+        if not self.completion.is_set():
+            raise RuntimeError(f"{self.label}: {self._abandoned}")
+        if self.completion.error is not None:
+            raise self.completion.error
+
+    def abandon(self, reason: str) -> None:
+        self._abandoned = reason
+        self._woken.set()
 
 
 @dataclass(slots=True)

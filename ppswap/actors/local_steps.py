@@ -10,7 +10,9 @@ for the run of such jobs the compute actor hands the thread as one batch
 send of a payload one of its jobs makes; anything else that is not local, or is not ready,
 does. With ``arrival_waits`` (the rank is alone in its process), up to that many FWD/BWD
 whose received input is still on its way join the batch too, waiting for it on the
-compute thread (``core.arrival``). Everything here runs on the event loop.
+compute thread (``core.arrival``), and so does every SWAP_WAIT_* whose copy (launched by
+an earlier batch) is still running (``CopyWait``: a copy holds no transport resource, so
+these waits have no budget). Everything here runs on the event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from ppswap.actors.batch import StepBodies, StepJob, SwapDriver, after_arrival, payload_maker
+from ppswap.actors.copy_stream import CopyWait
 from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.core.messages import HostArray, MessageKey, Payload
 from ppswap.errors import PipelineError
@@ -89,11 +92,18 @@ class LocalSteps:
     failure: Callable[[MetaStep, str], PipelineError]
 
     def job_if_ready(
-        self, step: MetaStep, launched: set[CopyKey], *, wait: bool = False
+        self,
+        step: MetaStep,
+        launched: set[CopyKey],
+        *,
+        wait: bool = False,
+        wait_copy: bool = False,
     ) -> StepJob | None:
         """The compute-thread job of a local step, or None while its inputs are not
         there (``launched``: copies launched earlier in the batch being built; ``wait``:
-        a FWD/BWD whose receive has an ``Arrival`` gets a job that waits for it)."""
+        a FWD/BWD whose receive has an ``Arrival`` gets a job that waits for it;
+        ``wait_copy``: a SWAP_WAIT_* whose launched copy is still running gets a job that
+        waits for it)."""
         kind = step.kind
         if kind is StepKind.FWD:
             return self._forward(step, wait)
@@ -111,7 +121,7 @@ class LocalSteps:
                 else self.session.prepare_load
             )
             return StepJob(step, "swap_prepare", partial(self.bodies.launch, step, prepare))
-        return self._swap_wait(step, launched)
+        return self._swap_wait(step, launched, wait_copy)
 
     def next_batch(
         self,
@@ -151,16 +161,20 @@ class LocalSteps:
                 continue
             if step.kind not in LOCAL_KINDS or (jobs and one_leaf and step.kind in LEAVES):
                 break
-            job = self.job_if_ready(step, launched, wait=waits_left > 0)
+            job = self.job_if_ready(
+                step, launched, wait=waits_left > 0, wait_copy=arrival_waits > 0
+            )
             if job is None:
                 break
-            if job.arrival is not None:
+            if job.arrival is not None and job.kind != "swap_finish":
                 waits_left -= 1
             jobs.append(job)
             index += 1
         return plan, index
 
-    def _swap_wait(self, step: MetaStep, launched: set[CopyKey]) -> StepJob | None:
+    def _swap_wait(
+        self, step: MetaStep, launched: set[CopyKey], wait_copy: bool
+    ) -> StepJob | None:
         launch_key = (LAUNCH_OF_WAIT[step.kind], step.stage, step.micro)
         copies = self.mail.copies
         completion = copies.get(launch_key)
@@ -168,9 +182,13 @@ class LocalSteps:
             if launch_key in launched:
                 return None
             raise self.failure(step, f"{step.short()} waits for a copy that was never launched")
+        copy_wait = None
         if not completion.is_set():
-            return None
-        if completion.error is not None:
+            if not wait_copy:
+                return None
+            copy_wait = CopyWait(completion)
+            self.mail.copy_on_thread(completion)
+        elif completion.error is not None:
             raise completion.error
         del copies[launch_key]
         finish = (
@@ -178,7 +196,8 @@ class LocalSteps:
             if step.kind is StepKind.SWAP_WAIT_OFFLOAD
             else self.session.finish_load
         )
-        return StepJob(step, "swap_finish", partial(finish, step.stage, step.micro))
+        body = partial(finish, step.stage, step.micro)
+        return StepJob(step, "swap_finish", body, arrival=copy_wait)
 
     def _forward(self, step: MetaStep, wait: bool) -> StepJob | None:
         stage = self.stages[step.stage]

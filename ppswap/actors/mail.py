@@ -7,7 +7,8 @@
 - payloads produced by a leaf and not sent yet (the outbox, by the key they travel under);
 - sends posted (their futures are awaited at the end of the order);
 - copies launched on the copy stream, by ``(launch kind, stage, micro)``, until their
-  SWAP_WAIT takes them.
+  SWAP_WAIT takes them (a batch's job may take one still running: its compute thread
+  waits for it, and it is listed for hang dumps until it is done).
 
 Posting never blocks: the P2P channel is sized to every request of the order
 (``send_nowait``). Everything here runs on the event loop.
@@ -57,6 +58,7 @@ class RankMail:
         self.outbox: dict[MessageKey, Payload] = {}
         self.sends: list[ReplyFuture[None]] = []
         self.copies: dict[CopyKey, CopyCompletion] = {}
+        self.copies_on_thread: list[CopyCompletion] = []  # pruned as they finish
 
     def post(self, step: MetaStep) -> None:
         """Hand a send or receive (or each of a BATCH_SEND_RECV's) to the P2P actor."""
@@ -117,6 +119,13 @@ class RankMail:
         self.awaited_on_thread = awaited
         return future.arrival
 
+    def copy_on_thread(self, completion: CopyCompletion) -> None:
+        """A copy still running that a batch's job waits for on the compute thread (it
+        is listed by ``pending`` until it is done)."""
+        awaited = [c for c in self.copies_on_thread if not c.is_set()]
+        awaited.append(completion)
+        self.copies_on_thread = awaited
+
     def pending(self) -> list[str]:
         """Receives, copies and sends still in flight (for hang dumps)."""
         items = [f"recv {f.label}" for f in self.recvs.values() if not f.done]
@@ -126,6 +135,8 @@ class RankMail:
             if not f.done
         ]
         items += [c.label for c in self.copies.values() if not c.is_set()]
+        self.copies_on_thread = [c for c in self.copies_on_thread if not c.is_set()]
+        items += [f"{c.label} (awaited on the compute thread)" for c in self.copies_on_thread]
         items += [f"send {f.label}" for f in self.sends if not f.done]
         return items
 

@@ -24,13 +24,26 @@ after ``timeout_s``, so no wait is without a deadline.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Arrival", "ArrivalTimeoutError"]
+__all__ = ["Arrival", "ArrivalTimeoutError", "ThreadWait"]
 
 
 class ArrivalTimeoutError(TimeoutError):
-    """An ``Arrival`` was not landed within the wait's deadline."""
+    """A ``ThreadWait`` (an ``Arrival``, a copy's completion) was not there within the
+    wait's deadline."""
+
+
+class ThreadWait(Protocol):
+    """What a compute-thread job waits for before its body runs: ``wait(timeout_s)``
+    blocks until it is there (its value, or raises its error; ``ArrivalTimeoutError``
+    after ``timeout_s``); ``abandon(reason)``, from any thread, wakes a waiter, which
+    raises (the run stopped)."""
+
+    label: str
+
+    def wait(self, timeout_s: float) -> Any: ...
+    def abandon(self, reason: str) -> None: ...
 
 
 class Arrival:
