@@ -338,7 +338,7 @@ class ComputeActor:
             if index not in early.applied:
                 self._apply(job.step, result)
                 self._done(job.step)
-                self._post_sends(job.step, early.sends.get(index, ()))
+                self._post_sends(early.sends.get(index, ()))
         if recorder.keeps_spans:
             self._trace_batch(jobs, outcome, [(n, s) for n, s in posted if n <= ran])
         if early.error is not None:
@@ -377,14 +377,14 @@ class ComputeActor:
             self._apply(step, result)
             self._done(step)
             early.applied.add(index)
-            self._post_sends(step, early.sends[index])
+            self._post_sends(early.sends[index])
         except PipelineError as exc:
             early.error = exc
         except Exception as exc:
             early.error = self._errors.named(step, exc)
 
-    def _post_sends(self, producer: MetaStep, sends: Sequence[MetaStep]) -> None:
-        """Post the sends of the payload ``producer`` made (errors name the send)."""
+    def _post_sends(self, sends: Sequence[MetaStep]) -> None:
+        """Post the sends of a payload a job made (errors name the send)."""
         for send in sends:
             try:
                 self._mail.post(send)

@@ -172,9 +172,7 @@ class LocalSteps:
             index += 1
         return plan, index
 
-    def _swap_wait(
-        self, step: MetaStep, launched: set[CopyKey], wait_copy: bool
-    ) -> StepJob | None:
+    def _swap_wait(self, step: MetaStep, launched: set[CopyKey], wait_copy: bool) -> StepJob | None:
         launch_key = (LAUNCH_OF_WAIT[step.kind], step.stage, step.micro)
         copies = self.mail.copies
         completion = copies.get(launch_key)
