@@ -378,9 +378,7 @@ class ComputeActor:
             self._done(step)
             early.applied.add(index)
             self._post_sends(early.sends[index])
-        except PipelineError as exc:
-            early.error = exc
-        except Exception as exc:
+        except Exception as exc:  # a PipelineError is kept as it is
             early.error = self._errors.named(step, exc)
 
     def _post_sends(self, sends: Sequence[MetaStep]) -> None:

@@ -58,7 +58,7 @@ class RankMail:
         self.outbox: dict[MessageKey, Payload] = {}
         self.sends: list[ReplyFuture[None]] = []
         self.copies: dict[CopyKey, CopyCompletion] = {}
-        self.copies_on_thread: list[CopyCompletion] = []  # pruned as they finish
+        self.copies_on_thread: list[CopyCompletion] = []  # pruned by copy_on_thread
 
     def post(self, step: MetaStep) -> None:
         """Hand a send or receive (or each of a BATCH_SEND_RECV's) to the P2P actor."""
@@ -135,8 +135,11 @@ class RankMail:
             if not f.done
         ]
         items += [c.label for c in self.copies.values() if not c.is_set()]
-        self.copies_on_thread = [c for c in self.copies_on_thread if not c.is_set()]
-        items += [f"{c.label} (awaited on the compute thread)" for c in self.copies_on_thread]
+        items += [
+            f"{c.label} (awaited on the compute thread)"
+            for c in self.copies_on_thread
+            if not c.is_set()
+        ]
         items += [f"send {f.label}" for f in self.sends if not f.done]
         return items
 
