@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
-from ppswap.core.arrival import Arrival, ThreadWait
+from ppswap.core.arrival import Arrival, ArrivalTimeoutError, ThreadWait
+from ppswap.core.executor import Resume
 from ppswap.core.messages import Payload
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage, StageCollector
@@ -48,6 +49,7 @@ __all__ = [
     "after_arrival",
     "payload_maker",
     "run_batch",
+    "start_batch",
 ]
 
 JOB_KINDS = (
@@ -70,13 +72,15 @@ class StepJob:
     """The compute-thread body of one step: ``run()`` (its result goes back to the loop;
     ``announce``: as soon as it returns, not with the batch's outcome; ``arrival``: what
     the thread waits for before ``run``: a received input, which ``run`` reads
-    (``after_arrival``), or a copy's completion)."""
+    (``after_arrival``), or a copy's completion; ``hand_offs``: called with the result
+    on the thread, to hand it to a rank that shares the thread, ``ThreadHandoff.put``)."""
 
     step: MetaStep
     kind: str
     run: Callable[[], Any]
     announce: bool = False
     arrival: ThreadWait | None = None
+    hand_offs: tuple[Callable[[Any], None], ...] = ()
 
 
 def after_arrival(arrival: Arrival, body: Callable[..., Any], *rest: Any) -> Any:
@@ -139,35 +143,93 @@ def run_batch(
     announced job, ``announce(index, result)``; before a compute leaf other than the
     first, stop if ``yield_to()`` (other work waits for the thread); the last job is not
     announced (its result is in the outcome, which follows at once). A job's ``arrival``
-    is waited for first, up to ``arrival_timeout_s`` (``ArrivalTimeoutError``: the job
-    fails)."""
-    results: list[Any] = []
-    started: list[float] = []
-    seconds: list[float] = []
-    waited: list[float] = []
-    clock = time.perf_counter
-    for index, job in enumerate(jobs):
-        if index and yield_to is not None and job.kind in COMPUTE_JOB_KINDS and yield_to():
-            break
-        begin = clock()
-        try:
-            if job.arrival is not None:
-                job.arrival.wait(arrival_timeout_s)
-                ready = clock()
-                waited_s, begin = ready - begin, ready
-            else:
-                waited_s = 0.0
-            result = job.run()
-        except Exception as exc:
-            return BatchOutcome(results, started, seconds, exc, waited)
-        results.append(result)
-        started.append(begin)
-        seconds.append(clock() - begin)
-        waited.append(waited_s)
-        # The last job's result comes back with the outcome at once: no extra wake-up.
-        if job.announce and announce is not None and index + 1 < len(jobs):
-            announce(index, result)
-    return BatchOutcome(results, started, seconds, None, waited)
+    is waited for first, blocking the thread, up to ``arrival_timeout_s``
+    (``ArrivalTimeoutError``: the job fails)."""
+    outcome = _BatchRun(jobs, announce, yield_to, arrival_timeout_s, parks=False).run()
+    assert isinstance(outcome, BatchOutcome)  # only a parking run resumes
+    return outcome
+
+
+def start_batch(
+    jobs: Sequence[StepJob],
+    announce: Callable[[int, Any], None] | None = None,
+    yield_to: Callable[[], bool] | None = None,
+    arrival_timeout_s: float = math.inf,
+) -> BatchOutcome | Resume:
+    """``run_batch`` for a thread that ranks share (``DedicatedThread``'s ``Resume``):
+    where a job's ``arrival`` is not there yet the batch parks until it is (at most
+    ``arrival_timeout_s``, then the job fails with ``ArrivalTimeoutError``), and where
+    it would yield it goes on behind the work queued instead of ending: the thread
+    serves the other ranks meanwhile, and the outcome is the whole batch's."""
+    return _BatchRun(jobs, announce, yield_to, arrival_timeout_s, parks=True).run()
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class _BatchRun:
+    """One batch on the compute thread, resumable at a job (``start_batch``)."""
+
+    jobs: Sequence[StepJob]
+    announce: Callable[[int, Any], None] | None
+    yield_to: Callable[[], bool] | None
+    arrival_timeout_s: float
+    parks: bool
+    results: list[Any] = field(default_factory=list)
+    started: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    waited: list[float] = field(default_factory=list)
+    resumed: bool = False  # the next job begins a part of the run: it does not yield
+    parked_at: float | None = None  # when the next job parked for its arrival
+
+    def run(self) -> BatchOutcome | Resume:
+        jobs, yield_to = self.jobs, self.yield_to
+        clock = time.perf_counter
+        while (index := len(self.results)) < len(jobs):
+            job = jobs[index]
+            if (
+                index
+                and not self.resumed
+                and yield_to is not None
+                and job.kind in COMPUTE_JOB_KINDS
+                and yield_to()
+            ):
+                if not self.parks:
+                    break
+                self.resumed = True
+                return Resume(self.run)
+            self.resumed = False
+            begin = clock()
+            try:
+                if job.arrival is not None:
+                    if self.parks and not job.arrival.ready:
+                        if self.parked_at is None:
+                            self.parked_at, self.resumed = begin, True
+                            urgent = job.kind in SWAP_JOB_KINDS
+                            return Resume(self.run, job.arrival, self.arrival_timeout_s, urgent)
+                        raise ArrivalTimeoutError(
+                            f"{job.arrival.label} not there within {self.arrival_timeout_s}s"
+                        )
+                    job.arrival.wait(0.0 if self.parks else self.arrival_timeout_s)
+                    ready = clock()
+                    waited_s = ready - (begin if self.parked_at is None else self.parked_at)
+                    begin, self.parked_at = ready, None
+                else:
+                    waited_s = 0.0
+                result = job.run()
+                for hand_off in job.hand_offs:
+                    hand_off(result)
+            except Exception as exc:
+                return self._outcome(exc)
+            self.results.append(result)
+            self.started.append(begin)
+            self.seconds.append(clock() - begin)
+            self.waited.append(waited_s)
+            # The last job's result comes back with the outcome at once: no extra wake-up.
+            if job.announce and self.announce is not None and index + 1 < len(jobs):
+                self.announce(index, result)
+        return self._outcome(None)
+
+    def _outcome(self, error: Exception | None) -> BatchOutcome:
+        return BatchOutcome(self.results, self.started, self.seconds, error, self.waited)
 
 
 @dataclass(frozen=True, slots=True)

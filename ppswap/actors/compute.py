@@ -69,16 +69,18 @@ from ppswap.actors.batch import (
     StepJob,
     SwapDriver,
     run_batch,
+    start_batch,
 )
 from ppswap.actors.copy_stream import CopyStream
 from ppswap.actors.failures import StepFailures
+from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.local_steps import LAUNCH_OF_WAIT, LEAVES, LOCAL_KINDS, LocalSteps, RankInputs
 from ppswap.actors.mail import RankMail
 from ppswap.actors.p2p import P2PChannel
 from ppswap.actors.step_waits import StepWaits
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.arrival import ArrivalTimeoutError
-from ppswap.core.executor import DedicatedThread, loop_caller
+from ppswap.core.executor import DedicatedThread, Resume, loop_caller
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.core.messages import MessageKey
 from ppswap.errors import (
@@ -144,6 +146,8 @@ class ComputeActor:
         faults: FaultPlan | None = None,
         host_payloads: bool = True,
         arrival_waits: int = 0,
+        parks: bool = False,
+        handoff: ThreadHandoff | None = None,
     ) -> None:
         self.rank = rank
         self._order = order
@@ -170,7 +174,10 @@ class ComputeActor:
         self._faults = faults
         self._errors = StepFailures(rank, self.actor_name, recorder)
         self._arrival_waits = arrival_waits
-        self._mail = RankMail(p2p, self._errors.failure, arrivals=arrival_waits > 0)
+        self._run_batch: Callable[..., BatchOutcome | Resume] = start_batch if parks else run_batch
+        self._mail = RankMail(
+            p2p, self._errors.failure, arrivals=arrival_waits > 0, rank=rank, handoff=handoff
+        )
         self._local = LocalSteps(stages, data, self._mail, bodies, session, self._errors.failure)
         self._waits = StepWaits(compute, self._errors, timeout_s)
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
@@ -311,7 +318,7 @@ class ComputeActor:
         try:
             outcome = await self._waits.call(
                 self._current,
-                run_batch,
+                self._run_batch,
                 jobs,
                 announce,
                 self._compute.has_waiting,

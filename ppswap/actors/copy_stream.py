@@ -27,6 +27,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -81,10 +82,11 @@ class CopyCompletion(CopyEvent):
 
 
 class CopyWait:
-    """A launched copy's completion as a ``ThreadWait``: the compute thread of a rank
-    alone in its process waits for it in a batch (a SWAP_WAIT_* whose copy is still
-    running) instead of going back to the event loop. ``wait`` raises the copy's error;
-    ``abandon`` wakes the thread while the copy runs on."""
+    """A launched copy's completion as a ``ThreadWait``: a batch's SWAP_WAIT_* whose copy
+    is still running waits for it on the compute thread (blocking when the rank is alone
+    in its process, parked when ranks share the thread) instead of going back to the
+    event loop. ``wait`` raises the copy's error; ``abandon`` wakes the thread while the
+    copy runs on."""
 
     __slots__ = ("_abandoned", "_woken", "completion", "label")
 
@@ -92,11 +94,15 @@ class CopyWait:
         self.completion = completion
         self.label = completion.label
         self._abandoned: str | None = None
-        self._woken = threading.Event()
+        self._woken = CopyEvent()
         completion.on_set(self._woken.set)
 
+    @property
+    def ready(self) -> bool:
+        return self._woken.is_set()
+
     def wait(self, timeout_s: float) -> None:
-        if not self._woken.wait(None if timeout_s == math.inf else timeout_s):
+        if not self._woken.wait(timeout_s):
             raise ArrivalTimeoutError(f"{self.label} not done within {timeout_s}s")
         if not self.completion.is_set():
             raise RuntimeError(f"{self.label}: {self._abandoned}")
@@ -106,6 +112,9 @@ class CopyWait:
     def abandon(self, reason: str) -> None:
         self._abandoned = reason
         self._woken.set()
+
+    def on_ready(self, callback: Callable[[], None]) -> None:
+        self._woken.on_set(callback)
 
 
 @dataclass(slots=True)

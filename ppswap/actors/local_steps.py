@@ -154,7 +154,10 @@ class LocalSteps:
                 producer = payload_maker(jobs, step)
                 if producer is None:
                     break
-                jobs[producer] = replace(jobs[producer], announce=True)
+                maker = jobs[producer]
+                hand_off = self.mail.hand_off(step)
+                hand_offs = maker.hand_offs if hand_off is None else (*maker.hand_offs, hand_off)
+                jobs[producer] = replace(maker, announce=True, hand_offs=hand_offs)
                 plan.sends.setdefault(producer, []).append(step)
                 plan.posted.append((producer + 1, step))
                 index += 1

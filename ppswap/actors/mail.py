@@ -11,26 +11,38 @@
   waits for it, and it is listed for hang dumps until it is done).
 
 Posting never blocks: the P2P channel is sized to every request of the order
-(``send_nowait``). Everything here runs on the event loop.
+(``send_nowait``). With a ``ThreadHandoff`` (ranks that share the compute thread), every
+receive posted also expects its payload from the sender's compute thread, and
+``hand_off(send)`` is what the sending job calls there. Everything else here runs on the
+event loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ppswap.actors.copy_stream import CopyCompletion
+from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.p2p import P2PChannel
 from ppswap.core.arrival import Arrival
 from ppswap.core.messages import MessageKey, Payload, RecvRequest, ReplyFuture, SendRequest
 from ppswap.errors import PipelineError
 from ppswap.scheduler.steps import MetaStep, StepKind
 
-__all__ = ["CopyKey", "RankMail"]
+__all__ = ["CopyKey", "RankMail", "send_key"]
 
 CopyKey = tuple[StepKind, int, int]
 
 _RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
+
+
+def send_key(step: MetaStep) -> MessageKey:
+    """The message a SEND_F / SEND_B sends: keyed by the stage that receives it."""
+    if step.kind is StepKind.SEND_F:
+        return MessageKey("F", step.stage + 1, step.micro)
+    return MessageKey("B", step.stage - 1, step.micro)
 
 
 class RankMail:
@@ -38,7 +50,8 @@ class RankMail:
 
     ``failure(step, message)`` makes the error for a step the order cannot run (a send
     before its producer, a leaf consuming a message nobody received). ``arrivals``: give
-    every receive an ``Arrival`` (``take_arrival``).
+    every receive an ``Arrival`` (``take_arrival``); ``handoff`` (with ``arrivals``, for
+    rank ``rank``): the arrivals are landed by the sender's compute thread too.
     """
 
     def __init__(
@@ -47,10 +60,16 @@ class RankMail:
         failure: Callable[[MetaStep, str], PipelineError],
         *,
         arrivals: bool = False,
+        rank: int = -1,
+        handoff: ThreadHandoff | None = None,
     ) -> None:
+        if handoff is not None and not arrivals:
+            raise ValueError("handoff needs arrivals=True: it lands a receive's Arrival")
         self._p2p = p2p
         self._failure = failure
         self._arrivals = arrivals
+        self._rank = rank
+        self._handoff = handoff
         self.recvs: dict[MessageKey, ReplyFuture[Payload]] = {}
         # taken by take_arrival and not resolved yet when last looked (hang dumps); pruned
         # as it goes, so that no payload is kept here after its leaf ran
@@ -73,16 +92,14 @@ class RankMail:
             direction = "F" if kind is StepKind.RECV_F else "B"
             key = MessageKey(direction, step.stage, step.micro)
             label = f"{direction}{step.micro}.s{step.stage}"
-            future: ReplyFuture[Any] = ReplyFuture(
-                label, Arrival(label) if self._arrivals else None
-            )
+            arrival = Arrival(label) if self._arrivals else None
+            future: ReplyFuture[Any] = ReplyFuture(label, arrival)
             self.recvs[key] = future
+            if self._handoff is not None and arrival is not None:
+                self._handoff.expect(self._rank, step.peer, key, arrival)
             request = RecvRequest(step, key, step.peer, future)
         else:
-            if kind is StepKind.SEND_F:
-                key = MessageKey("F", step.stage + 1, step.micro)
-            else:
-                key = MessageKey("B", step.stage - 1, step.micro)
+            key = send_key(step)
             payload = self.outbox.pop(key, None)
             if payload is None:
                 raise self._failure(step, f"{step.short()} sends {key} before its producer ran")
@@ -90,6 +107,14 @@ class RankMail:
             self.sends.append(future)
             request = SendRequest(step, key, step.peer, payload, future)
         self._p2p.send_nowait(request)
+
+    def hand_off(self, send: MetaStep) -> Callable[[Payload], None] | None:
+        """What the job making the payload of ``send`` calls with it on the compute
+        thread (None without a handoff)."""
+        if self._handoff is None:
+            return None
+        assert send.peer is not None
+        return partial(self._handoff.put, self._rank, send.peer, send_key(send))
 
     def received(self, key: MessageKey, step: MetaStep) -> ReplyFuture[Payload]:
         """The future of the receive ``step`` consumes (it must have been posted)."""

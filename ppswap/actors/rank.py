@@ -15,6 +15,7 @@ from anyio.abc import TaskGroup
 
 from ppswap.actors.compute import ComputeActor, RankInputs
 from ppswap.actors.copy_stream import CopyStream, CopyStreamActor
+from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.local_steps import ARRIVAL_WAITS_PER_BATCH
 from ppswap.actors.p2p import P2PActor, p2p_channel
 from ppswap.actors.prepare import Batches, RunPlan
@@ -47,6 +48,7 @@ class RankRuntime:
         recorder: FlightRecorder,
         batches: Batches,
         log_steps: bool,
+        handoff: ThreadHandoff | None = None,
     ) -> None:
         self.rank = rank
         self.stages: tuple[PipelineStage, ...] = plan.stages_of(rank)
@@ -84,6 +86,18 @@ class RankRuntime:
                 timeout_s=plan.step_timeout,
                 reduce_grads=not config.forward_only,
             )
+        # Without FSDP collectives and a fault plan, a batch's compute thread waits for
+        # the receives (and copies) its jobs need: blocking, when the rank is alone in
+        # its process (nobody else needs the thread); parked, when the ranks of this
+        # process share it and hand payloads over on it (nothing is held while parked,
+        # so there is no budget).
+        shares_thread = len(plan.local_ranks) > 1
+        arrival_waits = 0
+        if self.fsdp is None and plan.faults is None:
+            if not shares_thread:
+                arrival_waits = ARRIVAL_WAITS_PER_BATCH
+            elif handoff is not None:
+                arrival_waits = len(order)
         replica = batches.of_replica(plan.dp_index(rank), config.micro)
         self.compute_actor = ComputeActor(
             rank=rank,
@@ -102,13 +116,9 @@ class RankRuntime:
             fsdp=self.fsdp,
             faults=plan.faults,
             host_payloads=not is_immediate(transport),
-            # Alone in its process (one rank, no FSDP collectives, no fault plan), the
-            # compute thread may wait for a receive itself: nobody else needs the thread.
-            arrival_waits=(
-                ARRIVAL_WAITS_PER_BATCH
-                if len(plan.local_ranks) == 1 and self.fsdp is None and plan.faults is None
-                else 0
-            ),
+            arrival_waits=arrival_waits,
+            parks=arrival_waits > 0 and shares_thread,
+            handoff=handoff if arrival_waits > 0 else None,
         )
         self.copy_actor = CopyStreamActor(self.copy_stream, timeout_s=plan.step_timeout)
         self.p2p_actor = P2PActor(

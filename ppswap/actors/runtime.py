@@ -41,13 +41,14 @@ import anyio
 import structlog
 
 from ppswap.actors.distributed import abort_job, configure_transport, gather_results
+from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.p2p import InProcessTransport
 from ppswap.actors.prepare import Batches, RunPlan, prepare_run, split_batches
 from ppswap.actors.rank import RankRuntime
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
-from ppswap.core.transport import Transport, is_distributed
+from ppswap.core.transport import Transport, is_distributed, is_immediate
 from ppswap.errors import first_pipeline_error
 from ppswap.fsdp.plan import param_storage_bytes
 from ppswap.options import DEFAULT_STEP_TIMEOUT_S, RunOptions
@@ -141,6 +142,7 @@ class _Wiring:
     recorder: FlightRecorder
     batches: Batches
     log_steps: bool
+    handoff: ThreadHandoff | None
 
     def rank(self, rank: int, plan: RunPlan, generation: int) -> RankRuntime:
         return RankRuntime(
@@ -153,6 +155,7 @@ class _Wiring:
             recorder=self.recorder,
             batches=self.batches,
             log_steps=self.log_steps,
+            handoff=self.handoff,
         )
 
 
@@ -172,7 +175,10 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     started = time.perf_counter()
     async with compute:
         batches = await compute.run(_begin_stages, plan, generation)
-        wiring = _Wiring(compute, transport, engine, recorder, batches, log_steps)
+        # Ranks that share this process's compute thread and one event loop hand their
+        # payloads over on the thread as well (``ThreadHandoff``).
+        handoff = ThreadHandoff() if is_immediate(transport) and len(plan.local_ranks) > 1 else None
+        wiring = _Wiring(compute, transport, engine, recorder, batches, log_steps, handoff)
         ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
         try:
             await _run_ranks(compute, ranks)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from ppswap.actors.copy_stream import CopyCompletion
 from ppswap.actors.failures import StepFailures
-from ppswap.core.executor import DedicatedThread, JobDeadlineError
+from ppswap.core.executor import DedicatedThread, JobDeadlineError, Resume, job_name
 from ppswap.core.messages import FutureTimeoutError, ReplyFuture
 from ppswap.scheduler.steps import MetaStep
 
@@ -69,7 +69,7 @@ class StepWaits:
     async def call(
         self,
         at: MetaStep | str | None,
-        fn: Callable[..., T],
+        fn: Callable[..., T | Resume],
         *args: Any,
         urgent: bool = False,
         timeout_s: float | None = None,
@@ -84,6 +84,6 @@ class StepWaits:
             return await submit(fn, *args, timeout_s=deadline_s)
         except JobDeadlineError:
             pass
-        name = getattr(fn, "__qualname__", repr(fn))
+        name = job_name(fn)
         where = at if at is not None else "idle"
         raise self._errors.hang(where, f"compute job {name} still running after {deadline_s}s")

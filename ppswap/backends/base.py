@@ -29,6 +29,7 @@ thread, except the copy-engine primitives documented as copy-thread calls.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -146,8 +147,9 @@ class CopyEvent:
             callback()
 
     def wait(self, timeout_s: float) -> bool:
-        """Block until set or ``timeout_s`` passed; whether it is set."""
-        return self._done.wait(timeout_s)
+        """Block until set or ``timeout_s`` passed (``math.inf``: no limit); whether it
+        is set."""
+        return self._done.wait(None if timeout_s == math.inf else timeout_s)
 
     def on_set(self, callback: Callable[[], None]) -> None:
         with self._lock:

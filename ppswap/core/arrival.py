@@ -18,12 +18,15 @@ An ``Arrival`` is the receive's slot for that. It is landed exactly once, by the
   deadline, another actor's failure): the waiter raises and the thread is free.
 
 ``wait(timeout_s)`` blocks the calling thread until then and raises ``ArrivalTimeoutError``
-after ``timeout_s``, so no wait is without a deadline.
+after ``timeout_s``, so no wait is without a deadline. A thread shared by several ranks
+does not block: it parks the job and asks ``on_ready(callback)`` to be told when the slot
+is landed (``DedicatedThread``'s ``Resume``), then reads it with ``wait(0.0)``.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 __all__ = ["Arrival", "ArrivalTimeoutError", "ThreadWait"]
@@ -38,18 +41,23 @@ class ThreadWait(Protocol):
     """What a compute-thread job waits for before its body runs: ``wait(timeout_s)``
     blocks until it is there (its value, or raises its error; ``ArrivalTimeoutError``
     after ``timeout_s``); ``abandon(reason)``, from any thread, wakes a waiter, which
-    raises (the run stopped)."""
+    raises (the run stopped); ``on_ready(callback)`` calls ``callback()`` once, when
+    ``wait`` would no longer block (at once if it would not now; else on the thread that
+    lands or abandons it)."""
 
     label: str
 
+    @property
+    def ready(self) -> bool: ...
     def wait(self, timeout_s: float) -> Any: ...
     def abandon(self, reason: str) -> None: ...
+    def on_ready(self, callback: Callable[[], None]) -> None: ...
 
 
 class Arrival:
     """A one-shot, thread-safe slot for one received payload (module docstring)."""
 
-    __slots__ = ("_error", "_event", "_lock", "_payload", "label")
+    __slots__ = ("_callbacks", "_error", "_event", "_lock", "_payload", "label")
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -57,20 +65,33 @@ class Arrival:
         self._event = threading.Event()
         self._payload: Any = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[], None]] = []
 
     @property
     def landed(self) -> bool:
         return self._event.is_set()
 
+    ready = landed
+
     def land(self, payload: Any, error: BaseException | None = None) -> bool:
         """Any thread: set the payload (or the error) unless landed already; whether
-        this call landed it."""
+        this call landed it (then the ``on_ready`` callbacks run, on this thread)."""
         with self._lock:
             if self._event.is_set():
                 return False
             self._payload, self._error = payload, error
             self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
         return True
+
+    def on_ready(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
 
     def abandon(self, reason: str) -> None:
         """Land a ``RuntimeError`` saying ``reason`` unless landed already: a thread

@@ -25,6 +25,14 @@ Contract:
   needs the asyncio backend (what pytest-asyncio and MindSpore users run). Completions
   that pile up before the loop gets to them are delivered by one callback (one wake-up of
   the loop for a burst of jobs: in-process ranks queue their jobs on the one thread).
+- A job may give the thread up and go on later: it returns a ``Resume`` instead of its
+  result, and the thread runs ``resume.then()`` as the job's continuation once
+  ``resume.after`` (a ``ThreadWait``) is ready, or at once behind the jobs queued now
+  (``after=None``: a yield). Meanwhile it serves other jobs: ranks that share the thread
+  wait for each other's payloads *parked*, never blocking it. A continuation whose
+  ``after`` is not ready within ``deadline_s`` runs anyway (it sees that and raises).
+  The awaiting task gets the result of the last continuation; ``timeout_s`` covers them
+  all. ``has_waiting`` does not count parked jobs (they cannot run).
 - ``stop()`` enqueues a sentinel; the thread finishes the jobs before it and exits. The
   thread is never a daemon: the owner joins it (``join_s`` bounds that wait). A thread
   started inside an event loop tells that loop when it exits, so ``join`` needs no helper
@@ -41,14 +49,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import anyio
 
+from ppswap.core.arrival import ThreadWait
 from ppswap.core.deadlines import wait_woken
 
-__all__ = ["DedicatedThread", "JobDeadlineError", "ThreadStats", "loop_caller"]
+__all__ = [
+    "DedicatedThread",
+    "JobDeadlineError",
+    "Resume",
+    "ThreadStats",
+    "job_name",
+    "loop_caller",
+]
 
 T = TypeVar("T")
 
@@ -66,6 +83,25 @@ def loop_caller() -> Callable[..., None]:
     return call
 
 
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """What a job returns to go on later (module docstring): ``then()`` continues it
+    once ``after`` is ready (None: at once, behind the jobs queued now), or after
+    ``deadline_s`` seconds parked; on the urgent lane if ``urgent``."""
+
+    then: Callable[[], Any]
+    after: ThreadWait | None = None
+    deadline_s: float = math.inf
+    urgent: bool = False
+
+
+def job_name(fn: Callable[..., Any]) -> str:
+    """What a job is called in errors and hang dumps: its qualified name (a ``repr`` only
+    for a callable without one: a bound method's repr formats its object)."""
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else repr(fn)
+
+
 class JobDeadlineError(TimeoutError):
     """A job submitted with ``timeout_s`` had not finished when the deadline passed (it
     may still be running on the thread)."""
@@ -73,7 +109,8 @@ class JobDeadlineError(TimeoutError):
 
 @dataclass(frozen=True, slots=True)
 class ThreadStats:
-    """What a DedicatedThread did: jobs run and seconds spent inside them."""
+    """What a DedicatedThread did: jobs run (a job that resumed counts once per part it
+    ran) and seconds spent inside them."""
 
     name: str
     jobs_run: int
@@ -85,7 +122,10 @@ class _Job(Generic[T]):
     __slots__ = ("args", "error", "finished", "fn", "future", "loop", "result")
 
     def __init__(
-        self, fn: Callable[..., T], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop
+        self,
+        fn: Callable[..., T | Resume],
+        args: tuple[Any, ...],
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.fn = fn
         self.args = args
@@ -106,6 +146,15 @@ class _Job(Generic[T]):
 _STOP = object()
 
 
+@dataclass(eq=False, slots=True)
+class _Parked:
+    """A job waiting for its ``Resume.after`` (identity-hashed: a token)."""
+
+    job: _Job[Any]
+    urgent: bool
+    deadline: float  # time.monotonic()
+
+
 class DedicatedThread:
     """A single worker thread with two FIFO job lanes, urgent first (module docstring)."""
 
@@ -118,6 +167,7 @@ class DedicatedThread:
         self._finished: dict[asyncio.AbstractEventLoop, list[_Job[Any]]] = {}
         self._urgent: deque[_Job[Any]] = deque()
         self._normal: deque[Any] = deque()  # jobs and the stop sentinel
+        self._parked: dict[_Parked, None] = {}  # in parking order; guarded by _ready
         self._thread: threading.Thread | None = None
         self._jobs_run = 0
         self._busy_s = 0.0
@@ -189,16 +239,25 @@ class DedicatedThread:
         return ThreadStats(self.name, self._jobs_run, self._busy_s, self.is_alive)
 
     # -- work -------------------------------------------------------------------------
-    async def run(self, fn: Callable[..., T], *args: Any, timeout_s: float = math.inf) -> T:
+    async def run(
+        self, fn: Callable[..., T | Resume], *args: Any, timeout_s: float = math.inf
+    ) -> T:
         """Run ``fn(*args)`` on the thread and return its result (see module docstring)."""
         return await self._submit(fn, args, urgent=False, timeout_s=timeout_s)
 
-    async def run_urgent(self, fn: Callable[..., T], *args: Any, timeout_s: float = math.inf) -> T:
+    async def run_urgent(
+        self, fn: Callable[..., T | Resume], *args: Any, timeout_s: float = math.inf
+    ) -> T:
         """``run``, served ahead of every ``run`` job still queued (see module docstring)."""
         return await self._submit(fn, args, urgent=True, timeout_s=timeout_s)
 
     async def _submit(
-        self, fn: Callable[..., T], args: tuple[Any, ...], *, urgent: bool, timeout_s: float
+        self,
+        fn: Callable[..., T | Resume],
+        args: tuple[Any, ...],
+        *,
+        urgent: bool,
+        timeout_s: float,
     ) -> T:
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError(f"thread {self.name!r} is not running")
@@ -206,7 +265,7 @@ class DedicatedThread:
         self._put(job, urgent=urgent)
         await wait_woken(job.future, timeout_s)
         if not job.finished:
-            name = getattr(fn, "__qualname__", repr(fn))
+            name = job_name(fn)
             raise JobDeadlineError(f"job {name} not finished within {timeout_s}s")
         if job.error is not None:
             raise job.error
@@ -228,9 +287,23 @@ class DedicatedThread:
 
     def _next(self) -> Any:
         with self._ready:
-            while not self._urgent and not self._normal:
-                self._ready.wait()
-            return self._urgent.popleft() if self._urgent else self._normal.popleft()
+            while True:
+                until = self._expire_parked() if self._parked else None
+                if self._urgent or self._normal:
+                    return self._urgent.popleft() if self._urgent else self._normal.popleft()
+                self._ready.wait(until)
+
+    def _expire_parked(self) -> float | None:
+        """Under ``_ready``: queue the parked jobs past their deadline (urgent: they
+        fail at once); the seconds until the next deadline (None: none is finite)."""
+        now = time.monotonic()
+        expired = [parked for parked in self._parked if parked.deadline <= now]
+        for parked in expired:
+            del self._parked[parked]
+            self._urgent.append(parked.job)
+        deadlines = [parked.deadline - now for parked in self._parked]
+        finite = [seconds for seconds in deadlines if seconds != math.inf]
+        return min(finite) if finite else None
 
     def _serve_jobs(self) -> None:
         while True:
@@ -238,17 +311,45 @@ class DedicatedThread:
             if item is _STOP:
                 return
             job: _Job[Any] = item
-            self._current = getattr(job.fn, "__qualname__", repr(job.fn))
+            self._current = job_name(job.fn)
             started = time.perf_counter()
+            resume: Resume | None = None
             try:
-                job.result = job.fn(*job.args)
+                result = job.fn(*job.args)
+                if isinstance(result, Resume):
+                    resume = result
+                else:
+                    job.result = result
             except BaseException as exc:  # handed to the awaiting task, which re-raises
                 job.error = exc
             finally:
                 self._busy_s += time.perf_counter() - started
                 self._jobs_run += 1
                 self._current = None
-            self._notify(job)
+            if resume is None:
+                self._notify(job)
+            else:
+                self._park(job, resume)
+
+    def _park(self, job: _Job[Any], resume: Resume) -> None:
+        """Thread: queue the job's continuation now, or once ``resume.after`` is ready."""
+        job.fn, job.args = resume.then, ()
+        after = resume.after
+        if after is None:
+            self._put(job, urgent=resume.urgent)
+            return
+        parked = _Parked(job, resume.urgent, time.monotonic() + resume.deadline_s)
+        with self._ready:
+            self._parked[parked] = None
+        after.on_ready(partial(self._unpark, parked))
+
+    def _unpark(self, parked: _Parked) -> None:
+        """Any thread (the one that made ``after`` ready): queue a parked job."""
+        with self._ready:
+            if parked in self._parked:  # else its deadline queued it already
+                del self._parked[parked]
+                (self._urgent if parked.urgent else self._normal).append(parked.job)
+                self._ready.notify()
 
     def _notify(self, job: _Job[Any]) -> None:
         """Thread: hand a finished job to its loop; one callback per burst (module doc)."""

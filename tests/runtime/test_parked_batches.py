@@ -1,0 +1,194 @@
+"""Ranks that share the compute thread: batches park on their arrivals instead of blocking.
+
+``DedicatedThread``'s ``Resume`` (park until ready, yield, a parked job's deadline),
+``ThreadHandoff`` (a payload handed over on the thread, whichever side comes first),
+``start_batch`` (a batch that parks, and one that times out parked), and a whole
+in-process run: every rank's order runs as one batch, and its losses and gradients are
+the ones of a run whose ranks wait on the event loop (a fault plan that never fires
+turns the batches off).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from ppswap import PipelineStage, run_schedule
+from ppswap.actors.batch import BatchOutcome, StepJob, after_arrival, start_batch
+from ppswap.actors.handoff import ThreadHandoff
+from ppswap.core.arrival import Arrival, ArrivalTimeoutError
+from ppswap.core.executor import DedicatedThread, Resume
+from ppswap.core.faults import FaultPlan, fail_compute
+from ppswap.core.messages import MessageKey
+from ppswap.demo.model import build_mlp_stages, mse_loss
+from ppswap.scheduler.steps import MetaStep, StepKind
+from ppswap.swap import swap_wrapper
+
+pytestmark = pytest.mark.anyio
+
+KEY = MessageKey("F", 1, 0)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_a_parked_job_lets_the_thread_serve_others_and_resumes_when_ready() -> None:
+    arrival = Arrival("F0.s1")
+    served: list[str] = []
+
+    def consumer() -> Resume:
+        served.append("consumer parks")
+        return Resume(lambda: (served.append("consumer resumed"), arrival.wait(0.0))[1], arrival)
+
+    def producer() -> str:
+        served.append("producer")
+        arrival.land("payload")  # on the thread itself, as a handoff does
+        return "made"
+
+    async with DedicatedThread("test-park") as thread:
+        results: dict[str, Any] = {}
+
+        async def call(name: str, fn: Any) -> None:
+            results[name] = await thread.run(fn, timeout_s=10)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "consumer", consumer)
+            await anyio.sleep(0.05)  # parked: the thread is free
+            assert not thread.has_waiting()
+            tg.start_soon(call, "producer", producer)
+    assert results == {"consumer": "payload", "producer": "made"}
+    assert served == ["consumer parks", "producer", "consumer resumed"]
+
+
+async def test_a_yield_goes_on_behind_the_jobs_queued() -> None:
+    served: list[str] = []
+    gate = threading.Event()
+
+    def long_batch() -> Resume:
+        served.append("batch part 1")
+        assert gate.wait(10)
+        return Resume(lambda: served.append("batch part 2") or "done")
+
+    async with DedicatedThread("test-yield") as thread, anyio.create_task_group() as tg:
+        tg.start_soon(thread.run, long_batch)
+        await anyio.sleep(0.05)
+        tg.start_soon(thread.run, served.append, "other rank")
+        await anyio.sleep(0.05)
+        gate.set()
+    assert served == ["batch part 1", "other rank", "batch part 2"]
+
+
+async def test_a_parked_job_past_its_deadline_runs_and_reports_it() -> None:
+    never = Arrival("F0.s1")
+
+    def parks() -> Resume:
+        def then() -> str:
+            return "landed" if never.ready else "timed out"
+
+        return Resume(then, never, deadline_s=0.1)
+
+    async with DedicatedThread("test-deadline") as thread:
+        with anyio.fail_after(5):
+            assert await thread.run(parks) == "timed out"
+
+
+def test_the_handoff_lands_the_arrival_whichever_side_comes_first() -> None:
+    handoff = ThreadHandoff()
+    payload = np.arange(3.0)
+    early = Arrival("expected first")
+    handoff.expect(1, 0, KEY, early)
+    handoff.put(0, 1, KEY, payload)
+    assert early.wait(0.0) is payload
+    late = Arrival("put first")
+    handoff.put(0, 1, MessageKey("F", 1, 1), payload)
+    handoff.expect(1, 0, MessageKey("F", 1, 1), late)
+    assert late.wait(0.0) is payload
+    assert len(handoff) == 0
+
+
+def test_an_expectation_landed_another_way_is_forgotten() -> None:
+    handoff = ThreadHandoff()
+    arrival = Arrival("via the loop")
+    handoff.expect(1, 0, KEY, arrival)
+    assert len(handoff) == 1
+    arrival.land("delivered by the P2P actor")
+    assert len(handoff) == 0  # nothing is held for a message already received
+
+
+def _job(step: MetaStep, run: Any, arrival: Arrival | None = None) -> StepJob:
+    return StepJob(step, "forward", run, arrival=arrival)
+
+
+def test_a_batch_parks_at_an_arrival_and_its_outcome_covers_every_job() -> None:
+    arrival = Arrival("F1.s1")
+    jobs = [
+        _job(MetaStep(StepKind.FWD, 1, 0), lambda: "first"),
+        _job(MetaStep(StepKind.FWD, 1, 1), lambda: after_arrival(arrival, str.upper), arrival),
+    ]
+    first = start_batch(jobs, arrival_timeout_s=5.0)
+    assert isinstance(first, Resume) and first.after is arrival
+    arrival.land("second")
+    outcome = first.then()
+    assert isinstance(outcome, BatchOutcome) and outcome.error is None
+    assert outcome.results == ["first", "SECOND"]
+    assert outcome.waited[1] > 0.0
+
+
+def test_a_batch_resumed_past_its_deadline_fails_at_the_waiting_job() -> None:
+    arrival = Arrival("F1.s1")
+    jobs = [_job(MetaStep(StepKind.FWD, 1, 1), lambda: after_arrival(arrival, str), arrival)]
+    parked = start_batch(jobs, arrival_timeout_s=0.5)
+    assert isinstance(parked, Resume)
+    outcome = parked.then()  # what the thread does once the deadline passed
+    assert isinstance(outcome, BatchOutcome)
+    assert isinstance(outcome.error, ArrivalTimeoutError)
+    assert "F1.s1 not there within 0.5s" in str(outcome.error)
+    assert outcome.results == []
+
+
+def _run(schedule: str, faults: FaultPlan | None) -> tuple[list[float], list[Any], list[int]]:
+    modules = build_mlp_stages(4, dim=8, seed=3, wrap=swap_wrapper)
+    stages = [PipelineStage(module, i, 4) for i, module in enumerate(modules)]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    y = rng.standard_normal((16, 8)).astype(np.float32)
+
+    async def main() -> Any:
+        return await run_schedule(
+            stages,
+            schedule=schedule,
+            micro_batch_num=8,
+            pp=2 if schedule == "interleaved_1f1b" else 4,
+            swap=True,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            faults=faults,
+        )
+
+    result = anyio.run(main)
+    grads = [g.asnumpy() for stage in stages for g in stage.grads]
+    return result.losses, grads, [r.compute_batches for r in result.ranks]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_in_process_ranks_run_their_orders_as_parked_batches_bit_identically(
+    schedule: str,
+) -> None:
+    losses, grads, batches = _run(schedule, None)
+    # A rule that never matches: the actors take one step at a time, waiting on the loop.
+    never = FaultPlan((fail_compute(StepKind.FWD, rank=99),))
+    step_losses, step_grads, _ = _run(schedule, never)
+    assert losses == step_losses
+    for grad, step_grad in zip(grads, step_grads, strict=True):
+        np.testing.assert_array_equal(grad, step_grad)
+    # FWD and BWD of 8 micro-batches per stage; a rank that waits for its payloads on the
+    # loop runs about one batch per leaf
+    leaves_per_rank = 16 * (2 if schedule == "interleaved_1f1b" else 1)
+    assert max(batches) <= 0.6 * leaves_per_rank
