@@ -12,15 +12,18 @@ there yet can still join a batch: its job carries the receive's ``Arrival``, and
 thread waits for it (with the step deadline) before the body runs, instead of ending the
 batch and going back to the event loop (``core.arrival``). So can a SWAP_WAIT_* whose copy
 is still running (its job carries a ``CopyWait``). The wait is not in the step's timing;
-the outcome reports it on its own (a swap wait's is the exposed copy wait).
+the outcome reports it on its own (a swap wait's is the exposed copy wait). Ranks that
+share the thread run their batches with ``start_batch`` instead: there a job whose wait is
+not ready *parks* the batch (``core.executor.Resume``) and the thread serves the others
+until it is; the sender's job lands it on the thread (``hand_offs``, ``ThreadHandoff``).
 
 A job whose result is sent to another rank (a FWD or BWD followed by its SEND) is
 *announced*: its result goes to the event loop as soon as the body returns, so the send
 leaves while the batch's later steps still run. A batch *yields* before a compute leaf
-when other work waits for the thread (``yield_to``: the ranks of one process share it):
-it returns what it ran, and the actor queues the rest again. So a batch grows only while
-the thread would otherwise be idle, and the ranks' leaves still interleave when they
-compete for it (as a copy's start does: swap steps go on the urgent lane).
+when other work waits for the thread (``yield_to``): ``run_batch`` returns what it ran,
+and the actor queues the rest again; ``start_batch`` goes on behind the work queued,
+without a trip to the loop. So the ranks' leaves interleave when they compete for the
+thread (as a copy's start does: swap steps go on the urgent lane).
 """
 
 from __future__ import annotations

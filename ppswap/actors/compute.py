@@ -14,7 +14,9 @@ are: a FWD/BWD's received payload has arrived, a SWAP_WAIT's copy has completed.
 FWD/BWD whose payload is still on its way is ready too: its job waits for the payload on
 the compute thread (``core.arrival``), so a batch runs on through the receives instead of
 coming back to the loop for each; so is a SWAP_WAIT_* whose copy is still running (the
-thread waits for it: that wait is the exposed copy wait). When the
+thread waits for it: that wait is the exposed copy wait). Ranks that share the thread
+(``parks``: in-process, with a ``ThreadHandoff``) have no budget for such waits: their
+batches park on the thread (``start_batch``) rather than block it. When the
 first local step is not ready the actor waits for it (with the step deadline); the time
 blocked at a SWAP_WAIT_* is the *exposed* copy wait. A batch that starts with a swap step
 goes on the thread's urgent lane (``DedicatedThread.run_urgent``): in-process ranks share

@@ -12,7 +12,9 @@ does. With ``arrival_waits`` (the rank is alone in its process), up to that many
 whose received input is still on its way join the batch too, waiting for it on the
 compute thread (``core.arrival``), and so does every SWAP_WAIT_* whose copy (launched by
 an earlier batch) is still running (``CopyWait``: a copy holds no transport resource, so
-these waits have no budget). Everything here runs on the event loop.
+these waits have no budget). Ranks that share the thread get a budget of their whole
+order: their batches park rather than block. A send's payload maker also gets the
+``RankMail.hand_off`` of the send, if any. Everything here runs on the event loop.
 """
 
 from __future__ import annotations
