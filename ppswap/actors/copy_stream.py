@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import structlog
@@ -38,6 +39,7 @@ from ppswap.backends.base import CopyEvent
 from ppswap.core.arrival import ArrivalTimeoutError
 from ppswap.core.deadlines import resolve, wait_woken
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
+from ppswap.core.oneshot import OneShot
 from ppswap.errors import PipelineError, PipelineHangError, named_failure
 from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
@@ -88,14 +90,14 @@ class CopyWait:
     event loop. ``wait`` raises the copy's error; ``abandon`` wakes the thread while the
     copy runs on."""
 
-    __slots__ = ("_abandoned", "_woken", "completion", "label")
+    __slots__ = ("_woken", "completion", "label")
 
     def __init__(self, completion: CopyCompletion) -> None:
         self.completion = completion
         self.label = completion.label
-        self._abandoned: str | None = None
-        self._woken = CopyEvent()
-        completion.on_set(self._woken.set)
+        # None once the copy's completion is set, else why the wait was abandoned
+        self._woken: OneShot[str | None] = OneShot()
+        completion.on_set(partial(self._woken.set_value, None))
 
     @property
     def ready(self) -> bool:
@@ -104,14 +106,14 @@ class CopyWait:
     def wait(self, timeout_s: float) -> None:
         if not self._woken.wait(timeout_s):
             raise ArrivalTimeoutError(f"{self.label} not done within {timeout_s}s")
-        if not self.completion.is_set():
-            raise RuntimeError(f"{self.label}: {self._abandoned}")
+        abandoned = self._woken.value
+        if abandoned is not None:
+            raise RuntimeError(f"{self.label}: {abandoned}")
         if self.completion.error is not None:
             raise self.completion.error
 
     def abandon(self, reason: str) -> None:
-        self._abandoned = reason
-        self._woken.set()
+        self._woken.set_value(reason)
 
     def on_ready(self, callback: Callable[[], None]) -> None:
         self._woken.on_set(callback)

@@ -29,8 +29,6 @@ thread, except the copy-engine primitives documented as copy-thread calls.
 
 from __future__ import annotations
 
-import math
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -38,6 +36,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
+
+from ppswap.core.oneshot import OneShot
 
 __all__ = [
     "Autograd",
@@ -119,44 +119,19 @@ class DeviceMemory:
     peak_allocated: int | None
 
 
-class CopyEvent:
-    """Completion of one copy job, set once by the copy thread.
+class CopyEvent(OneShot[None]):
+    """Completion of one copy job, set once by the copy thread (a ``core.oneshot.OneShot``
+    without a value).
 
-    ``wait(timeout)`` blocks a thread; ``on_set(callback)`` runs ``callback`` once the
+    ``wait(timeout_s)`` blocks a thread; ``on_set(callback)`` runs ``callback`` once the
     event is set (at once if it already is, else on the thread that sets it), which is
     how the event loop learns of a completion without a thread waiting for it.
     """
 
-    __slots__ = ("_callbacks", "_done", "_lock")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._callbacks: list[Callable[[], None]] = []
-
-    def is_set(self) -> bool:
-        return self._done.is_set()
+    __slots__ = ()
 
     def set(self) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Block until set or ``timeout_s`` passed (``math.inf``: no limit); whether it
-        is set."""
-        return self._done.wait(None if timeout_s == math.inf else timeout_s)
-
-    def on_set(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
+        self.set_value(None)
 
 
 class ForwardRecord(Protocol):

@@ -25,9 +25,10 @@ is landed (``DedicatedThread``'s ``Resume``), then reads it with ``wait(0.0)``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from ppswap.core.oneshot import OneShot
 
 __all__ = ["Arrival", "ArrivalTimeoutError", "ThreadWait"]
 
@@ -57,41 +58,25 @@ class ThreadWait(Protocol):
 class Arrival:
     """A one-shot, thread-safe slot for one received payload (module docstring)."""
 
-    __slots__ = ("_callbacks", "_error", "_event", "_lock", "_payload", "label")
+    __slots__ = ("_landed", "label")
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self._lock = threading.Lock()
-        self._event = threading.Event()
-        self._payload: Any = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[], None]] = []
+        self._landed: OneShot[tuple[Any, BaseException | None]] = OneShot()
 
     @property
     def landed(self) -> bool:
-        return self._event.is_set()
+        return self._landed.is_set()
 
     ready = landed
 
     def land(self, payload: Any, error: BaseException | None = None) -> bool:
         """Any thread: set the payload (or the error) unless landed already; whether
         this call landed it (then the ``on_ready`` callbacks run, on this thread)."""
-        with self._lock:
-            if self._event.is_set():
-                return False
-            self._payload, self._error = payload, error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-        return True
+        return self._landed.set_value((payload, error))
 
     def on_ready(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
+        self._landed.on_set(callback)
 
     def abandon(self, reason: str) -> None:
         """Land a ``RuntimeError`` saying ``reason`` unless landed already: a thread
@@ -100,9 +85,10 @@ class Arrival:
 
     def wait(self, timeout_s: float) -> Any:
         """Block until landed: the payload, or raise the error it landed with;
-        ``ArrivalTimeoutError`` after ``timeout_s``."""
-        if not self._event.wait(None if timeout_s == float("inf") else timeout_s):
+        ``ArrivalTimeoutError`` after ``timeout_s`` (``math.inf``: no limit)."""
+        if not self._landed.wait(timeout_s):
             raise ArrivalTimeoutError(f"{self.label} not received within {timeout_s}s")
-        if self._error is not None:
-            raise self._error
-        return self._payload
+        payload, error = self._landed.value
+        if error is not None:
+            raise error
+        return payload
