@@ -45,6 +45,7 @@ from ppswap.swap.jobs import CopyJob
 __all__ = [
     "JOB_KINDS",
     "BatchOutcome",
+    "BatchRun",
     "EarlySends",
     "StepBodies",
     "StepJob",
@@ -148,7 +149,7 @@ def run_batch(
     announced (its result is in the outcome, which follows at once). A job's ``arrival``
     is waited for first, blocking the thread, up to ``arrival_timeout_s``
     (``ArrivalTimeoutError``: the job fails)."""
-    outcome = _BatchRun(jobs, announce, yield_to, arrival_timeout_s, parks=False).run()
+    outcome = BatchRun(jobs, announce, yield_to, arrival_timeout_s, parks=False).run()
     assert isinstance(outcome, BatchOutcome)  # only a parking run resumes
     return outcome
 
@@ -164,12 +165,14 @@ def start_batch(
     ``arrival_timeout_s``, then the job fails with ``ArrivalTimeoutError``), and where
     it would yield it goes on behind the work queued instead of ending: the thread
     serves the other ranks meanwhile, and the outcome is the whole batch's."""
-    return _BatchRun(jobs, announce, yield_to, arrival_timeout_s, parks=True).run()
+    return BatchRun(jobs, announce, yield_to, arrival_timeout_s, parks=True).run()
 
 
 @dataclass(slots=True, eq=False, repr=False)
-class _BatchRun:
-    """One batch on the compute thread, resumable at a job (``start_batch``)."""
+class BatchRun:
+    """One batch on the compute thread, resumable at a job (``start_batch``): ``run()``
+    is the thread's job (the outcome, or a ``Resume`` where it parks or yields; only with
+    ``parks``); ``now()`` says which step it is at (any thread may ask)."""
 
     jobs: Sequence[StepJob]
     announce: Callable[[int, Any], None] | None
@@ -230,6 +233,10 @@ class _BatchRun:
             if job.announce and self.announce is not None and index + 1 < len(jobs):
                 self.announce(index, result)
         return self._outcome(None)
+
+    def now(self) -> str:
+        index, jobs = len(self.results), self.jobs
+        return f"at {jobs[index].step.short()}" if index < len(jobs) else "done"
 
     def _outcome(self, error: Exception | None) -> BatchOutcome:
         return BatchOutcome(self.results, self.started, self.seconds, error, self.waited)

@@ -66,12 +66,11 @@ from ppswap.actors.batch import (
     JOB_KINDS,
     SWAP_JOB_KINDS,
     BatchOutcome,
+    BatchRun,
     EarlySends,
     StepBodies,
     StepJob,
     SwapDriver,
-    run_batch,
-    start_batch,
 )
 from ppswap.actors.copy_stream import CopyStream
 from ppswap.actors.failures import StepFailures
@@ -82,7 +81,7 @@ from ppswap.actors.p2p import P2PChannel
 from ppswap.actors.step_waits import StepWaits
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.arrival import ArrivalTimeoutError
-from ppswap.core.executor import DedicatedThread, Resume, loop_caller
+from ppswap.core.executor import DedicatedThread, loop_caller
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
 from ppswap.core.messages import MessageKey
 from ppswap.errors import (
@@ -176,7 +175,7 @@ class ComputeActor:
         self._faults = faults
         self._errors = StepFailures(rank, self.actor_name, recorder)
         self._arrival_waits = arrival_waits
-        self._run_batch: Callable[..., BatchOutcome | Resume] = start_batch if parks else run_batch
+        self._parks = parks
         self._mail = RankMail(
             p2p, self._errors.failure, arrivals=arrival_waits > 0, rank=rank, handoff=handoff
         )
@@ -317,17 +316,17 @@ class ComputeActor:
             announce = partial(call, self._send_early, early)
         arrivals = [job.arrival for job in jobs if job.arrival is not None]
         outcome: BatchOutcome | None = None
+        batch = BatchRun(
+            jobs, announce, self._compute.has_waiting, self._waits.timeout_s, parks=self._parks
+        )
         try:
             outcome = await self._waits.call(
                 self._current,
-                self._run_batch,
-                jobs,
-                announce,
-                self._compute.has_waiting,
-                self._waits.timeout_s,
+                batch.run,
                 urgent=urgent,
                 # each arrival is waited for with the step deadline on its own
                 timeout_s=self._waits.timeout_s * (1 + len(arrivals)),
+                progress=partial(_batch_progress, rank, batch),
             )
         finally:
             early.open = False  # an announcement still queued is dropped
@@ -491,3 +490,8 @@ class ComputeActor:
         StepKind.FSDP_UNSHARD: _fsdp_step,
         StepKind.FSDP_RESHARD: _fsdp_step,
     }
+
+
+def _batch_progress(rank: int, batch: BatchRun) -> str:
+    """Where a batch is, as the compute thread reports it (hang dumps, deadline errors)."""
+    return f"rank {rank} {batch.now()}"

@@ -73,17 +73,27 @@ class StepWaits:
         *args: Any,
         urgent: bool = False,
         timeout_s: float | None = None,
+        progress: Callable[[], str] | None = None,
     ) -> T:
         """Run ``fn(*args)`` on the compute thread with the step deadline, or
         ``timeout_s`` (the job itself cannot be interrupted: on a missed deadline the run
         fails, naming ``at``, and teardown waits for the job). ``urgent``: on the thread's
-        urgent lane, ahead of the leaves queued there."""
+        urgent lane, ahead of the leaves queued there; ``progress``: where the job is
+        (``DedicatedThread.run``).
+
+        The message of a missed deadline says what the thread is running then: where
+        ranks share the thread, the job that holds it may be another rank's (the one
+        stuck), with this rank's job queued or parked behind it."""
         submit = self._compute.run_urgent if urgent else self._compute.run
         deadline_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return await submit(fn, *args, timeout_s=deadline_s)
+            return await submit(fn, *args, timeout_s=deadline_s, progress=progress)
         except JobDeadlineError:
             pass
-        name = job_name(fn)
+        message = f"compute job {job_name(fn)} still running after {deadline_s}s"
+        running = self._compute.current_job
+        if progress is not None:
+            message = f"{message} ({progress()})"
+        message += f"; the compute thread is running {running or 'nothing'}"
         where = at if at is not None else "idle"
-        raise self._errors.hang(where, f"compute job {name} still running after {deadline_s}s")
+        raise self._errors.hang(where, message)

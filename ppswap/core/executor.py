@@ -119,17 +119,19 @@ class ThreadStats:
 
 
 class _Job(Generic[T]):
-    __slots__ = ("args", "error", "finished", "fn", "future", "loop", "result")
+    __slots__ = ("args", "error", "finished", "fn", "future", "loop", "progress", "result")
 
     def __init__(
         self,
         fn: Callable[..., T | Resume],
         args: tuple[Any, ...],
         loop: asyncio.AbstractEventLoop,
+        progress: Callable[[], str] | None,
     ) -> None:
         self.fn = fn
         self.args = args
         self.loop = loop
+        self.progress = progress
         # A bare loop future (not an anyio Event): one hop is the runtime's unit of cost.
         self.future: asyncio.Future[None] = loop.create_future()
         self.result: T | None = None
@@ -172,6 +174,8 @@ class DedicatedThread:
         self._jobs_run = 0
         self._busy_s = 0.0
         self._current: str | None = None
+        self._running: _Job[Any] | None = None  # with _current; read by current_job
+        self._running_since = 0.0
         self._exit_loop: asyncio.AbstractEventLoop | None = None
         self._exited: anyio.Event | None = None
 
@@ -232,24 +236,39 @@ class DedicatedThread:
 
     @property
     def current_job(self) -> str | None:
-        """The name of the callable running now, for hang dumps."""
-        return self._current
+        """What runs now, for hang dumps and deadline errors: the callable's name, and
+        where the job is (its ``progress``) and for how long, when it says."""
+        name, job = self._current, self._running
+        if name is None or job is None or job.progress is None:
+            return name
+        seconds = time.perf_counter() - self._running_since
+        return f"{name} ({job.progress()}, for {seconds:.2f}s)"
 
     def stats(self) -> ThreadStats:
         return ThreadStats(self.name, self._jobs_run, self._busy_s, self.is_alive)
 
     # -- work -------------------------------------------------------------------------
     async def run(
-        self, fn: Callable[..., T | Resume], *args: Any, timeout_s: float = math.inf
+        self,
+        fn: Callable[..., T | Resume],
+        *args: Any,
+        timeout_s: float = math.inf,
+        progress: Callable[[], str] | None = None,
     ) -> T:
-        """Run ``fn(*args)`` on the thread and return its result (see module docstring)."""
-        return await self._submit(fn, args, urgent=False, timeout_s=timeout_s)
+        """Run ``fn(*args)`` on the thread and return its result (see module docstring).
+        ``progress()`` says where the job is while it runs (``current_job``); it is
+        called from other threads, so it must only read."""
+        return await self._submit(fn, args, urgent=False, timeout_s=timeout_s, progress=progress)
 
     async def run_urgent(
-        self, fn: Callable[..., T | Resume], *args: Any, timeout_s: float = math.inf
+        self,
+        fn: Callable[..., T | Resume],
+        *args: Any,
+        timeout_s: float = math.inf,
+        progress: Callable[[], str] | None = None,
     ) -> T:
         """``run``, served ahead of every ``run`` job still queued (see module docstring)."""
-        return await self._submit(fn, args, urgent=True, timeout_s=timeout_s)
+        return await self._submit(fn, args, urgent=True, timeout_s=timeout_s, progress=progress)
 
     async def _submit(
         self,
@@ -258,10 +277,11 @@ class DedicatedThread:
         *,
         urgent: bool,
         timeout_s: float,
+        progress: Callable[[], str] | None,
     ) -> T:
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError(f"thread {self.name!r} is not running")
-        job: _Job[T] = _Job(fn, args, asyncio.get_running_loop())
+        job: _Job[T] = _Job(fn, args, asyncio.get_running_loop(), progress)
         self._put(job, urgent=urgent)
         await wait_woken(job.future, timeout_s)
         if not job.finished:
@@ -311,8 +331,9 @@ class DedicatedThread:
             if item is _STOP:
                 return
             job: _Job[Any] = item
-            self._current = job_name(job.fn)
             started = time.perf_counter()
+            self._running, self._running_since = job, started
+            self._current = job_name(job.fn)
             resume: Resume | None = None
             try:
                 result = job.fn(*job.args)
@@ -326,6 +347,7 @@ class DedicatedThread:
                 self._busy_s += time.perf_counter() - started
                 self._jobs_run += 1
                 self._current = None
+                self._running = None
             if resume is None:
                 self._notify(job)
             else:

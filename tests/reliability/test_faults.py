@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 import pytest
 from reliability_support import (
@@ -295,3 +296,39 @@ async def test_a_fault_under_fsdp_is_named_and_the_sharded_stages_run_again(
     assert failure.cause_type is InjectedFault
     await run_schedule(stages, "gpipe", **kwargs)
     assert_same_grads(grads_of(reference_stages), grads_of(stages))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.asyncio
+async def test_a_stuck_leaf_without_a_fault_plan_is_a_hang_of_the_parked_batches() -> None:
+    # No fault plan: the ranks share the compute thread and run their orders as parked
+    # batches (ThreadHandoff). The last stage's loss for micro-batch 0 stalls on the
+    # thread, as a stuck kernel would, so rank 0's parked batch never gets its gradient.
+    _, expected_grads = await reference(GPIPE)
+    stages = make_stages(2)
+    device = EmulatedDevice()
+    stalls = [True]
+
+    def stalling_loss(output: Any, target: Any) -> Any:
+        if stalls.pop() if stalls else False:
+            time.sleep(3.0)
+        return mse_loss(output, target)
+
+    started = time.perf_counter()
+    failure = await failure_of(
+        run_case(stages, GPIPE, loss_fn=stalling_loss, step_timeout=0.5, device=device)
+    )
+    elapsed = time.perf_counter() - started
+    assert failure.error_type is PipelineHangError, failure
+    assert failure.actor == "compute", failure
+    # Whichever rank's deadline passes first, the error names the job that holds the
+    # thread: rank 1's batch, at the forward whose loss is stuck.
+    holder = "the compute thread is running BatchRun.run (rank 1 at F0.1, for "
+    assert holder in failure.message, failure.message
+    assert failure.dump is not None
+    assert "compute thread: running BatchRun.run (rank 1 at F0.1, for " in failure.dump
+    # The run returns only after the stuck job ended: no compute thread outlives it.
+    assert 3.0 <= elapsed < 20.0
+    assert_clean(stages, device)
+    await run_case(stages, GPIPE, device=device)
+    assert_same_grads(expected_grads, grads_of(stages))

@@ -64,3 +64,27 @@ def test_run_urgent_reraises_and_refuses_a_stopped_thread() -> None:
 
     with pytest.raises(RuntimeError, match="not running"):
         anyio.run(after_stop, backend="asyncio")
+
+
+def test_the_running_job_says_where_it_is_while_it_runs_and_nothing_after() -> None:
+    async def main() -> tuple[str | None, str | None, str | None]:
+        release, started = threading.Event(), threading.Event()
+        where = ["at F0.1"]
+
+        def stuck() -> None:
+            started.set()
+            assert release.wait(10), "never released"
+
+        async with DedicatedThread("test-progress") as thread, anyio.create_task_group() as tg:
+            tg.start_soon(lambda: thread.run(stuck, progress=lambda: where[0]))
+            await anyio.to_thread.run_sync(started.wait, 10)
+            first = thread.current_job
+            where[0] = "at B0.1"
+            second = thread.current_job
+            release.set()
+        return first, second, thread.current_job
+
+    first, second, after = anyio.run(main)
+    assert first is not None and first.startswith("test_the_running_job_says_where_it_is")
+    assert "(at F0.1, for " in first and "(at B0.1, for " in (second or "")
+    assert after is None
