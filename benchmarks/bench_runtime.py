@@ -10,14 +10,17 @@ session calls and copy jobs:
 
 Overhead per MetaStep = (actors - sync) / top-level steps executed, as a slope over two
 sizes of each schedule, in wall time and in CPU time (``time.process_time``: every thread
-of the process). The stages are trivial (one 4x4 Dense) so MindSpore's own cost is small,
-and both sides pay it. On this shared 2-core machine the wall time of the same sync loop
-varies by up to 40% from run to run, so the CPU-time column is the steadier figure; the
-wall-time one includes what the runtime's threads wait for each other.
+of the process). Each repeat runs the four series (sync and actors, each size) back to
+back and the slope is taken from each series' median, so a slow spell of the machine
+moves one run of each series, not a whole series. The stages are trivial (one 4x4 Dense)
+so MindSpore's own cost is small, and both sides pay it. On this shared 2-core machine
+the wall time of the same sync loop varies by up to 40% from run to run, so the CPU-time
+column is the steadier figure; the wall-time one includes what the runtime's threads wait
+for each other.
 A heartbeat task on the runtime's loop measures scheduling lag (p50/p99/max) in runs of
 their own (its 1 ms wake-ups would otherwise be counted as the runtime's overhead).
 
-    python benchmarks/bench_runtime.py [--repeats 5] [--json out.json]
+    python benchmarks/bench_runtime.py [--repeats 9] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -212,8 +216,45 @@ async def _actors_run(
     return wall, cpu, sum(r.steps_executed for r in result.ranks)
 
 
-Runs = tuple[int, list[float], list[float], list[float], list[float]]
-Summary = tuple[int, float, float, float, float]
+Sample = tuple[float, float]
+"""One run: wall and CPU seconds."""
+SIZES = (1, 4)
+"""The two sizes of each configuration, as multiples of its micro-batch count."""
+
+
+@dataclass
+class Series:
+    """Every run of one configuration: by ``(contender, micro)`` the samples, in repeat
+    order, and the top-level steps of each size."""
+
+    micros: tuple[int, int]
+    steps: dict[int, int] = field(default_factory=dict)
+    samples: dict[tuple[str, int], list[Sample]] = field(default_factory=dict)
+
+    def overheads(self, index: int) -> list[float]:
+        """Per repeat, the seconds per MetaStep the actors add over the sync loop (wall:
+        ``index`` 0, CPU: 1): the slope between the two sizes, from the four runs of
+        that repeat, which ran back to back (their spread is the run-to-run noise)."""
+        small, large = self.micros
+        extra = self.steps[large] - self.steps[small]
+        series = [self.samples[(c, m)] for c in ("actors", "sync") for m in (large, small)]
+        return [
+            ((al[index] - as_[index]) - (sl[index] - ss[index])) / extra
+            for al, as_, sl, ss in zip(*series, strict=True)
+        ]
+
+    def overhead(self, index: int, pick: Callable[[list[float]], float]) -> float:
+        """The slope from one figure of each of the four series: ``statistics.median``
+        (the table's figure), or ``min`` (the best runs, as timeit reports: other load
+        only adds time)."""
+        small, large = self.micros
+        figure = {k: pick([v[index] for v in runs]) for k, runs in self.samples.items()}
+        extra = self.steps[large] - self.steps[small]
+        actors = figure[("actors", large)] - figure[("actors", small)]
+        return (actors - (figure[("sync", large)] - figure[("sync", small)])) / extra
+
+    def median(self, contender: str, micro: int, index: int = 0) -> float:
+        return statistics.median(v[index] for v in self.samples[(contender, micro)])
 
 
 def _measure(
@@ -224,39 +265,55 @@ def _measure(
     swap: bool,
     repeats: int,
     lags: list[float],
-) -> Runs:
-    """Wall and CPU times of the sync loop and of run_schedule over the same orders (the
-    two alternating, ``repeats`` each): ``(steps, sync wall, actors wall, sync CPU, actors
-    CPU)``, each a list of the repeats; then one run with the heartbeat for the loop's
-    lag."""
+) -> Series:
+    """Wall and CPU times of the sync loop and of run_schedule over the same orders, at
+    ``micro`` and ``4 * micro``: each repeat runs all four back to back, starting one
+    further along each time (so no contender or size always runs first); then one run
+    with the heartbeat for the loop's lag."""
     stages = _stages(stage_num)
-    sync = SyncExecutor(stages, schedule, pp, micro, swap)
-    sync.run()  # warm-up
-    anyio.run(_actors_run, stages, schedule, pp, micro, swap, None)
-    sync_times, actor_times, sync_cpu, actor_cpu = [], [], [], []
-    steps = 0
-    for _ in range(repeats):
-        started, cpu_started = time.perf_counter(), time.process_time()
-        steps = sync.run()
-        sync_times.append(time.perf_counter() - started)
-        sync_cpu.append(time.process_time() - cpu_started)
-        wall, cpu, actor_steps = anyio.run(_actors_run, stages, schedule, pp, micro, swap, None)
-        assert actor_steps == steps, (actor_steps, steps)
-        actor_times.append(wall)
-        actor_cpu.append(cpu)
-    anyio.run(_actors_run, stages, schedule, pp, micro, swap, lags)
-    return steps, sync_times, actor_times, sync_cpu, actor_cpu
+    micros = (micro * SIZES[0], micro * SIZES[1])
+    series = Series(micros)
+    syncs = {m: SyncExecutor(stages, schedule, pp, m, swap) for m in micros}
+    for m in micros:  # warm-up
+        syncs[m].run()
+        anyio.run(_actors_run, stages, schedule, pp, m, swap, None)
+    runs = [(contender, m) for m in micros for contender in ("sync", "actors")]
+    for key in runs:
+        series.samples[key] = []
+    for repeat in range(repeats):
+        shift = repeat % len(runs)
+        for contender, m in runs[shift:] + runs[:shift]:
+            if contender == "sync":
+                started, cpu_started = time.perf_counter(), time.process_time()
+                steps = syncs[m].run()
+                sample = (time.perf_counter() - started, time.process_time() - cpu_started)
+            else:
+                wall, cpu, steps = anyio.run(_actors_run, stages, schedule, pp, m, swap, None)
+                sample = (wall, cpu)
+            assert series.steps.setdefault(m, steps) == steps, (m, steps)
+            series.samples[(contender, m)].append(sample)
+    anyio.run(_actors_run, stages, schedule, pp, micros[1], swap, lags)
+    return series
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     with MINDSPORE.run_scope():  # the sync loop runs as run_schedule does
         rows, lag = _measure_all(args.repeats)
     _report(rows, lag, args.json)
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
 
 
 def _measure_all(repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -265,27 +322,30 @@ def _measure_all(repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     for schedule, pp, stage_num, micro, swap in CONFIGS:
         # Two sizes of the same schedule: the slope is the cost per MetaStep, free of the
         # fixed per-run costs (planning and validation, thread start and join).
-        small_runs = _measure(schedule, pp, stage_num, micro, swap, repeats, all_lags)
-        large_runs = _measure(schedule, pp, stage_num, 4 * micro, swap, repeats, all_lags)
-        small = _summary(small_runs, statistics.median)
-        large = _summary(large_runs, statistics.median)
-        wall, cpu = _overheads(small, large)
-        best_wall, best_cpu = _overheads(_summary(small_runs, min), _summary(large_runs, min))
+        series = _measure(schedule, pp, stage_num, micro, swap, repeats, all_lags)
+        small, large = series.micros
+        wall = series.overhead(0, statistics.median)
+        fixed = series.median("actors", small) - series.median("sync", small)
+        q1, q3 = _quartiles(series.overheads(0))
         rows.append(
             {
                 "schedule": schedule,
                 "pp": pp,
                 "stages": stage_num,
-                "micro": f"{micro} / {4 * micro}",
+                "micro": f"{small} / {large}",
                 "swap": swap,
-                "steps": f"{small[0]} / {large[0]}",
-                "sync_ms": f"{small[1] * 1e3:.0f} / {large[1] * 1e3:.0f}",
-                "actors_ms": f"{small[2] * 1e3:.0f} / {large[2] * 1e3:.0f}",
-                "fixed_ms": (small[2] - small[1] - wall * small[0]) * 1e3,
+                "steps": f"{series.steps[small]} / {series.steps[large]}",
+                "sync_ms": f"{series.median('sync', small) * 1e3:.0f} / "
+                f"{series.median('sync', large) * 1e3:.0f}",
+                "actors_ms": f"{series.median('actors', small) * 1e3:.0f} / "
+                f"{series.median('actors', large) * 1e3:.0f}",
+                "fixed_ms": (fixed - wall * series.steps[small]) * 1e3,
                 "overhead_us_per_step": wall * 1e6,
-                "cpu_overhead_us_per_step": cpu * 1e6,
-                "best_overhead_us_per_step": best_wall * 1e6,
-                "best_cpu_overhead_us_per_step": best_cpu * 1e6,
+                "overhead_quartiles_us": (q1 * 1e6, q3 * 1e6),
+                "cpu_overhead_us_per_step": series.overhead(1, statistics.median) * 1e6,
+                "best_overhead_us_per_step": series.overhead(0, min) * 1e6,
+                "best_cpu_overhead_us_per_step": series.overhead(1, min) * 1e6,
+                "repeats": repeats,
             }
         )
     lags_ms = sorted(v * 1e3 for v in all_lags)
@@ -298,42 +358,32 @@ def _measure_all(repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return rows, lag
 
 
-def _summary(runs: Runs, pick: Callable[[list[float]], float]) -> Summary:
-    """One figure per series of repeats: the median (the table's figures) or the best."""
-    steps, sync, actors, sync_cpu, actor_cpu = runs
-    return steps, pick(sync), pick(actors), pick(sync_cpu), pick(actor_cpu)
-
-
-def _overheads(small: Summary, large: Summary) -> tuple[float, float]:
-    """Seconds per MetaStep the actors add over the sync loop, wall and CPU (the slopes
-    between the two sizes)."""
-    extra_steps = large[0] - small[0]
-    wall = ((large[2] - small[2]) - (large[1] - small[1])) / extra_steps
-    cpu = ((large[4] - small[4]) - (large[3] - small[3])) / extra_steps
-    return wall, cpu
-
-
 def _report(rows: list[dict[str, Any]], lag: dict[str, Any], json_path: str | None) -> None:
     print(
         "| schedule | pp | stages | micro | swap | MetaSteps | sync loop ms | actors ms "
-        "| fixed per run ms | overhead us/MetaStep, wall | overhead us/MetaStep, CPU "
-        "| best runs: wall | best runs: CPU |"
+        "| fixed per run ms | overhead us/MetaStep, wall | wall, quartiles "
+        "| overhead us/MetaStep, CPU | best runs: wall | best runs: CPU |"
     )
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        q1, q3 = r["overhead_quartiles_us"]
         print(
             f"| {r['schedule']} | {r['pp']} | {r['stages']} | {r['micro']} | {r['swap']} "
             f"| {r['steps']} | {r['sync_ms']} | {r['actors_ms']} | {r['fixed_ms']:.1f} "
-            f"| {r['overhead_us_per_step']:.1f} | {r['cpu_overhead_us_per_step']:.1f} "
+            f"| {r['overhead_us_per_step']:.1f} | {q1:.0f} .. {q3:.0f} "
+            f"| {r['cpu_overhead_us_per_step']:.1f} "
             f"| {r['best_overhead_us_per_step']:.1f} | {r['best_cpu_overhead_us_per_step']:.1f} |"
         )
     print()
     print(
         "overhead per MetaStep = slope of run_schedule's time over MetaSteps minus the "
-        "sync loop's slope (micro and 4x micro; each time the median of the repeats), in "
-        "wall time and in CPU time of the whole process; fixed per run = the rest of the "
-        "wall time (planning, validation, threads); best runs: the same slopes from the "
-        "least time of each series (as timeit reports: other load only adds time)."
+        "sync loop's slope (micro and 4x micro; each time the median of "
+        f"{rows[0]['repeats']} repeats, the four series interleaved: each repeat runs all "
+        "four back to back, starting one further along), in wall time and in CPU time of "
+        "the whole process; wall, quartiles: of the slopes of single repeats (the "
+        "run-to-run noise); fixed per run = the rest of the wall time at micro (planning, "
+        "validation, threads); best runs: the same slopes from the least time of each "
+        "series (as timeit reports: other load only adds time)."
     )
     print(
         f"event-loop lag while training ({lag['samples']} heartbeats of 1 ms): "

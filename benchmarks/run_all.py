@@ -134,7 +134,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "Orchestration cost of the actor runtime",
         "Overhead per MetaStep of the actors against a synchronous loop over the same "
         "orders, and event-loop lag while training.",
-        args=("--repeats", "5"),
+        args=("--repeats", "9"),
         quick_args=("--repeats", "1"),
         limit_s=180.0,
     ),
