@@ -7,8 +7,10 @@ hop for, say, ``SWAP_WAIT_LOAD -> BWD`` or ``FWD -> SWAP_LAUNCH_OFFLOAD -> FWD``
 met on the way is posted and does not end the batch. Nor does a SEND_* of a payload a job
 of the batch makes: that job is announced (its result comes back to the loop as soon as
 it returns, ``_send_early``) and the send is posted then, while the thread runs the
-batch's later steps. A SEND_* of anything else, a BATCH_SEND_RECV, a composite and an
-FSDP step end the batch. A local step is ready when its inputs
+batch's later steps; where ranks share the thread the payload is handed over on it
+(``ThreadHandoff``) and the send is posted with the batch's outcome instead. A SEND_*
+of anything else, a BATCH_SEND_RECV, a composite and an FSDP step end the batch. A local
+step is ready when its inputs
 are: a FWD/BWD's received payload has arrived, a SWAP_WAIT's copy has completed. With
 ``arrival_waits`` (the rank is alone in its process, without FSDP or a fault plan), a
 FWD/BWD whose payload is still on its way is ready too: its job waits for the payload on
@@ -311,7 +313,10 @@ class ComputeActor:
         recorder.note(rank, self.actor_name, "begin", jobs[0].step, len(jobs))
         early = EarlySends(jobs, sends or {})
         announce = None
-        if sends:
+        if sends and not self._parks:
+            # Ranks that share the thread hand payloads over on it (ThreadHandoff), and
+            # none of their waits is on the loop (``_local_step``): their sends are posted
+            # with the batch's outcome, which saves the loop a wake-up per send.
             call = loop_caller()
             announce = partial(call, self._send_early, early)
         arrivals = [job.arrival for job in jobs if job.arrival is not None]
@@ -434,7 +439,10 @@ class ComputeActor:
             await handler(self, step)
 
     async def _local_step(self, step: MetaStep) -> None:
-        job = self._local.job_if_ready(step, set())
+        # A rank that parks waits for its input on the thread here too: its peers post
+        # their sends only with their batches' outcomes, so the loop may hear of the
+        # payload late, while the handoff has it on the thread already.
+        job = self._local.job_if_ready(step, set(), wait=self._parks, wait_copy=self._parks)
         while job is None:
             await self._until_ready(step)
             job = self._local.job_if_ready(step, set())

@@ -1,9 +1,10 @@
 """ThreadHandoff: ranks that share the compute thread hand payloads over on it.
 
 In-process ranks share one compute thread, and one rank's FWD output is the next rank's
-FWD input. Through the actors it travels thread -> event loop (the job's announcement) ->
+FWD input. Through the actors it travels thread -> event loop (the batch's outcome) ->
 P2P actor -> the receive's future -> its ``Arrival`` -> thread, so the receiving batch,
-parked on that arrival, waits a turn of the loop for a payload made on its own thread.
+parked on that arrival, would wait for the sending batch to end and a turn of the loop
+for a payload made on its own thread.
 
 The handoff is a shortcut beside that path, not instead of it. The job that makes the
 payload ``put``s it on the compute thread as soon as it is made, under the message it
@@ -11,7 +12,11 @@ travels as; the receiving rank's posted RECV ``expect``s it with its ``Arrival``
 whichever comes second lands the arrival, and the parked batch goes on. The message still
 takes the actors' path (the P2P actor delivers, counts and traces it; resolving the
 receive lands the arrival again, which is a no-op), so results, statistics, deadlines and
-hang dumps stay as they are. Both paths carry the same object, never a copy.
+hang dumps stay as they are. Both paths carry the same object, never a copy. Because the
+handoff carries the payload, the sender's batch does not announce it to the loop (one
+wake-up per send saved): the send is posted with the batch's outcome, and no receiving
+step of these ranks waits for it on the loop (``ComputeActor._local_step`` takes arrivals
+too).
 
 An entry lives until it is matched, or (an expectation) until its arrival lands another
 way, so nothing is held for a message already received. A payload put for a receive that

@@ -152,7 +152,9 @@ def test_a_batch_resumed_past_its_deadline_fails_at_the_waiting_job() -> None:
     assert outcome.results == []
 
 
-def _run(schedule: str, faults: FaultPlan | None) -> tuple[list[float], list[Any], list[int]]:
+def _run(
+    schedule: str, faults: FaultPlan | None, **options: Any
+) -> tuple[list[float], list[Any], list[int]]:
     modules = build_mlp_stages(4, dim=8, seed=3, wrap=swap_wrapper)
     stages = [PipelineStage(module, i, 4) for i, module in enumerate(modules)]
     rng = np.random.default_rng(0)
@@ -170,6 +172,8 @@ def _run(schedule: str, faults: FaultPlan | None) -> tuple[list[float], list[Any
             targets=y,
             loss_fn=mse_loss,
             faults=faults,
+            step_timeout=30.0,  # a wait nobody ends fails the test in seconds, not minutes
+            **options,
         )
 
     result = anyio.run(main)
@@ -192,3 +196,25 @@ def test_in_process_ranks_run_their_orders_as_parked_batches_bit_identically(
     # loop runs about one batch per leaf
     leaves_per_rank = 16 * (2 if schedule == "interleaved_1f1b" else 1)
     assert max(batches) <= 0.6 * leaves_per_rank
+
+
+@pytest.mark.parametrize(
+    ("schedule", "options"),
+    [
+        ("1f1b", {"overlap_b_f": True}),
+        ("1f1b", {"p2p": "batch"}),
+        ("interleaved_1f1b", {"split_dw": True, "overlap_b_f": True}),
+    ],
+)
+def test_composites_and_batched_p2p_of_parked_ranks_take_their_inputs_on_the_thread(
+    schedule: str, options: dict[str, Any]
+) -> None:
+    # Parked ranks post their sends only with their batches' outcomes, and a composite's
+    # leaf (overlap_b_f) takes its input on the thread too; these orders have the steps
+    # that end a batch (composites, BATCH_SEND_RECV) between the parked ones.
+    losses, grads, _ = _run(schedule, None, **options)
+    never = FaultPlan((fail_compute(StepKind.FWD, rank=99),))
+    step_losses, step_grads, _ = _run(schedule, never, **options)
+    assert losses == step_losses
+    for grad, step_grad in zip(grads, step_grads, strict=True):
+        np.testing.assert_array_equal(grad, step_grad)
