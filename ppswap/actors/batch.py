@@ -11,7 +11,8 @@ When the rank is the only one of its process, a FWD or BWD whose received input 
 there yet can still join a batch: its job carries the receive's ``Arrival``, and the
 thread waits for it (with the step deadline) before the body runs, instead of ending the
 batch and going back to the event loop (``core.arrival``). So can a SWAP_WAIT_* whose copy
-is still running (its job carries a ``CopyWait``). The wait is not in the step's timing;
+is still running, or is launched by an earlier job of the same batch (its job carries a
+``CopyWait``). The wait is not in the step's timing;
 the outcome reports it on its own (a swap wait's is the exposed copy wait). Ranks that
 share the thread run their batches with ``start_batch`` instead: there a job whose wait is
 not ready *parks* the batch (``core.executor.Resume``) and the thread serves the others
@@ -297,9 +298,15 @@ class StepBodies:
         if stage.backend.autograd.defers_weight_grads:
             self.session.release_chunk(stage.stage_index, micro)
 
-    def launch(self, step: MetaStep, prepare: Callable[[int, int], CopyJob]) -> CopyCompletion:
-        """SWAP_LAUNCH_*: prepare the chunk's copy and launch it on the copy stream."""
-        return self.copies.launch(step, prepare(step.stage, step.micro))
+    def launch(
+        self,
+        step: MetaStep,
+        prepare: Callable[[int, int], CopyJob],
+        completion: CopyCompletion | None = None,
+    ) -> CopyCompletion:
+        """SWAP_LAUNCH_*: prepare the chunk's copy and launch it on the copy stream
+        (``completion``: made beforehand, ``CopyStream.launch``)."""
+        return self.copies.launch(step, prepare(step.stage, step.micro), completion)
 
 
 class SwapDriver(StageCollector, Protocol):

@@ -329,8 +329,9 @@ class ComputeActor:
                 self._current,
                 batch.run,
                 urgent=urgent,
-                # each arrival is waited for with the step deadline on its own
-                timeout_s=self._waits.timeout_s * (1 + len(arrivals)),
+                # the deadline bounds each step of the batch, not the whole: a step with
+                # an arrival may wait the step deadline for it, then run
+                timeout_s=self._waits.timeout_s * (2 if arrivals else 1),
                 progress=partial(_batch_progress, rank, batch),
             )
         finally:
@@ -417,7 +418,11 @@ class ComputeActor:
             if result is not None:
                 self._mail.outbox[MessageKey("B", step.stage - 1, step.micro)] = result
         elif kind in _LAUNCHES:
-            self._mail.copies[(kind, step.stage, step.micro)] = result
+            key = (kind, step.stage, step.micro)
+            if key in self._mail.launched_in_batch:  # its SWAP_WAIT_* was in the batch
+                self._mail.launched_in_batch.discard(key)
+            else:
+                self._mail.copies[key] = result
         elif kind in _WAITS:
             waited = self._waited_s.pop(step, 0.0)
             if self._log_steps:
@@ -442,10 +447,10 @@ class ComputeActor:
         # A rank that parks waits for its input on the thread here too: its peers post
         # their sends only with their batches' outcomes, so the loop may hear of the
         # payload late, while the handoff has it on the thread already.
-        job = self._local.job_if_ready(step, set(), wait=self._parks, wait_copy=self._parks)
+        job = self._local.job_if_ready(step, {}, wait=self._parks, wait_copy=self._parks)
         while job is None:
             await self._until_ready(step)
-            job = self._local.job_if_ready(step, set())
+            job = self._local.job_if_ready(step, {})
         if self._fsdp is not None and step.kind in LEAVES:
             await self._fsdp.before_compute(step)
         await self._execute([job])

@@ -173,9 +173,17 @@ class CopyStream:
         return ([self.current] if self.current else []) + queued
 
     # -- any thread ---------------------------------------------------------------------
-    def launch(self, step: MetaStep, job: CopyJob) -> CopyCompletion:
-        """Queue ``job`` (prepared for ``step``) behind the stream's earlier copies."""
-        completion = CopyCompletion(f"copy {step.short()} {job.nbytes}B")
+    def launch(
+        self, step: MetaStep, job: CopyJob, completion: CopyCompletion | None = None
+    ) -> CopyCompletion:
+        """Queue ``job`` (prepared for ``step``) behind the stream's earlier copies; its
+        completion is ``completion`` where the caller made it beforehand (a SWAP_WAIT_*
+        of the same batch waits for it), else a new one."""
+        label = f"copy {step.short()} {job.nbytes}B"
+        if completion is None:
+            completion = CopyCompletion(label)
+        else:
+            completion.label = label
         with self._ready:
             if self.failure is not None:
                 raise self.failure

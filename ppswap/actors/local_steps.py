@@ -10,9 +10,10 @@ for the run of such jobs the compute actor hands the thread as one batch
 send of a payload one of its jobs makes; anything else that is not local, or is not ready,
 does. With ``arrival_waits`` (the rank is alone in its process), up to that many FWD/BWD
 whose received input is still on its way join the batch too, waiting for it on the
-compute thread (``core.arrival``), and so does every SWAP_WAIT_* whose copy (launched by
-an earlier batch) is still running (``CopyWait``: a copy holds no transport resource, so
-these waits have no budget). Ranks that share the thread get a budget of their whole
+compute thread (``core.arrival``), and so does every SWAP_WAIT_* whose copy is still
+running or is launched earlier in the same batch (``CopyWait``; the launch job then uses
+a completion made here: a copy holds no transport resource, so these waits have no
+budget). Ranks that share the thread get a budget of their whole
 order: their batches park rather than block. A send's payload maker also gets the
 ``RankMail.hand_off`` of the send, if any. Everything here runs on the event loop.
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from ppswap.actors.batch import StepBodies, StepJob, SwapDriver, after_arrival, payload_maker
-from ppswap.actors.copy_stream import CopyWait
+from ppswap.actors.copy_stream import CopyCompletion, CopyWait
 from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.core.messages import HostArray, MessageKey, Payload
 from ppswap.errors import PipelineError
@@ -96,16 +97,17 @@ class LocalSteps:
     def job_if_ready(
         self,
         step: MetaStep,
-        launched: set[CopyKey],
+        launched: dict[CopyKey, CopyCompletion | None],
         *,
         wait: bool = False,
         wait_copy: bool = False,
     ) -> StepJob | None:
         """The compute-thread job of a local step, or None while its inputs are not
-        there (``launched``: copies launched earlier in the batch being built; ``wait``:
-        a FWD/BWD whose receive has an ``Arrival`` gets a job that waits for it;
-        ``wait_copy``: a SWAP_WAIT_* whose launched copy is still running gets a job that
-        waits for it)."""
+        there (``launched``: copies launched earlier in the batch being built, with the
+        completion their launch will use; ``wait``: a FWD/BWD whose receive has an
+        ``Arrival`` gets a job that waits for it; ``wait_copy``: a SWAP_WAIT_* whose
+        launched copy is still running, or is launched earlier in the same batch, gets a
+        job that waits for it)."""
         kind = step.kind
         if kind is StepKind.FWD:
             return self._forward(step, wait)
@@ -116,13 +118,16 @@ class LocalSteps:
             body = partial(self.bodies.backward_weight, stage, step.micro)
             return StepJob(step, "backward_weight", body)
         if kind is StepKind.SWAP_LAUNCH_OFFLOAD or kind is StepKind.SWAP_LAUNCH_LOAD:
-            launched.add((kind, step.stage, step.micro))
+            # Made here, so that a SWAP_WAIT_* later in the same batch can wait for it.
+            completion = CopyCompletion(f"copy {step.short()}") if wait_copy else None
+            launched[(kind, step.stage, step.micro)] = completion
             prepare = (
                 self.session.prepare_offload
                 if kind is StepKind.SWAP_LAUNCH_OFFLOAD
                 else self.session.prepare_load
             )
-            return StepJob(step, "swap_prepare", partial(self.bodies.launch, step, prepare))
+            launch = partial(self.bodies.launch, step, prepare, completion)
+            return StepJob(step, "swap_prepare", launch)
         return self._swap_wait(step, launched, wait_copy)
 
     def next_batch(
@@ -142,7 +147,7 @@ class LocalSteps:
         may wait for their received input on the thread."""
         plan = BatchPlan()
         jobs = plan.jobs
-        launched: set[CopyKey] = set()
+        launched: dict[CopyKey, CopyCompletion | None] = {}
         waits_left = arrival_waits
         while index < len(order):
             step = order[index]
@@ -177,14 +182,19 @@ class LocalSteps:
             index += 1
         return plan, index
 
-    def _swap_wait(self, step: MetaStep, launched: set[CopyKey], wait_copy: bool) -> StepJob | None:
+    def _swap_wait(
+        self, step: MetaStep, launched: dict[CopyKey, CopyCompletion | None], wait_copy: bool
+    ) -> StepJob | None:
         launch_key = (LAUNCH_OF_WAIT[step.kind], step.stage, step.micro)
         copies = self.mail.copies
         completion = copies.get(launch_key)
+        in_batch = completion is None  # launched by a job of the batch being built
         if completion is None:
-            if launch_key in launched:
+            if launch_key not in launched:
+                raise self.failure(step, f"{step.short()} waits for a copy that was never launched")
+            completion = launched[launch_key]
+            if completion is None:  # no wait on the thread: after the launch's batch
                 return None
-            raise self.failure(step, f"{step.short()} waits for a copy that was never launched")
         copy_wait = None
         if not completion.is_set():
             if not wait_copy:
@@ -193,7 +203,10 @@ class LocalSteps:
             self.mail.copy_on_thread(completion)
         elif completion.error is not None:
             raise completion.error
-        del copies[launch_key]
+        if in_batch:
+            self.mail.launched_in_batch.add(launch_key)  # its launch's result stays out
+        else:
+            del copies[launch_key]
         finish = (
             self.session.finish_offload
             if step.kind is StepKind.SWAP_WAIT_OFFLOAD

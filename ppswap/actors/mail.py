@@ -8,7 +8,9 @@
 - sends posted (their futures are awaited at the end of the order);
 - copies launched on the copy stream, by ``(launch kind, stage, micro)``, until their
   SWAP_WAIT takes them (a batch's job may take one still running: its compute thread
-  waits for it, and it is listed for hang dumps until it is done).
+  waits for it, and it is listed for hang dumps until it is done; a SWAP_WAIT in the
+  batch of its launch takes the completion the launch will use, made beforehand, and the
+  copy never enters ``copies``).
 
 Posting never blocks: the P2P channel is sized to every request of the order
 (``send_nowait``). With a ``ThreadHandoff`` (ranks that share the compute thread), every
@@ -77,6 +79,8 @@ class RankMail:
         self.outbox: dict[MessageKey, Payload] = {}
         self.sends: list[ReplyFuture[None]] = []
         self.copies: dict[CopyKey, CopyCompletion] = {}
+        # launched by a batch that also waits for them: never in ``copies``
+        self.launched_in_batch: set[CopyKey] = set()
         self.copies_on_thread: list[CopyCompletion] = []  # pruned by copy_on_thread
 
     def post(self, step: MetaStep) -> None:

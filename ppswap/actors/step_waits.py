@@ -78,8 +78,8 @@ class StepWaits:
         """Run ``fn(*args)`` on the compute thread with the step deadline, or
         ``timeout_s`` (the job itself cannot be interrupted: on a missed deadline the run
         fails, naming ``at``, and teardown waits for the job). ``urgent``: on the thread's
-        urgent lane, ahead of the leaves queued there; ``progress``: where the job is
-        (``DedicatedThread.run``).
+        urgent lane, ahead of the leaves queued there; ``progress``: where the job is, the
+        deadline then bounds the time without progress (``DedicatedThread.run``).
 
         The message of a missed deadline says what the thread is running then: where
         ranks share the thread, the job that holds it may be another rank's (the one
@@ -93,7 +93,8 @@ class StepWaits:
         message = f"compute job {job_name(fn)} still running after {deadline_s}s"
         running = self._compute.current_job
         if progress is not None:
-            message = f"{message} ({progress()})"
+            message = f"compute job {job_name(fn)} made no progress for {deadline_s}s"
+            message += f" ({progress()})"
         message += f"; the compute thread is running {running or 'nothing'}"
         where = at if at is not None else "idle"
         raise self._errors.hang(where, message)

@@ -256,8 +256,13 @@ class DedicatedThread:
         progress: Callable[[], str] | None = None,
     ) -> T:
         """Run ``fn(*args)`` on the thread and return its result (see module docstring).
-        ``progress()`` says where the job is while it runs (``current_job``); it is
-        called from other threads, so it must only read."""
+
+        ``timeout_s`` bounds the wait (``JobDeadlineError``; the job runs on). With
+        ``progress``, it bounds the time without progress instead: ``progress()`` says
+        where the job is (also for ``current_job``), and each time it reads differently
+        from the last time the deadline passed, the wait goes on for another
+        ``timeout_s``. It is called from the loop while the job runs, so it must only
+        read."""
         return await self._submit(fn, args, urgent=False, timeout_s=timeout_s, progress=progress)
 
     async def run_urgent(
@@ -281,9 +286,18 @@ class DedicatedThread:
     ) -> T:
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError(f"thread {self.name!r} is not running")
-        job: _Job[T] = _Job(fn, args, asyncio.get_running_loop(), progress)
+        loop = asyncio.get_running_loop()
+        job: _Job[T] = _Job(fn, args, loop, progress)
         self._put(job, urgent=urgent)
-        await wait_woken(job.future, timeout_s)
+        last = None if progress is None else progress()
+        while True:
+            await wait_woken(job.future, timeout_s)
+            if job.finished or progress is None:
+                break
+            now = progress()
+            if now == last:  # nothing moved for timeout_s
+                break
+            last, job.future = now, loop.create_future()  # a new window
         if not job.finished:
             name = job_name(fn)
             raise JobDeadlineError(f"job {name} not finished within {timeout_s}s")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import anyio
 import pytest
 
-from ppswap.core.executor import DedicatedThread
+from ppswap.core.executor import DedicatedThread, JobDeadlineError
 
 
 async def _order_of_service() -> tuple[list[str], set[int]]:
@@ -88,3 +89,34 @@ def test_the_running_job_says_where_it_is_while_it_runs_and_nothing_after() -> N
     assert first is not None and first.startswith("test_the_running_job_says_where_it_is")
     assert "(at F0.1, for " in first and "(at B0.1, for " in (second or "")
     assert after is None
+
+
+def test_a_job_that_reports_progress_is_timed_out_only_when_the_progress_stops() -> None:
+    async def main() -> tuple[str, float]:
+        moving = ["step 0"]
+        release = threading.Event()
+
+        def advancing() -> str:
+            for n in range(1, 6):  # 0.5 s in all, a new step every 0.1 s
+                time.sleep(0.1)
+                moving[0] = f"step {n}"
+            return "done"
+
+        def stuck() -> None:
+            assert release.wait(10), "never released"
+
+        async with DedicatedThread("test-progress-deadline") as thread:
+            # 0.25 s without progress would be a missed deadline; it never comes.
+            result = await thread.run(advancing, timeout_s=0.25, progress=lambda: moving[0])
+            started = time.perf_counter()
+            try:
+                await thread.run(stuck, timeout_s=0.25, progress=lambda: "at F0.1")
+            except JobDeadlineError:
+                missed_after = time.perf_counter() - started
+            finally:
+                release.set()
+        return result, missed_after
+
+    result, missed_after = anyio.run(main)
+    assert result == "done"
+    assert 0.25 <= missed_after < 2.0  # one window without progress, not a renewal
