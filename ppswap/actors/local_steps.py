@@ -119,7 +119,8 @@ class LocalSteps:
             return StepJob(step, "backward_weight", body)
         if kind is StepKind.SWAP_LAUNCH_OFFLOAD or kind is StepKind.SWAP_LAUNCH_LOAD:
             # Made here, so that a SWAP_WAIT_* later in the same batch can wait for it.
-            completion = CopyCompletion(f"copy {step.short()}") if wait_copy else None
+            label = f"copy {step.short()} (not launched yet)"  # renamed at the launch
+            completion = CopyCompletion(label) if wait_copy else None
             launched[(kind, step.stage, step.micro)] = completion
             prepare = (
                 self.session.prepare_offload
