@@ -12,11 +12,11 @@ there yet can still join a batch: its job carries the receive's ``Arrival``, and
 thread waits for it (with the step deadline) before the body runs, instead of ending the
 batch and going back to the event loop (``core.arrival``). So can a SWAP_WAIT_* whose copy
 is still running, or is launched by an earlier job of the same batch (its job carries a
-``CopyWait``). The wait is not in the step's timing;
-the outcome reports it on its own (a swap wait's is the exposed copy wait). Ranks that
-share the thread run their batches with ``start_batch`` instead: there a job whose wait is
-not ready *parks* the batch (``core.executor.Resume``) and the thread serves the others
-until it is; the sender's job lands it on the thread (``hand_offs``, ``ThreadHandoff``).
+``CopyWait``). The wait is not in the step's timing; the outcome reports it on its own (a
+swap wait's is the exposed copy wait). Ranks that share the thread run their batches with
+``start_batch`` instead: there a job whose wait is not ready *parks* the batch
+(``core.executor.Resume``) and the thread serves the others until it is; the sender's job
+lands it on the thread (``hand_offs``, ``ThreadHandoff``).
 
 A job whose result is sent to another rank (a FWD or BWD followed by its SEND) is
 *announced*: its result goes to the event loop as soon as the body returns, so the send

@@ -90,14 +90,17 @@ class CopyWait:
     event loop. ``wait`` raises the copy's error; ``abandon`` wakes the thread while the
     copy runs on."""
 
-    __slots__ = ("_woken", "completion", "label")
+    __slots__ = ("_woken", "completion")
 
     def __init__(self, completion: CopyCompletion) -> None:
         self.completion = completion
-        self.label = completion.label
         # None once the copy's completion is set, else why the wait was abandoned
         self._woken: OneShot[str | None] = OneShot()
         completion.on_set(partial(self._woken.set_value, None))
+
+    @property
+    def label(self) -> str:
+        return self.completion.label  # named by its launch (``CopyStream.launch``)
 
     @property
     def ready(self) -> bool:

@@ -13,8 +13,8 @@ whose received input is still on its way join the batch too, waiting for it on t
 compute thread (``core.arrival``), and so does every SWAP_WAIT_* whose copy is still
 running or is launched earlier in the same batch (``CopyWait``; the launch job then uses
 a completion made here: a copy holds no transport resource, so these waits have no
-budget). Ranks that share the thread get a budget of their whole
-order: their batches park rather than block. A send's payload maker also gets the
+budget). Ranks that share the thread get a budget of their whole order: their batches
+park rather than block. A send's payload maker also gets the
 ``RankMail.hand_off`` of the send, if any. Everything here runs on the event loop.
 """
 

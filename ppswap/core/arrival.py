@@ -46,8 +46,8 @@ class ThreadWait(Protocol):
     ``wait`` would no longer block (at once if it would not now; else on the thread that
     lands or abandons it)."""
 
-    label: str
-
+    @property
+    def label(self) -> str: ...
     @property
     def ready(self) -> bool: ...
     def wait(self, timeout_s: float) -> Any: ...
