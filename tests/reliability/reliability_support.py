@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,6 @@ from typing import Any
 import anyio
 import numpy as np
 import psutil
-from leaks import runtime_threads
 
 from ppswap import PipelineError, PipelineHangError, PipelineStage, RunResult, run_schedule
 from ppswap.demo.model import build_mlp_stages, mse_loss
@@ -134,7 +134,7 @@ def assert_same_grads(expected: list[np.ndarray], actual: list[np.ndarray]) -> N
 
 
 def ppswap_threads() -> list[str]:
-    return runtime_threads()
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("ppswap-"))
 
 
 def swap_object_counts() -> tuple[int, int]:
