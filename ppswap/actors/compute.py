@@ -1,29 +1,21 @@
 """The compute actor: walks one rank's finalized order.
 
 Batches (the hot path). The actor scans its order from the current step and hands each
-run of consecutive *local* steps that are ready (FWD, BWD, BWD_INPUT, BWD_WEIGHT and the
-four swap steps) to the compute thread as one job (``ppswap.actors.batch``): one thread
-hop for, say, ``SWAP_WAIT_LOAD -> BWD`` or ``FWD -> SWAP_LAUNCH_OFFLOAD -> FWD``. A RECV_*
-met on the way is posted and does not end the batch. Nor does a SEND_* of a payload a job
-of the batch makes: that job is announced (its result comes back to the loop as soon as
-it returns, ``_send_early``) and the send is posted then, while the thread runs the
-batch's later steps; where ranks share the thread the payload is handed over on it
-(``ThreadHandoff``) and the send is posted with the batch's outcome instead. A SEND_*
-of anything else, a BATCH_SEND_RECV, a composite and an FSDP step end the batch. A local
-step is ready when its inputs
-are: a FWD/BWD's received payload has arrived, a SWAP_WAIT's copy has completed. With
-``arrival_waits`` (the rank is alone in its process, without FSDP or a fault plan), a
-FWD/BWD whose payload is still on its way is ready too: its job waits for the payload on
-the compute thread (``core.arrival``), so a batch runs on through the receives instead of
-coming back to the loop for each; so is a SWAP_WAIT_* whose copy is still running (the
-thread waits for it: that wait is the exposed copy wait). Ranks that share the thread
-(``parks``: in-process, with a ``ThreadHandoff``) have no budget for such waits: their
-batches park on the thread (``start_batch``) rather than block it. When the
-first local step is not ready the actor waits for it (with the step deadline); the time
-blocked at a SWAP_WAIT_* is the *exposed* copy wait. A batch that starts with a swap step
-goes on the thread's urgent lane (``DedicatedThread.run_urgent``): in-process ranks share
-the compute thread, and a copy must not start late because other ranks' leaves are
-queued, as it would not on a device of its own.
+run of consecutive ready *local* steps (FWD, BWD, BWD_INPUT, BWD_WEIGHT and the four swap
+steps) to the compute thread as one job: one thread hop for, say,
+``SWAP_WAIT_LOAD -> BWD``. ``ppswap.actors.local_steps`` says which steps join a batch
+(receives met on the way are posted, sends of the batch's own payloads ride along, inputs
+still on their way are waited for on the thread) and ``ppswap.actors.batch`` how the
+thread runs it (blocking on those inputs when the rank is alone in its process, parking
+when ranks share the thread). The actor applies each job's result on the loop: as soon as
+it returns for a job whose payload is sent (announced, ``_send_early``, so the send
+leaves while the batch runs on), else with the batch's outcome; where ranks share the
+thread the payload is handed over on it (``ThreadHandoff``) and nothing is announced.
+When the first local step is not ready the actor waits for it (with the step deadline);
+the time blocked at a SWAP_WAIT_* is the *exposed* copy wait. A batch that starts with a
+swap step goes on the thread's urgent lane (``DedicatedThread.run_urgent``): in-process
+ranks share the compute thread, and a copy must not start late because other ranks'
+leaves are queued, as it would not on a device of its own.
 
 - SWAP_LAUNCH_* prepares the copy on the compute thread and launches it on the rank's copy
   stream (``CopyStream.launch``) right there; SWAP_WAIT_* awaits its completion event,
@@ -149,7 +141,6 @@ class ComputeActor:
         faults: FaultPlan | None = None,
         host_payloads: bool = True,
         arrival_waits: int = 0,
-        parks: bool = False,
         handoff: ThreadHandoff | None = None,
     ) -> None:
         self.rank = rank
@@ -177,7 +168,8 @@ class ComputeActor:
         self._faults = faults
         self._errors = StepFailures(rank, self.actor_name, recorder)
         self._arrival_waits = arrival_waits
-        self._parks = parks
+        # Ranks that share the thread (and so hand payloads over on it) park their batches.
+        self._parks = handoff is not None
         self._mail = RankMail(
             p2p, self._errors.failure, arrivals=arrival_waits > 0, rank=rank, handoff=handoff
         )

@@ -117,7 +117,6 @@ class RankRuntime:
             faults=plan.faults,
             host_payloads=not is_immediate(transport),
             arrival_waits=arrival_waits,
-            parks=arrival_waits > 0 and shares_thread,
             handoff=handoff if arrival_waits > 0 else None,
         )
         self.copy_actor = CopyStreamActor(self.copy_stream, timeout_s=plan.step_timeout)
