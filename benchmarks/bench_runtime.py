@@ -235,20 +235,21 @@ class Series:
         """Per repeat, the seconds per MetaStep the actors add over the sync loop (wall:
         ``index`` 0, CPU: 1): the slope between the two sizes, from the four runs of
         that repeat, which ran back to back (their spread is the run-to-run noise)."""
-        small, large = self.micros
-        extra = self.steps[large] - self.steps[small]
-        series = [self.samples[(c, m)] for c in ("actors", "sync") for m in (large, small)]
+        repeats = len(self.samples[("sync", self.micros[0])])
         return [
-            ((al[index] - as_[index]) - (sl[index] - ss[index])) / extra
-            for al, as_, sl, ss in zip(*series, strict=True)
+            self._slope({k: runs[r][index] for k, runs in self.samples.items()})
+            for r in range(repeats)
         ]
 
     def overhead(self, index: int, pick: Callable[[list[float]], float]) -> float:
         """The slope from one figure of each of the four series: ``statistics.median``
         (the table's figure), or ``min`` (the best runs, as timeit reports: other load
         only adds time)."""
+        return self._slope({k: pick([v[index] for v in runs]) for k, runs in self.samples.items()})
+
+    def _slope(self, figure: dict[tuple[str, int], float]) -> float:
+        """Seconds per MetaStep: the actors' growth between the sizes minus the sync loop's."""
         small, large = self.micros
-        figure = {k: pick([v[index] for v in runs]) for k, runs in self.samples.items()}
         extra = self.steps[large] - self.steps[small]
         actors = figure[("actors", large)] - figure[("actors", small)]
         return (actors - (figure[("sync", large)] - figure[("sync", small)])) / extra
