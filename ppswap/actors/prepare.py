@@ -106,6 +106,13 @@ class RunPlan:
     def count_saved_bytes(self) -> bool:
         return self.options.count_saved_bytes
 
+    @property
+    def runs_batches(self) -> bool:
+        """Whether a rank's consecutive local steps run as one batch on the compute thread
+        (``actors/batch.py``): not with FSDP, whose collectives are steps of their own,
+        and not under a fault plan, which injects its faults one step at a time."""
+        return self.mesh is None and self.faults is None
+
     def stages_of(self, rank: int) -> tuple[PipelineStage, ...]:
         if self.mesh is not None:
             coords = self.mesh.coords(rank)

@@ -86,14 +86,13 @@ class RankRuntime:
                 timeout_s=plan.step_timeout,
                 reduce_grads=not config.forward_only,
             )
-        # Without FSDP collectives and a fault plan, a batch's compute thread waits for
-        # the receives (and copies) its jobs need: blocking, when the rank is alone in
-        # its process (nobody else needs the thread); parked, when the ranks of this
-        # process share it and hand payloads over on it (nothing is held while parked,
-        # so there is no budget).
+        # Where a rank runs batches, a batch's compute thread waits for the receives (and
+        # copies) its jobs need: blocking, when the rank is alone in its process (nobody
+        # else needs the thread); parked, when the ranks of this process share it and
+        # hand payloads over on it (nothing is held while parked, so there is no budget).
         shares_thread = len(plan.local_ranks) > 1
         arrival_waits = 0
-        if self.fsdp is None and plan.faults is None:
+        if plan.runs_batches:
             if not shares_thread:
                 arrival_waits = ARRIVAL_WAITS_PER_BATCH
             elif handoff is not None:

@@ -176,11 +176,9 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     async with compute:
         batches = await compute.run(_begin_stages, plan, generation)
         # Ranks that share this process's compute thread and one event loop hand their
-        # payloads over on the thread as well (``ThreadHandoff``), unless a fault plan or
-        # FSDP has the actors take their steps one at a time.
+        # payloads over on the thread as well (``ThreadHandoff``) when they run batches.
         shared = is_immediate(transport) and len(plan.local_ranks) > 1
-        plain = plan.mesh is None and plan.faults is None
-        handoff = ThreadHandoff() if shared and plain else None
+        handoff = ThreadHandoff() if shared and plan.runs_batches else None
         wiring = _Wiring(compute, transport, engine, recorder, batches, log_steps, handoff)
         ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
         try:
