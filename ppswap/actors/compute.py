@@ -23,9 +23,10 @@ leaves are queued, as it would not on a device of its own.
 - RECV_* / SEND_* are posted to the P2P actor (``send_nowait``: the channel holds every
   P2P request of the order, so posting never blocks); a receive's payload resolves a
   reply future the consuming leaf reads; a send's future is awaited at the end.
-- A composite (OVERLAP_B_F / OVERLAP_F_B) runs its two leaves as tasks of a nested task
-  group and returns when both are done: a leaf waiting for its receive does not hold up
-  the other.
+- A composite (OVERLAP_B_F / OVERLAP_F_B) joins a batch as its two leaves when at most one
+  of them still waits for its input (``LocalSteps.next_batch``). Otherwise it runs its two
+  leaves as tasks of a nested task group and returns when both are done: a leaf waiting
+  for its receive does not hold up the other.
 - FSDP_* steps are handed to the optional FSDP driver, which also gets a call before every
   compute leaf (``before_compute``: an all-gather issued by FSDP_UNSHARD is awaited and
   installed there, so it overlaps the compute in between) and one after the last step
@@ -84,7 +85,7 @@ from ppswap.errors import (
 )
 from ppswap.logs import log_step
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.steps import MetaStep, Order, StepKind
+from ppswap.scheduler.steps import COMPOSITE_KINDS, MetaStep, Order, StepKind
 from ppswap.stage import PipelineStage
 
 __all__ = ["JOB_KINDS", "ComputeActor", "ComputeStats", "FsdpDriver", "RankInputs", "SwapDriver"]
@@ -176,6 +177,9 @@ class ComputeActor:
         self._local = LocalSteps(stages, data, self._mail, bodies, session, self._errors.failure)
         self._waits = StepWaits(compute, self._errors, timeout_s)
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
+        # Leaves of composites that run as jobs of a batch: their times, for the
+        # composite's trace span (None until the leaf ran).
+        self._leaf_times: dict[MetaStep, tuple[float, float] | None] = {}
         self.losses: dict[int, float] = {}
         self._steps_executed = 0
         self._batches = 0
@@ -228,7 +232,7 @@ class ComputeActor:
             if fast and step.kind in _POSTS:
                 self._post_now(step)
                 index += 1
-            elif fast and step.kind in LOCAL_KINDS:
+            elif fast and (step.kind in LOCAL_KINDS or step.kind in COMPOSITE_KINDS):
                 index = await self._run_local(index)
             else:
                 await self._run_step(step)
@@ -265,10 +269,22 @@ class ComputeActor:
             if index < len(order) and order[index].kind in LOCAL_KINDS:
                 self._current = order[index]
                 await self._until_ready(order[index])
+            elif index < len(order) and order[index].kind in COMPOSITE_KINDS:
+                self._current = order[index]
+                await self._run_step(order[index])  # its leaves as two tasks
+                self._steps_executed += 1
+                index += 1
             return index
         if fsdp is not None and plan.jobs[0].step.kind in LEAVES:
             await fsdp.before_compute(plan.jobs[0].step)
+        keeps_spans = self._recorder.keeps_spans
+        if keeps_spans:
+            self._leaf_times.update((leaf, None) for c in plan.composites for leaf in c.sub_steps)
         await self._execute(plan.jobs, plan.posted, plan.sends)
+        for composite in plan.composites:  # its leaves were jobs of the batch
+            self._done(composite)
+            if keeps_spans:
+                self._trace_composite(composite)
         return index
 
     def _post_receive(self, step: MetaStep, first: bool) -> None:
@@ -371,6 +387,24 @@ class ComputeActor:
         steps = [job.step for job in jobs[: len(outcome.seconds)]]
         self._recorder.add_batch_spans(
             self.rank, self.actor_name, steps, outcome.started, outcome.seconds, posted
+        )
+        leaf_times = self._leaf_times
+        if leaf_times:
+            for step, started, seconds in zip(steps, outcome.started, outcome.seconds, strict=True):
+                if step in leaf_times:
+                    leaf_times[step] = (started, seconds)
+
+    def _trace_composite(self, composite: MetaStep) -> None:
+        """The span of a composite whose leaves ran as jobs of a batch: from the first
+        leaf's start to the last one's end (2 ns wider: the trace rounds to 1 ns)."""
+        times = [self._leaf_times.pop(leaf, None) for leaf in composite.sub_steps]
+        ran = [t for t in times if t is not None]
+        if len(ran) < len(times):
+            return
+        start = min(started for started, _ in ran) - 2e-9
+        end = max(started + seconds for started, seconds in ran) + 2e-9
+        self._recorder.add_timed_span(
+            self.rank, self.actor_name, composite.short(), start, end - start
         )
 
     def _send_early(self, early: EarlySends, index: int, result: Any) -> None:

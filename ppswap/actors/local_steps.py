@@ -14,8 +14,12 @@ compute thread (``core.arrival``), and so does every SWAP_WAIT_* whose copy is s
 running or is launched earlier in the same batch (``CopyWait``; the launch job then uses
 a completion made here: a copy holds no transport resource, so these waits have no
 budget). Ranks that share the thread get a budget of their whole order: their batches
-park rather than block. A send's payload maker also gets the
-``RankMail.hand_off`` of the send, if any. Everything here runs on the event loop.
+park rather than block. A composite (OVERLAP_B_F) joins as its two leaves, which may run in
+either order: when both are ready, or when one is and the other may wait for its input
+(the ready one first). When both still wait, the batch ends before it, and the actor runs
+its leaves as two tasks, so whichever input comes first is used first. A send's payload
+maker also gets the ``RankMail.hand_off`` of the send, if any. Everything here runs on the
+event loop.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ppswap.actors.copy_stream import CopyCompletion, CopyWait
 from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.core.messages import HostArray, MessageKey, Payload
 from ppswap.errors import PipelineError
-from ppswap.scheduler.steps import MetaStep, StepKind
+from ppswap.scheduler.steps import COMPOSITE_KINDS, MetaStep, StepKind
 from ppswap.stage import PipelineStage
 
 __all__ = [
@@ -73,13 +77,15 @@ class RankInputs:
 @dataclass(slots=True)
 class BatchPlan:
     """The next batch of a rank's order (``LocalSteps.next_batch``): its ``jobs``; the
-    receives and sends ``posted`` after the n-th job, as ``(n, step)``; and by the index
-    of the job that makes the payload, the ``sends`` of it (posted as soon as it is made).
-    No jobs: the step at the returned index is not ready (or not local)."""
+    receives and sends ``posted`` after the n-th job, as ``(n, step)``; by the index of
+    the job that makes the payload, the ``sends`` of it (posted as soon as it is made); the
+    ``composites`` whose leaves are among the jobs. No jobs: the step at the returned
+    index is not ready (or not local)."""
 
     jobs: list[StepJob] = field(default_factory=list)
     posted: list[tuple[int, MetaStep]] = field(default_factory=list)
     sends: dict[int, list[MetaStep]] = field(default_factory=dict)
+    composites: list[MetaStep] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +176,15 @@ class LocalSteps:
                 plan.posted.append((producer + 1, step))
                 index += 1
                 continue
+            if step.kind in COMPOSITE_KINDS and not one_leaf:
+                leaves = self._composite_jobs(step, launched, waits_left > 0)
+                if leaves is None:
+                    break
+                waits_left -= sum(job.arrival is not None for job in leaves)
+                jobs.extend(leaves)
+                plan.composites.append(step)
+                index += 1
+                continue
             if step.kind not in LOCAL_KINDS or (jobs and one_leaf and step.kind in LEAVES):
                 break
             job = self.job_if_ready(
@@ -182,6 +197,49 @@ class LocalSteps:
             jobs.append(job)
             index += 1
         return plan, index
+
+    def _composite_jobs(
+        self, step: MetaStep, launched: dict[CopyKey, CopyCompletion | None], wait: bool
+    ) -> list[StepJob] | None:
+        """The jobs of a composite's two leaves, or None (the composite then runs as two
+        concurrent tasks, ``ComputeActor._composite``). Its leaves may run in either
+        order, so a batch takes them when both are ready (in the composite's order) or
+        when one is and the other may wait for its input on the thread (the ready one
+        first, as two tasks would run them). Readiness is read without taking any
+        payload, so a composite left out of the batch finds its inputs where they were."""
+        ready = [leaf for leaf in step.sub_steps if self._input_arrived(leaf)]
+        if len(ready) == len(step.sub_steps):
+            return [self._ready_job(leaf, launched) for leaf in step.sub_steps]
+        if not wait or len(ready) != len(step.sub_steps) - 1:
+            return None
+        (waiting,) = [leaf for leaf in step.sub_steps if leaf not in ready]
+        if not self._may_wait(waiting):
+            return None
+        late = self.job_if_ready(waiting, launched, wait=True)
+        assert late is not None and late.arrival is not None
+        return [self._ready_job(leaf, launched) for leaf in ready] + [late]
+
+    def _ready_job(self, step: MetaStep, launched: dict[CopyKey, CopyCompletion | None]) -> StepJob:
+        job = self.job_if_ready(step, launched)
+        assert job is not None, f"{step.short()} was ready"
+        return job
+
+    def _received_input(self, step: MetaStep) -> MessageKey | None:
+        """The message a FWD / BWD consumes, None where it reads its rank's own data."""
+        stage = self.stages[step.stage]
+        if step.kind is StepKind.FWD:
+            return None if stage.is_first else MessageKey("F", step.stage, step.micro)
+        if step.kind is StepKind.BWD or step.kind is StepKind.BWD_INPUT:
+            return None if stage.is_last else MessageKey("B", step.stage, step.micro)
+        return None
+
+    def _input_arrived(self, step: MetaStep) -> bool:
+        key = self._received_input(step)
+        return key is None or self.mail.received(key, step).done
+
+    def _may_wait(self, step: MetaStep) -> bool:
+        key = self._received_input(step)
+        return key is not None and self.mail.received(key, step).arrival is not None
 
     def _swap_wait(
         self, step: MetaStep, launched: dict[CopyKey, CopyCompletion | None], wait_copy: bool

@@ -211,10 +211,18 @@ def test_composites_and_batched_p2p_of_parked_ranks_take_their_inputs_on_the_thr
 ) -> None:
     # Parked ranks post their sends only with their batches' outcomes, and a composite's
     # leaf (overlap_b_f) takes its input on the thread too; these orders have the steps
-    # that end a batch (composites, BATCH_SEND_RECV) between the parked ones.
-    losses, grads, _ = _run(schedule, None, **options)
+    # that may end a batch (a composite whose two inputs both still wait, BATCH_SEND_RECV)
+    # between the parked ones.
+    losses, grads, batches = _run(schedule, None, **options)
     never = FaultPlan((fail_compute(StepKind.FWD, rank=99),))
-    step_losses, step_grads, _ = _run(schedule, never, **options)
+    step_losses, step_grads, step_batches = _run(schedule, never, **options)
     assert losses == step_losses
     for grad, step_grad in zip(grads, step_grads, strict=True):
         np.testing.assert_array_equal(grad, step_grad)
+    assert sum(batches) < sum(step_batches)
+    if schedule == "1f1b" and options == {"overlap_b_f": True}:
+        # A composite joins the batch as its two leaves when at most one still waits for
+        # its input. The first rank's forward and the last rank's backward read the
+        # rank's own data, so all of their composites join (before: a batch each); the
+        # middle ranks' end a batch where both inputs still wait.
+        assert (batches[0], batches[-1]) == (1, 1)

@@ -19,8 +19,7 @@ from structlog.testing import capture_logs
 
 from ppswap import PipelineStage, Schedule1F1B, ScheduleGPipe, run_schedule
 from ppswap.actors.compute import JOB_KINDS
-from ppswap.actors.p2p import InProcessTransport
-from ppswap.core.messages import MessageKey
+from ppswap.core.faults import FaultPlan, delay_message
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
@@ -216,30 +215,17 @@ def _other_tasks() -> set[asyncio.Task[Any]]:
     return {t for t in asyncio.all_tasks() if t is not current and not t.done()}
 
 
-class _DelayedTransport(InProcessTransport):
-    """Delivers one chosen message late: the event loop hands it over after a delay."""
-
-    def __init__(self, slow: MessageKey, delay_s: float) -> None:
-        super().__init__()
-        self._slow = slow
-        self._delay_s = delay_s
-
-    def deliver(self, src: int, dst: int, key: MessageKey, payload: np.ndarray) -> None:
-        if key != self._slow:
-            super().deliver(src, dst, key, payload)
-            return
-        handover = super().deliver
-        asyncio.get_running_loop().call_later(self._delay_s, handover, src, dst, key, payload)
-
-
 @pytest.mark.asyncio
 async def test_composite_leaves_run_as_joined_tasks(tmp_path: Path) -> None:
     """In OVERLAP_B_F(B_i, F_j) on rank 0 of 1F1B pp2, B_i waits for a gradient that
-    arrives late; F_j must not wait for it, and the composite ends after both."""
+    arrives late; F_j must not wait for it, and the composite ends after both. (A fault
+    plan runs the steps one at a time, so the composite runs its leaves as two tasks; in a
+    batch the ready leaf runs first, test_parked_batches.)"""
     stages = _stages(2)
     x, y = _data()
     delay = 0.5
-    slow = MessageKey("B", 0, 0)  # the gradient for B0 on stage 0 (rank 0)
+    # the gradient for B0 on stage 0 (rank 0), sent by rank 1
+    late = FaultPlan((delay_message(delay, StepKind.SEND_B, rank=1, micro=0),))
     result = await run_schedule(
         stages,
         "1f1b",
@@ -248,7 +234,7 @@ async def test_composite_leaves_run_as_joined_tasks(tmp_path: Path) -> None:
         targets=y,
         loss_fn=mse_loss,
         overlap_b_f=True,
-        transport=_DelayedTransport(slow, delay),
+        faults=late,
         trace=tmp_path / "t.json",
     )
     assert result.losses
