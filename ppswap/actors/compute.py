@@ -67,6 +67,7 @@ from ppswap.actors.batch import (
     StepJob,
     SwapDriver,
 )
+from ppswap.actors.batch_trace import BatchTrace
 from ppswap.actors.copy_stream import CopyStream
 from ppswap.actors.failures import StepFailures
 from ppswap.actors.handoff import ThreadHandoff
@@ -177,9 +178,7 @@ class ComputeActor:
         self._local = LocalSteps(stages, data, self._mail, bodies, session, self._errors.failure)
         self._waits = StepWaits(compute, self._errors, timeout_s)
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
-        # Leaves of composites that run as jobs of a batch: their times, for the
-        # composite's trace span (None until the leaf ran).
-        self._leaf_times: dict[MetaStep, tuple[float, float] | None] = {}
+        self._trace = BatchTrace(recorder, rank, self.actor_name)
         self.losses: dict[int, float] = {}
         self._steps_executed = 0
         self._batches = 0
@@ -277,14 +276,11 @@ class ComputeActor:
             return index
         if fsdp is not None and plan.jobs[0].step.kind in LEAVES:
             await fsdp.before_compute(plan.jobs[0].step)
-        keeps_spans = self._recorder.keeps_spans
-        if keeps_spans:
-            self._leaf_times.update((leaf, None) for c in plan.composites for leaf in c.sub_steps)
+        self._trace.expect_composites(plan.composites)
         await self._execute(plan.jobs, plan.posted, plan.sends)
         for composite in plan.composites:  # its leaves were jobs of the batch
             self._done(composite)
-            if keeps_spans:
-                self._trace_composite(composite)
+        self._trace.composites_done(plan.composites)
         return index
 
     def _post_receive(self, step: MetaStep, first: bool) -> None:
@@ -362,7 +358,8 @@ class ComputeActor:
                 self._done(job.step)
                 self._post_sends(early.sends.get(index, ()))
         if recorder.keeps_spans:
-            self._trace_batch(jobs, outcome, [(n, s) for n, s in posted if n <= ran])
+            steps = [job.step for job in jobs[: len(outcome.seconds)]]
+            self._trace.batch(steps, outcome, [(n, s) for n, s in posted if n <= ran])
         if early.error is not None:
             raise early.error
         if outcome.error is None and ran < len(jobs):  # the batch yielded the thread
@@ -378,34 +375,6 @@ class ComputeActor:
                 raise self._errors.hang(failed, str(outcome.error)) from outcome.error
             raise self._errors.named(failed, outcome.error)
         recorder.note(rank, self.actor_name, "end", jobs[-1].step)
-
-    def _trace_batch(
-        self, jobs: list[StepJob], outcome: BatchOutcome, posted: Sequence[tuple[int, MetaStep]]
-    ) -> None:
-        """Spans of a batch's steps as the compute thread timed them; a receive posted
-        ahead of the batch is drawn in the gap after the job it follows in the order."""
-        steps = [job.step for job in jobs[: len(outcome.seconds)]]
-        self._recorder.add_batch_spans(
-            self.rank, self.actor_name, steps, outcome.started, outcome.seconds, posted
-        )
-        leaf_times = self._leaf_times
-        if leaf_times:
-            for step, started, seconds in zip(steps, outcome.started, outcome.seconds, strict=True):
-                if step in leaf_times:
-                    leaf_times[step] = (started, seconds)
-
-    def _trace_composite(self, composite: MetaStep) -> None:
-        """The span of a composite whose leaves ran as jobs of a batch: from the first
-        leaf's start to the last one's end (2 ns wider: the trace rounds to 1 ns)."""
-        times = [self._leaf_times.pop(leaf, None) for leaf in composite.sub_steps]
-        ran = [t for t in times if t is not None]
-        if len(ran) < len(times):
-            return
-        start = min(started for started, _ in ran) - 2e-9
-        end = max(started + seconds for started, seconds in ran) + 2e-9
-        self._recorder.add_timed_span(
-            self.rank, self.actor_name, composite.short(), start, end - start
-        )
 
     def _send_early(self, early: EarlySends, index: int, result: Any) -> None:
         """Event loop, while the batch still runs: apply the announced job's result and
