@@ -13,7 +13,8 @@ sizes of each schedule, in wall time and in CPU time (``time.process_time``: eve
 of the process). Each repeat runs the four series (sync and actors, each size) back to
 back and the slope is taken from each series' median, so a slow spell of the machine
 moves one run of each series, not a whole series. The stages are trivial (one 4x4 Dense)
-so MindSpore's own cost is small, and both sides pay it. On this shared 2-core machine
+so MindSpore's own cost is small, and both sides pay it. With ``overlap_b_f`` the sync
+loop runs each leaf of a composite once its input is there. On this shared 2-core machine
 the wall time of the same sync loop varies by up to 40% from run to run, so the CPU-time
 column is the steadier figure; the wall-time one includes what the runtime's threads wait
 for each other.
@@ -50,10 +51,12 @@ from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, swap_w
 
 HostArray = npt.NDArray[Any]
 
-CONFIGS: list[tuple[ScheduleName, int, int, int, bool]] = [
-    ("gpipe", 4, 4, 8, False),
-    ("1f1b", 4, 4, 8, True),
-    ("interleaved_1f1b", 2, 4, 8, True),
+CONFIGS: list[tuple[ScheduleName, int, int, int, bool, bool]] = [
+    # schedule, pp, stages, micro, swap, overlap_b_f
+    ("gpipe", 4, 4, 8, False, False),
+    ("1f1b", 4, 4, 8, True, False),
+    ("interleaved_1f1b", 2, 4, 8, True, False),
+    ("1f1b", 4, 4, 8, True, True),
 ]
 
 
@@ -77,10 +80,18 @@ class SyncExecutor:
     """Runs the finalized orders of every rank on this thread, no actors, no channels."""
 
     def __init__(
-        self, stages: list[PipelineStage], schedule: ScheduleName, pp: int, micro: int, swap: bool
+        self,
+        stages: list[PipelineStage],
+        schedule: ScheduleName,
+        pp: int,
+        micro: int,
+        swap: bool,
+        overlap_b_f: bool = False,
     ) -> None:
         x, y = _data(micro * 2)
-        options = RunOptions(schedule=schedule, micro_batch_num=micro, swap=swap, pp=pp)
+        options = RunOptions(
+            schedule=schedule, micro_batch_num=micro, swap=swap, pp=pp, overlap_b_f=overlap_b_f
+        )
         self.plan = prepare_run(stages, options, inputs=x, targets=y, loss_fn=mse_loss, trace=None)
         self.stages = {s.stage_index: s for s in stages}
 
@@ -104,6 +115,7 @@ class SyncExecutor:
         mailbox: dict[tuple[str, int, int], HostArray] = {}
         outbox: dict[tuple[str, int, int], HostArray] = {}
         cursor = [0] * config.pp
+        leaves_done: list[set[MetaStep]] = [set() for _ in range(config.pp)]
         executed = 0
         while any(cursor[r] < len(plan.orders[r]) for r in range(config.pp)):
             progressed = False
@@ -111,9 +123,21 @@ class SyncExecutor:
                 order = plan.orders[rank]
                 while cursor[rank] < len(order):
                     step = order[cursor[rank]]
-                    if not self._ready(step, mailbox):
+                    if step.sub_steps:  # a composite: each leaf once its input is there
+                        done = leaves_done[rank]
+                        for leaf in step.sub_steps:
+                            if leaf not in done and self._ready(leaf, mailbox):
+                                self._execute(leaf, sessions[rank], batches, mailbox, outbox)
+                                done.add(leaf)
+                                executed += 1  # run_schedule counts the leaves too
+                                progressed = True
+                        if len(done) < len(step.sub_steps):
+                            break
+                        done.clear()
+                    elif not self._ready(step, mailbox):
                         break
-                    self._execute(step, sessions[rank], batches, mailbox, outbox)
+                    else:
+                        self._execute(step, sessions[rank], batches, mailbox, outbox)
                     cursor[rank] += 1
                     executed += 1
                     progressed = True
@@ -184,6 +208,7 @@ async def _actors_run(
     pp: int,
     micro: int,
     swap: bool,
+    overlap_b_f: bool,
     lags: list[float] | None,
 ) -> tuple[float, float, int]:
     """One run: wall and CPU seconds, steps. With ``lags``, a heartbeat task beside it
@@ -210,6 +235,7 @@ async def _actors_run(
             loss_fn=mse_loss,
             swap=swap,
             pp=pp,
+            overlap_b_f=overlap_b_f,
         )
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         tg.cancel_scope.cancel()
@@ -264,6 +290,7 @@ def _measure(
     stage_num: int,
     micro: int,
     swap: bool,
+    overlap_b_f: bool,
     repeats: int,
     lags: list[float],
 ) -> Series:
@@ -274,10 +301,10 @@ def _measure(
     stages = _stages(stage_num)
     micros = (micro * SIZES[0], micro * SIZES[1])
     series = Series(micros)
-    syncs = {m: SyncExecutor(stages, schedule, pp, m, swap) for m in micros}
+    syncs = {m: SyncExecutor(stages, schedule, pp, m, swap, overlap_b_f) for m in micros}
     for m in micros:  # warm-up
         syncs[m].run()
-        anyio.run(_actors_run, stages, schedule, pp, m, swap, None)
+        anyio.run(_actors_run, stages, schedule, pp, m, swap, overlap_b_f, None)
     runs = [(contender, m) for m in micros for contender in ("sync", "actors")]
     for key in runs:
         series.samples[key] = []
@@ -289,11 +316,13 @@ def _measure(
                 steps = syncs[m].run()
                 sample = (time.perf_counter() - started, time.process_time() - cpu_started)
             else:
-                wall, cpu, steps = anyio.run(_actors_run, stages, schedule, pp, m, swap, None)
+                wall, cpu, steps = anyio.run(
+                    _actors_run, stages, schedule, pp, m, swap, overlap_b_f, None
+                )
                 sample = (wall, cpu)
             assert series.steps.setdefault(m, steps) == steps, (m, steps)
             series.samples[(contender, m)].append(sample)
-    anyio.run(_actors_run, stages, schedule, pp, micros[1], swap, lags)
+    anyio.run(_actors_run, stages, schedule, pp, micros[1], swap, overlap_b_f, lags)
     return series
 
 
@@ -320,17 +349,17 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
 def _measure_all(repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     rows = []
     all_lags: list[float] = []
-    for schedule, pp, stage_num, micro, swap in CONFIGS:
+    for schedule, pp, stage_num, micro, swap, overlap_b_f in CONFIGS:
         # Two sizes of the same schedule: the slope is the cost per MetaStep, free of the
         # fixed per-run costs (planning and validation, thread start and join).
-        series = _measure(schedule, pp, stage_num, micro, swap, repeats, all_lags)
+        series = _measure(schedule, pp, stage_num, micro, swap, overlap_b_f, repeats, all_lags)
         small, large = series.micros
         wall = series.overhead(0, statistics.median)
         fixed = series.median("actors", small) - series.median("sync", small)
         q1, q3 = _quartiles(series.overheads(0))
         rows.append(
             {
-                "schedule": schedule,
+                "schedule": f"{schedule} + overlap_b_f" if overlap_b_f else schedule,
                 "pp": pp,
                 "stages": stage_num,
                 "micro": f"{small} / {large}",
