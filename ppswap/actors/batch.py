@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
-from ppswap.core.arrival import Arrival, ArrivalTimeoutError, ThreadWait
+from ppswap.core.arrival import Arrival, ArrivalTimeoutError, FirstOf, ThreadWait
 from ppswap.core.executor import Resume
 from ppswap.core.messages import Payload
 from ppswap.scheduler.steps import MetaStep, StepKind
@@ -136,6 +136,14 @@ class BatchOutcome:
     seconds: list[float]
     error: Exception | None
     waited: list[float] = field(default_factory=list)
+    order: Sequence[int] = ()
+    """The jobs' indices in the order they ran (the n-th result is of job ``order[n]``);
+    only a batch with ``pairs`` runs any out of place. Empty: in order."""
+
+    def job_index(self, position: int) -> int:
+        """The index of the job that ran ``position``-th (or runs next, for the one
+        after the last result)."""
+        return self.order[position] if self.order else position
 
 
 def run_batch(
@@ -173,13 +181,20 @@ def start_batch(
 class BatchRun:
     """One batch on the compute thread, resumable at a job (``start_batch``): ``run()``
     is the thread's job (the outcome, or a ``Resume`` where it parks or yields; only with
-    ``parks``); ``now()`` says which step it is at (any thread may ask)."""
+    ``parks``); ``now()`` says which step it is at (any thread may ask).
+
+    ``pairs``: indices ``i`` where jobs ``i`` and ``i + 1`` may run in either order (the
+    two leaves of a composite, both waiting for their inputs): the batch waits for
+    whichever input comes first (``FirstOf``) and runs that job first; ``announce`` and
+    the outcome's ``order`` name jobs by their index in ``jobs``."""
 
     jobs: Sequence[StepJob]
     announce: Callable[[int, Any], None] | None
     yield_to: Callable[[], bool] | None
     arrival_timeout_s: float
     parks: bool
+    pairs: frozenset[int] = frozenset()
+    order: list[int] = field(default_factory=list)  # job index per position (with pairs)
     results: list[Any] = field(default_factory=list)
     started: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
@@ -187,16 +202,22 @@ class BatchRun:
     resumed: bool = False  # the next job begins a part of the run: it does not yield
     parked_at: float | None = None  # when the next job parked for its arrival
 
+    def __post_init__(self) -> None:
+        if self.pairs:
+            self.order = list(range(len(self.jobs)))
+
     def run(self) -> BatchOutcome | Resume:
-        jobs, yield_to = self.jobs, self.yield_to
+        jobs, yield_to, pairs, order = self.jobs, self.yield_to, self.pairs, self.order
         clock = time.perf_counter
-        while (index := len(self.results)) < len(jobs):
+        while (position := len(self.results)) < len(jobs):
+            index = order[position] if order else position
             job = jobs[index]
             if (
-                index
+                position
                 and not self.resumed
                 and yield_to is not None
                 and job.kind in COMPUTE_JOB_KINDS
+                and position - 1 not in pairs  # a pair is not split by a yield
                 and yield_to()
             ):
                 if not self.parks:
@@ -206,16 +227,23 @@ class BatchRun:
             self.resumed = False
             begin = clock()
             try:
-                if job.arrival is not None:
-                    if self.parks and not job.arrival.ready:
+                if (arrival := job.arrival) is not None:
+                    paired = position in pairs and not arrival.ready
+                    if paired:
+                        index, job, arrival = self._first_ready(position)
+                    if self.parks and not arrival.ready:
                         if self.parked_at is None:
                             self.parked_at, self.resumed = begin, True
                             urgent = job.kind in SWAP_JOB_KINDS
-                            return Resume(self.run, job.arrival, self.arrival_timeout_s, urgent)
+                            after = self._awaited(position) if paired else arrival
+                            return Resume(self.run, after, self.arrival_timeout_s, urgent)
                         raise ArrivalTimeoutError(
-                            f"{job.arrival.label} not there within {self.arrival_timeout_s}s"
+                            f"{arrival.label} not there within {self.arrival_timeout_s}s"
                         )
-                    job.arrival.wait(0.0 if self.parks else self.arrival_timeout_s)
+                    if paired and not arrival.ready:  # blocking: whichever comes first
+                        self._awaited(position).wait(self.arrival_timeout_s)
+                        index, job, arrival = self._first_ready(position)
+                    arrival.wait(0.0 if self.parks else self.arrival_timeout_s)
                     ready = clock()
                     waited_s = ready - (begin if self.parked_at is None else self.parked_at)
                     begin, self.parked_at = ready, None
@@ -231,16 +259,36 @@ class BatchRun:
             self.seconds.append(clock() - begin)
             self.waited.append(waited_s)
             # The last job's result comes back with the outcome at once: no extra wake-up.
-            if job.announce and self.announce is not None and index + 1 < len(jobs):
+            if job.announce and self.announce is not None and position + 1 < len(jobs):
                 self.announce(index, result)
         return self._outcome(None)
 
     def now(self) -> str:
-        index, jobs = len(self.results), self.jobs
-        return f"at {jobs[index].step.short()}" if index < len(jobs) else "done"
+        position, jobs, order = len(self.results), self.jobs, self.order
+        if position >= len(jobs):
+            return "done"
+        return f"at {jobs[order[position] if order else position].step.short()}"
+
+    def _first_ready(self, position: int) -> tuple[int, StepJob, ThreadWait]:
+        """The pair at ``position``: its second job goes first if only its input is
+        there; the index, job and arrival of the one that runs at ``position``."""
+        order, jobs = self.order, self.jobs
+        first, second = jobs[order[position]], jobs[order[position + 1]]
+        assert first.arrival is not None and second.arrival is not None
+        if not first.arrival.ready and second.arrival.ready:
+            order[position], order[position + 1] = order[position + 1], order[position]
+            return order[position], second, second.arrival
+        return order[position], first, first.arrival
+
+    def _awaited(self, position: int) -> FirstOf:
+        first, second = self.jobs[self.order[position]], self.jobs[self.order[position + 1]]
+        assert first.arrival is not None and second.arrival is not None
+        return FirstOf(first.arrival, second.arrival)
 
     def _outcome(self, error: Exception | None) -> BatchOutcome:
-        return BatchOutcome(self.results, self.started, self.seconds, error, self.waited)
+        return BatchOutcome(
+            self.results, self.started, self.seconds, error, self.waited, list(self.order)
+        )
 
 
 @dataclass(frozen=True, slots=True)

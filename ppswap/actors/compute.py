@@ -23,10 +23,12 @@ leaves are queued, as it would not on a device of its own.
 - RECV_* / SEND_* are posted to the P2P actor (``send_nowait``: the channel holds every
   P2P request of the order, so posting never blocks); a receive's payload resolves a
   reply future the consuming leaf reads; a send's future is awaited at the end.
-- A composite (OVERLAP_B_F / OVERLAP_F_B) joins a batch as its two leaves when at most one
-  of them still waits for its input (``LocalSteps.next_batch``). Otherwise it runs its two
-  leaves as tasks of a nested task group and returns when both are done: a leaf waiting
-  for its receive does not hold up the other.
+- A composite (OVERLAP_B_F / OVERLAP_F_B) joins a batch as its two leaves; where both wait
+  for their inputs, the batch runs whichever input comes first first
+  (``LocalSteps.next_batch``, ``BatchRun.pairs``). Where its inputs cannot be waited for
+  on the thread (FSDP, a fault plan, the wait budget spent) it runs its two leaves as
+  tasks of a nested task group and returns when both are done: a leaf waiting for its
+  receive does not hold up the other.
 - FSDP_* steps are handed to the optional FSDP driver, which also gets a call before every
   compute leaf (``before_compute``: an all-gather issued by FSDP_UNSHARD is awaited and
   installed there, so it overlaps the compute in between) and one after the last step
@@ -277,7 +279,7 @@ class ComputeActor:
         if fsdp is not None and plan.jobs[0].step.kind in LEAVES:
             await fsdp.before_compute(plan.jobs[0].step)
         self._trace.expect_composites(plan.composites)
-        await self._execute(plan.jobs, plan.posted, plan.sends)
+        await self._execute(plan.jobs, plan.posted, plan.sends, frozenset(plan.pairs))
         for composite in plan.composites:  # its leaves were jobs of the batch
             self._done(composite)
         self._trace.composites_done(plan.composites)
@@ -307,11 +309,12 @@ class ComputeActor:
         jobs: list[StepJob],
         posted: Sequence[tuple[int, MetaStep]] = (),
         sends: Mapping[int, list[MetaStep]] | None = None,
+        pairs: frozenset[int] = frozenset(),
     ) -> None:
-        """Run ``jobs`` as one compute-thread batch and apply their results in order
-        (``posted``: receives and sends posted after the n-th job, traced after it;
-        ``sends``: by job index, the sends of the payload that job makes, posted as soon
-        as it is made)."""
+        """Run ``jobs`` as one compute-thread batch and apply their results in the order
+        they ran (``posted``: receives and sends posted after the n-th job, traced after
+        it; ``sends``: by job index, the sends of the payload that job makes, posted as
+        soon as it is made; ``pairs``: as ``BatchRun``'s)."""
         urgent = jobs[0].kind in SWAP_JOB_KINDS
         recorder, rank = self._recorder, self.rank
         recorder.note(rank, self.actor_name, "begin", jobs[0].step, len(jobs))
@@ -326,7 +329,12 @@ class ComputeActor:
         arrivals = [job.arrival for job in jobs if job.arrival is not None]
         outcome: BatchOutcome | None = None
         batch = BatchRun(
-            jobs, announce, self._compute.has_waiting, self._waits.timeout_s, parks=self._parks
+            jobs,
+            announce,
+            self._compute.has_waiting,
+            self._waits.timeout_s,
+            parks=self._parks,
+            pairs=pairs,
         )
         try:
             outcome = await self._waits.call(
@@ -345,9 +353,11 @@ class ComputeActor:
                     arrival.abandon("the run stopped while the compute thread waited for it")
         self._batches += 1
         ran = len(outcome.results)
-        for index, (job, result, seconds, waited) in enumerate(
-            zip(jobs, outcome.results, outcome.seconds, outcome.waited, strict=False)
+        ran_jobs = [jobs[outcome.job_index(n)] for n in range(ran)]
+        for position, (job, result, seconds, waited) in enumerate(
+            zip(ran_jobs, outcome.results, outcome.seconds, outcome.waited, strict=True)
         ):
+            index = outcome.job_index(position)
             self._job_s[job.kind] += seconds
             self._jobs[job.kind] += 1
             if job.kind == "swap_finish" and job.arrival is not None:
@@ -358,17 +368,20 @@ class ComputeActor:
                 self._done(job.step)
                 self._post_sends(early.sends.get(index, ()))
         if recorder.keeps_spans:
-            steps = [job.step for job in jobs[: len(outcome.seconds)]]
+            steps = [job.step for job in ran_jobs]
             self._trace.batch(steps, outcome, [(n, s) for n, s in posted if n <= ran])
         if early.error is not None:
             raise early.error
         if outcome.error is None and ran < len(jobs):  # the batch yielded the thread
-            rest = {i - ran: steps for i, steps in (sends or {}).items() if i >= ran}
+            left = [outcome.job_index(n) for n in range(ran, len(jobs))]  # never in a pair
+            rest = {i: early.sends[index] for i, index in enumerate(left) if index in early.sends}
             later = [(n - ran, s) for n, s in posted if n > ran]
-            await self._execute(jobs[ran:], later, rest)
+            await self._execute(
+                [jobs[i] for i in left], later, rest, frozenset(p - ran for p in pairs if p >= ran)
+            )
             return
         if outcome.error is not None:
-            failed = jobs[len(outcome.results)].step
+            failed = jobs[outcome.job_index(ran)].step
             self._current = failed
             recorder.note(rank, self.actor_name, "FAILED", failed, type(outcome.error).__name__)
             if isinstance(outcome.error, ArrivalTimeoutError):

@@ -15,9 +15,10 @@ running or is launched earlier in the same batch (``CopyWait``; the launch job t
 a completion made here: a copy holds no transport resource, so these waits have no
 budget). Ranks that share the thread get a budget of their whole order: their batches
 park rather than block. A composite (OVERLAP_B_F) joins as its two leaves, which may run in
-either order: when both are ready, or when one is and the other may wait for its input
-(the ready one first). When both still wait, the batch ends before it, and the actor runs
-its leaves as two tasks, so whichever input comes first is used first. A send's payload
+either order: the ready ones first, then those that wait for their input on the thread;
+where both wait, the batch waits for whichever comes first and runs that leaf first
+(``BatchRun.pairs``). A composite whose inputs cannot be waited for on the thread ends the
+batch, and the actor runs its leaves as two tasks. A send's payload
 maker also gets the ``RankMail.hand_off`` of the send, if any. Everything here runs on the
 event loop.
 """
@@ -79,13 +80,15 @@ class BatchPlan:
     """The next batch of a rank's order (``LocalSteps.next_batch``): its ``jobs``; the
     receives and sends ``posted`` after the n-th job, as ``(n, step)``; by the index of
     the job that makes the payload, the ``sends`` of it (posted as soon as it is made); the
-    ``composites`` whose leaves are among the jobs. No jobs: the step at the returned
-    index is not ready (or not local)."""
+    ``composites`` whose leaves are among the jobs, and the ``pairs`` of those whose leaves
+    both wait (``BatchRun.pairs``). No jobs: the step at the returned index is not ready
+    (or not local)."""
 
     jobs: list[StepJob] = field(default_factory=list)
     posted: list[tuple[int, MetaStep]] = field(default_factory=list)
     sends: dict[int, list[MetaStep]] = field(default_factory=dict)
     composites: list[MetaStep] = field(default_factory=list)
+    pairs: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,10 +180,13 @@ class LocalSteps:
                 index += 1
                 continue
             if step.kind in COMPOSITE_KINDS and not one_leaf:
-                leaves = self._composite_jobs(step, launched, waits_left > 0)
+                leaves = self._composite_jobs(step, launched, waits_left)
                 if leaves is None:
                     break
-                waits_left -= sum(job.arrival is not None for job in leaves)
+                waits = sum(job.arrival is not None for job in leaves)
+                if waits == len(leaves):
+                    plan.pairs.add(len(jobs))
+                waits_left -= waits
                 jobs.extend(leaves)
                 plan.composites.append(step)
                 index += 1
@@ -199,25 +205,25 @@ class LocalSteps:
         return plan, index
 
     def _composite_jobs(
-        self, step: MetaStep, launched: dict[CopyKey, CopyCompletion | None], wait: bool
+        self, step: MetaStep, launched: dict[CopyKey, CopyCompletion | None], waits_left: int
     ) -> list[StepJob] | None:
         """The jobs of a composite's two leaves, or None (the composite then runs as two
         concurrent tasks, ``ComputeActor._composite``). Its leaves may run in either
-        order, so a batch takes them when both are ready (in the composite's order) or
-        when one is and the other may wait for its input on the thread (the ready one
-        first, as two tasks would run them). Readiness is read without taking any
-        payload, so a composite left out of the batch finds its inputs where they were."""
+        order, so a batch takes them when both are ready (in the composite's order), when
+        one is and the other may wait for its input on the thread (the ready one first,
+        as two tasks would run them), or when both may wait (a pair: whichever input
+        comes first is used first). Readiness is read without taking any payload, so a
+        composite left out of the batch finds its inputs where they were."""
         ready = [leaf for leaf in step.sub_steps if self._input_arrived(leaf)]
-        if len(ready) == len(step.sub_steps):
-            return [self._ready_job(leaf, launched) for leaf in step.sub_steps]
-        if not wait or len(ready) != len(step.sub_steps) - 1:
+        waiting = [leaf for leaf in step.sub_steps if leaf not in ready]
+        if len(waiting) > waits_left or not all(self._may_wait(leaf) for leaf in waiting):
             return None
-        (waiting,) = [leaf for leaf in step.sub_steps if leaf not in ready]
-        if not self._may_wait(waiting):
-            return None
-        late = self.job_if_ready(waiting, launched, wait=True)
-        assert late is not None and late.arrival is not None
-        return [self._ready_job(leaf, launched) for leaf in ready] + [late]
+        jobs = [self._ready_job(leaf, launched) for leaf in ready]
+        for leaf in waiting:
+            late = self.job_if_ready(leaf, launched, wait=True)
+            assert late is not None and late.arrival is not None
+            jobs.append(late)
+        return jobs
 
     def _ready_job(self, step: MetaStep, launched: dict[CopyKey, CopyCompletion | None]) -> StepJob:
         job = self.job_if_ready(step, launched)

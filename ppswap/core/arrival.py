@@ -21,6 +21,8 @@ An ``Arrival`` is the receive's slot for that. It is landed exactly once, by the
 after ``timeout_s``, so no wait is without a deadline. A thread shared by several ranks
 does not block: it parks the job and asks ``on_ready(callback)`` to be told when the slot
 is landed (``DedicatedThread``'s ``Resume``), then reads it with ``wait(0.0)``.
+``FirstOf`` is ready once either of two waits is: a composite's two leaves in a batch
+wait for whichever input comes first.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Protocol
 
 from ppswap.core.oneshot import OneShot
 
-__all__ = ["Arrival", "ArrivalTimeoutError", "ThreadWait"]
+__all__ = ["Arrival", "ArrivalTimeoutError", "FirstOf", "ThreadWait"]
 
 
 class ArrivalTimeoutError(TimeoutError):
@@ -92,3 +94,40 @@ class Arrival:
         if error is not None:
             raise error
         return payload
+
+
+class FirstOf:
+    """A ``ThreadWait`` that is ready once either of two is: what a batch waits for
+    before two jobs that may run in either order (the leaves of a composite), so the one
+    whose input comes first runs first. ``wait`` returns None (read each wait itself);
+    ``abandon`` abandons both."""
+
+    __slots__ = ("_either", "first", "second")
+
+    def __init__(self, first: ThreadWait, second: ThreadWait) -> None:
+        self.first, self.second = first, second
+        self._either: OneShot[None] = OneShot()
+        first.on_ready(self._fire)
+        second.on_ready(self._fire)
+
+    def _fire(self) -> None:
+        self._either.set_value(None)
+
+    @property
+    def label(self) -> str:
+        return f"{self.first.label} or {self.second.label}"
+
+    @property
+    def ready(self) -> bool:
+        return self._either.is_set()
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._either.wait(timeout_s):
+            raise ArrivalTimeoutError(f"neither {self.label} within {timeout_s}s")
+
+    def abandon(self, reason: str) -> None:
+        self.first.abandon(reason)
+        self.second.abandon(reason)
+
+    def on_ready(self, callback: Callable[[], None]) -> None:
+        self._either.on_set(callback)

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from ppswap import PipelineStage, run_schedule
-from ppswap.actors.batch import BatchOutcome, StepJob, after_arrival, start_batch
+from ppswap.actors.batch import BatchOutcome, BatchRun, StepJob, after_arrival, start_batch
 from ppswap.actors.handoff import ThreadHandoff
-from ppswap.core.arrival import Arrival, ArrivalTimeoutError
+from ppswap.core.arrival import Arrival, ArrivalTimeoutError, FirstOf
 from ppswap.core.executor import DedicatedThread, Resume
 from ppswap.core.faults import FaultPlan, fail_compute
 from ppswap.core.messages import MessageKey
@@ -152,6 +152,80 @@ def test_a_batch_resumed_past_its_deadline_fails_at_the_waiting_job() -> None:
     assert outcome.results == []
 
 
+def test_first_of_two_waits_is_ready_with_either_and_calls_back_once() -> None:
+    first, second = Arrival("B0.s1"), Arrival("F2.s1")
+    either = FirstOf(first, second)
+    called: list[str] = []
+    either.on_ready(lambda: called.append("ready"))
+    assert not either.ready and either.label == "B0.s1 or F2.s1"
+    second.land("grad")
+    first.land("activation")
+    assert either.ready and called == ["ready"]  # once, though both landed
+    lost = FirstOf(Arrival("a"), Arrival("b"))
+    lost.abandon("stopped")
+    with pytest.raises(RuntimeError, match="stopped"):
+        lost.first.wait(0.0)
+    with pytest.raises(RuntimeError, match="stopped"):
+        lost.second.wait(0.0)
+
+
+def _pair() -> tuple[list[StepJob], Arrival, Arrival]:
+    """A composite's two leaves, both waiting for their inputs (a ``BatchRun`` pair)."""
+    grad, activation = Arrival("B0.s0"), Arrival("F2.s0")
+    jobs = [
+        _job(MetaStep(StepKind.BWD, 0, 0), lambda: after_arrival(grad, str.upper), grad),
+        _job(MetaStep(StepKind.FWD, 0, 2), lambda: after_arrival(activation, str), activation),
+    ]
+    return jobs, grad, activation
+
+
+def test_a_parked_pair_runs_the_leaf_whose_input_came_first() -> None:
+    jobs, grad, activation = _pair()
+    parked = BatchRun(jobs, None, None, 5.0, parks=True, pairs=frozenset({0})).run()
+    assert isinstance(parked, Resume) and isinstance(parked.after, FirstOf)
+    assert not parked.after.ready
+    activation.land("f2")  # the forward's input first: it runs first
+    assert parked.after.ready
+    outcome = parked.then()
+    assert isinstance(outcome, Resume)  # parked again, now on the backward's own input
+    assert outcome.after is grad
+    grad.land("b0")
+    done = outcome.then()
+    assert isinstance(done, BatchOutcome) and done.error is None
+    assert done.results == ["f2", "B0"] and list(done.order) == [1, 0]
+
+
+@pytest.mark.parametrize("forward_first", [True, False])
+def test_a_blocking_pair_runs_the_leaf_whose_input_came_first(forward_first: bool) -> None:
+    jobs, grad, activation = _pair()
+    first, second = (activation, "f2"), (grad, "b0")
+    if not forward_first:
+        first, second = second, first
+    timers = [
+        threading.Timer(0.05, first[0].land, (first[1],)),
+        threading.Timer(0.15, second[0].land, (second[1],)),
+    ]
+    for timer in timers:
+        timer.start()
+    outcome = BatchRun(jobs, None, None, 5.0, parks=False, pairs=frozenset({0})).run()
+    for timer in timers:
+        timer.join()
+    assert isinstance(outcome, BatchOutcome) and outcome.error is None
+    if forward_first:
+        assert outcome.results == ["f2", "B0"] and list(outcome.order) == [1, 0]
+    else:
+        assert outcome.results == ["B0", "f2"] and list(outcome.order) == [0, 1]
+
+
+def test_a_blocking_pair_whose_inputs_never_come_fails_at_its_deadline() -> None:
+    jobs, _, _ = _pair()
+    outcome = BatchRun(jobs, None, None, 0.1, parks=False, pairs=frozenset({0})).run()
+    assert isinstance(outcome, BatchOutcome)
+    assert isinstance(outcome.error, ArrivalTimeoutError)
+    assert "neither B0.s0 or F2.s0 within 0.1s" in str(outcome.error)
+    assert outcome.results == []
+
+
 def _run(
     schedule: str, faults: FaultPlan | None, **options: Any
 ) -> tuple[list[float], list[Any], list[int]]:
@@ -220,9 +294,7 @@ def test_composites_and_batched_p2p_of_parked_ranks_take_their_inputs_on_the_thr
     for grad, step_grad in zip(grads, step_grads, strict=True):
         np.testing.assert_array_equal(grad, step_grad)
     assert sum(batches) < sum(step_batches)
-    if schedule == "1f1b" and options == {"overlap_b_f": True}:
-        # A composite joins the batch as its two leaves when at most one still waits for
-        # its input. The first rank's forward and the last rank's backward read the
-        # rank's own data, so all of their composites join (before: a batch each); the
-        # middle ranks' end a batch where both inputs still wait.
-        assert (batches[0], batches[-1]) == (1, 1)
+    if options.get("overlap_b_f"):
+        # A composite joins the batch as its two leaves, whichever of them waits for its
+        # input (before: it ended a batch, and its leaves took one each).
+        assert batches == [1] * len(batches)
