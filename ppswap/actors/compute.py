@@ -24,8 +24,8 @@ leaves are queued, as it would not on a device of its own.
   P2P request of the order, so posting never blocks); a receive's payload resolves a
   reply future the consuming leaf reads; a send's future is awaited at the end.
 - A composite (OVERLAP_B_F / OVERLAP_F_B) joins a batch as its two leaves; where both wait
-  for their inputs, the batch runs whichever input comes first first
-  (``LocalSteps.next_batch``, ``BatchRun.pairs``). Where its inputs cannot be waited for
+  for their inputs, the leaf whose input comes first runs first (``LocalSteps.next_batch``,
+  ``BatchRun.pairs``). Where its inputs cannot be waited for
   on the thread (FSDP, a fault plan, the wait budget spent) it runs its two leaves as
   tasks of a nested task group and returns when both are done: a leaf waiting for its
   receive does not hold up the other.
@@ -373,7 +373,7 @@ class ComputeActor:
         if early.error is not None:
             raise early.error
         if outcome.error is None and ran < len(jobs):  # the batch yielded the thread
-            left = [outcome.job_index(n) for n in range(ran, len(jobs))]  # never in a pair
+            left = [outcome.job_index(n) for n in range(ran, len(jobs))]  # no pair is split
             rest = {i: early.sends[index] for i, index in enumerate(left) if index in early.sends}
             later = [(n - ran, s) for n, s in posted if n > ran]
             await self._execute(

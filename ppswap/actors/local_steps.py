@@ -18,9 +18,8 @@ park rather than block. A composite (OVERLAP_B_F) joins as its two leaves, which
 either order: the ready ones first, then those that wait for their input on the thread;
 where both wait, the batch waits for whichever comes first and runs that leaf first
 (``BatchRun.pairs``). A composite whose inputs cannot be waited for on the thread ends the
-batch, and the actor runs its leaves as two tasks. A send's payload
-maker also gets the ``RankMail.hand_off`` of the send, if any. Everything here runs on the
-event loop.
+batch, and the actor runs its leaves as two tasks. A send's payload maker also gets the
+``RankMail.hand_off`` of the send, if any. Everything here runs on the event loop.
 """
 
 from __future__ import annotations

@@ -123,7 +123,9 @@ class FirstOf:
 
     def wait(self, timeout_s: float) -> None:
         if not self._either.wait(timeout_s):
-            raise ArrivalTimeoutError(f"neither {self.label} within {timeout_s}s")
+            raise ArrivalTimeoutError(
+                f"neither {self.first.label} nor {self.second.label} within {timeout_s}s"
+            )
 
     def abandon(self, reason: str) -> None:
         self.first.abandon(reason)

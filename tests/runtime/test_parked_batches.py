@@ -222,7 +222,7 @@ def test_a_blocking_pair_whose_inputs_never_come_fails_at_its_deadline() -> None
     outcome = BatchRun(jobs, None, None, 0.1, parks=False, pairs=frozenset({0})).run()
     assert isinstance(outcome, BatchOutcome)
     assert isinstance(outcome.error, ArrivalTimeoutError)
-    assert "neither B0.s0 or F2.s0 within 0.1s" in str(outcome.error)
+    assert "neither B0.s0 nor F2.s0 within 0.1s" in str(outcome.error)
     assert outcome.results == []
 
 
