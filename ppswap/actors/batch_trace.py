@@ -13,14 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ppswap.actors.batch import BatchOutcome
-from ppswap.actors.trace import FlightRecorder
+from ppswap.actors.trace import ROUNDING_MARGIN_S, FlightRecorder
 from ppswap.scheduler.steps import MetaStep
 
 __all__ = ["BatchTrace"]
-
-_ROUNDING_S = 2e-9
-"""The trace rounds times to 1 ns: a composite's span is this much wider on each side, so
-it is drawn around its leaves, not a nanosecond inside them."""
 
 
 class BatchTrace:
@@ -65,8 +61,8 @@ class BatchTrace:
             ran = [t for t in times if t is not None]
             if len(ran) < len(times):
                 continue
-            start = min(started for started, _ in ran) - _ROUNDING_S
-            end = max(started + seconds for started, seconds in ran) + _ROUNDING_S
+            start = min(started for started, _ in ran) - ROUNDING_MARGIN_S
+            end = max(started + seconds for started, seconds in ran) + ROUNDING_MARGIN_S
             self._recorder.add_timed_span(
                 self._rank, self._actor, composite.short(), start, end - start
             )

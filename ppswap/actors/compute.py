@@ -299,8 +299,8 @@ class ComputeActor:
             if completion is not None:
                 self._waited_s[step] = await self._waits.copy(completion, step)
             return
-        direction = "F" if kind is StepKind.FWD else "B"
-        future = self._mail.recvs.get(MessageKey(direction, step.stage, step.micro))
+        key = self._local.received_input(step)
+        future = None if key is None else self._mail.recvs.get(key)
         if future is not None:
             await self._waits.reply(future, step)
 
@@ -353,11 +353,11 @@ class ComputeActor:
                     arrival.abandon("the run stopped while the compute thread waited for it")
         self._batches += 1
         ran = len(outcome.results)
-        ran_jobs = [jobs[outcome.job_index(n)] for n in range(ran)]
-        for position, (job, result, seconds, waited) in enumerate(
-            zip(ran_jobs, outcome.results, outcome.seconds, outcome.waited, strict=True)
+        ran_indices = [outcome.job_index(n) for n in range(ran)]
+        for index, result, seconds, waited in zip(
+            ran_indices, outcome.results, outcome.seconds, outcome.waited, strict=True
         ):
-            index = outcome.job_index(position)
+            job = jobs[index]
             self._job_s[job.kind] += seconds
             self._jobs[job.kind] += 1
             if job.kind == "swap_finish" and job.arrival is not None:
@@ -368,7 +368,7 @@ class ComputeActor:
                 self._done(job.step)
                 self._post_sends(early.sends.get(index, ()))
         if recorder.keeps_spans:
-            steps = [job.step for job in ran_jobs]
+            steps = [jobs[index].step for index in ran_indices]
             self._trace.batch(steps, outcome, [(n, s) for n, s in posted if n <= ran])
         if early.error is not None:
             raise early.error

@@ -229,8 +229,9 @@ class LocalSteps:
         assert job is not None, f"{step.short()} was ready"
         return job
 
-    def _received_input(self, step: MetaStep) -> MessageKey | None:
-        """The message a FWD / BWD consumes, None where it reads its rank's own data."""
+    def received_input(self, step: MetaStep) -> MessageKey | None:
+        """The message a local step consumes: a FWD's or BWD's received input, None where
+        it reads its rank's own data (first / last stage) and for any other step."""
         stage = self.stages[step.stage]
         if step.kind is StepKind.FWD:
             return None if stage.is_first else MessageKey("F", step.stage, step.micro)
@@ -239,11 +240,11 @@ class LocalSteps:
         return None
 
     def _input_arrived(self, step: MetaStep) -> bool:
-        key = self._received_input(step)
+        key = self.received_input(step)
         return key is None or self.mail.received(key, step).done
 
     def _may_wait(self, step: MetaStep) -> bool:
-        key = self._received_input(step)
+        key = self.received_input(step)
         return key is not None and self.mail.received(key, step).arrival is not None
 
     def _swap_wait(
@@ -286,10 +287,10 @@ class LocalSteps:
             assert self.data.targets is not None
             target = self.data.targets[step.micro]
         payload: Payload = None
-        if stage.is_first:
+        key = self.received_input(step)
+        if key is None:
             payload = self.data.inputs[step.micro]
         else:
-            key = MessageKey("F", step.stage, step.micro)
             arrived, payload = self.mail.take(key, step)
             if not arrived:
                 arrival = self.mail.take_arrival(key, step) if wait else None
@@ -306,8 +307,8 @@ class LocalSteps:
         split = step.kind is StepKind.BWD_INPUT
         kind = _JOB_OF_BACKWARD[step.kind]
         grad: Payload = None
-        if not stage.is_last:
-            key = MessageKey("B", step.stage, step.micro)
+        key = self.received_input(step)
+        if key is not None:
             arrived, grad = self.mail.take(key, step)
             if not arrived:
                 arrival = self.mail.take_arrival(key, step) if wait else None

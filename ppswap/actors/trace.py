@@ -28,9 +28,12 @@ from anyio.streams.memory import MemoryObjectStreamStatistics
 
 from ppswap.scheduler.steps import MetaStep
 
-__all__ = ["FlightRecorder", "TraceSpan"]
+__all__ = ["ROUNDING_MARGIN_S", "FlightRecorder", "TraceSpan"]
 
 ACTOR_ORDER = ("compute", "p2p", "copy")
+ROUNDING_MARGIN_S = 2e-9
+"""The trace rounds times to 1 ns: spans drawn in a gap, or around other spans, keep this
+margin on each side so that they do not overlap their neighbours after rounding."""
 
 
 def _text(part: object) -> str:
@@ -132,10 +135,9 @@ class FlightRecorder:
             between = [later for after, later in posted if after == count]
             if not between:
                 continue
-            # A margin of 2 ns on each side: the trace rounds times to 1 ns.
-            gap_start = begin + duration + 2e-9
+            gap_start = begin + duration + ROUNDING_MARGIN_S
             gap_end = started[count] if count < len(steps) else time.perf_counter()
-            share = max(0.0, gap_end - 2e-9 - gap_start) / len(between)
+            share = max(0.0, gap_end - ROUNDING_MARGIN_S - gap_start) / len(between)
             for index, later in enumerate(between):
                 self.add_timed_span(rank, actor, later.short(), gap_start + index * share, share)
 
