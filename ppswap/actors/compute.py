@@ -81,7 +81,6 @@ from ppswap.actors.trace import FlightRecorder
 from ppswap.core.arrival import ArrivalTimeoutError
 from ppswap.core.executor import DedicatedThread, loop_caller
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
-from ppswap.core.messages import MessageKey
 from ppswap.errors import (
     PipelineError,
     first_pipeline_error,
@@ -115,7 +114,6 @@ class ComputeStats:
     batches: int = 0
 
 
-_LAUNCHES = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
 _WAITS = LAUNCH_OF_WAIT
 _POSTS = frozenset(
     {StepKind.RECV_F, StepKind.RECV_B, StepKind.SEND_F, StepKind.SEND_B, StepKind.BATCH_SEND_RECV}
@@ -417,26 +415,16 @@ class ComputeActor:
     def _apply(self, step: MetaStep, result: Any) -> None:
         """Loop side of a finished local step: where its result goes."""
         kind = step.kind
-        if kind is StepKind.FWD:
-            if self._stages[step.stage].is_last:
-                self.losses[step.micro] = float(result)
-            else:
-                self._mail.outbox[MessageKey("F", step.stage + 1, step.micro)] = result
-        elif kind is StepKind.BWD or kind is StepKind.BWD_INPUT:
-            if result is not None:
-                self._mail.outbox[MessageKey("B", step.stage - 1, step.micro)] = result
-        elif kind in _LAUNCHES:
-            key = (kind, step.stage, step.micro)
-            if key in self._mail.launched_in_batch:  # its SWAP_WAIT_* was in the batch
-                self._mail.launched_in_batch.discard(key)
-            else:
-                self._mail.copies[key] = result
+        if kind is StepKind.FWD and self._stages[step.stage].is_last:
+            self.losses[step.micro] = float(result)
         elif kind in _WAITS:
             waited = self._waited_s.pop(step, 0.0)
             if self._log_steps:
                 log_step(
                     self._log, "swap_wait", step, self._generation, bytes=result, waited_s=waited
                 )
+        else:
+            self._mail.keep(step, result)
 
     # -- one step at a time (fault plans, composites, FSDP steps) -------------------------
     async def _run_step(self, step: MetaStep) -> None:

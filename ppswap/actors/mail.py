@@ -40,11 +40,18 @@ CopyKey = tuple[StepKind, int, int]
 _RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
 
 
+_LAUNCHES = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
+
+
 def send_key(step: MetaStep) -> MessageKey:
     """The message a SEND_F / SEND_B sends: keyed by the stage that receives it."""
-    if step.kind is StepKind.SEND_F:
-        return MessageKey("F", step.stage + 1, step.micro)
-    return MessageKey("B", step.stage - 1, step.micro)
+    return _sent_as("F" if step.kind is StepKind.SEND_F else "B", step.stage, step.micro)
+
+
+def _sent_as(direction: str, stage: int, micro: int) -> MessageKey:
+    """The message that carries stage ``stage``'s output (``"F"``) or input gradient
+    (``"B"``) of micro-batch ``micro``: keyed by the stage that receives it."""
+    return MessageKey(direction, stage + 1 if direction == "F" else stage - 1, micro)
 
 
 class RankMail:
@@ -111,6 +118,22 @@ class RankMail:
             self.sends.append(future)
             request = SendRequest(step, key, step.peer, payload, future)
         self._p2p.send_nowait(request)
+
+    def keep(self, step: MetaStep, result: Any) -> None:
+        """File what a finished local step made, for the steps after it: a FWD's output
+        or a BWD's dx in the outbox (under the message its SEND sends), a launch's copy
+        completion in ``copies`` (unless its SWAP_WAIT_* ran in the same batch)."""
+        kind = step.kind
+        if kind is StepKind.FWD:
+            self.outbox[_sent_as("F", step.stage, step.micro)] = result
+        elif (kind is StepKind.BWD or kind is StepKind.BWD_INPUT) and result is not None:
+            self.outbox[_sent_as("B", step.stage, step.micro)] = result
+        elif kind in _LAUNCHES:
+            key = (kind, step.stage, step.micro)
+            if key in self.launched_in_batch:
+                self.launched_in_batch.discard(key)
+            else:
+                self.copies[key] = result
 
     def hand_off(self, send: MetaStep) -> Callable[[Payload], None] | None:
         """What the job making the payload of ``send`` calls with it on the compute
