@@ -373,6 +373,28 @@ class TimedCudaCopyEngine(CudaCopyEngine):
             end.record(self.stream)
             self._spans.append(CopySpan("d2h", source.nbytes, start, end))
 
+    def d2h_many(self, sources: Sequence[CudaSource]) -> list[HostArray]:
+        start, end = _timing_event(), _timing_event()
+        with self._lock:
+            for ready in {id(source.ready): source.ready for source in sources}.values():
+                self.stream.wait_event(ready)
+            start.record(self.stream)
+            hosts = super().d2h_many(sources)
+            end.record(self.stream)
+            self._spans.append(CopySpan("d2h", sum(s.nbytes for s in sources), start, end))
+        return hosts
+
+    def h2d_block(
+        self, hosts: Sequence[HostArray], offsets: Sequence[int], nbytes: int
+    ) -> list[torch.Tensor]:
+        start, end = _timing_event(), _timing_event()
+        with self._lock:
+            start.record(self.stream)
+            loaded = super().h2d_block(hosts, offsets, nbytes)
+            end.record(self.stream)
+            self._spans.append(CopySpan("h2d", sum(int(h.nbytes) for h in hosts), start, end))
+        return loaded
+
     def h2d(
         self, host: HostArray, strides: tuple[int, ...] | None = None, dtype: str | None = None
     ) -> torch.Tensor:

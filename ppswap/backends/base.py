@@ -197,8 +197,9 @@ class CopyEngine(Protocol):
 
     The swap layer takes a chunk's copy sources on the compute thread when its forward
     ends (``span_sources``: O(1) per storage span, no copy) and runs each copy as one job
-    on the rank's copy stream, where the engine's primitives move bytes (``d2h``,
-    ``acquire_host`` + ``d2h_into``, ``h2d``); after the job's completion event,
+    on the rank's copy stream, where the engine's primitives move bytes (``d2h_many``
+    and ``h2d_block`` for a job's spans, ``acquire_host`` + ``d2h_into``, ``h2d`` and
+    ``member`` for ``group_swap`` buckets); after the job's completion event,
     ``restore_views`` (compute thread, O(1) per view) turns a loaded span back into the
     framework tensors of its views. Host buffers come from a pool that outlives runs
     (``release_host`` gives one back; thread-safe). ``host_view`` shows the bytes of a
@@ -233,6 +234,11 @@ class CopyEngine(Protocol):
         """Copy thread: a pooled host buffer holding ``source``'s bytes (same shape/dtype)."""
         ...
 
+    def d2h_many(self, sources: Sequence[Any]) -> list[HostArray]:
+        """Copy thread: ``d2h`` of each of ``sources`` (an offload job's storage spans),
+        issued together and waited for once: every buffer is complete on return."""
+        ...
+
     def acquire_host(self, nbytes: int) -> HostArray:
         """A pooled ``uint8`` host buffer of exactly ``nbytes`` bytes."""
         ...
@@ -248,6 +254,16 @@ class CopyEngine(Protocol):
         laid out with ``strides`` (in elements; None: C-contiguous) so a restored view
         computes exactly as the original did; ``dtype`` is the framework's name of the
         original dtype (``ViewKey.dtype``), for dtypes numpy has no type for."""
+        ...
+
+    def h2d_block(
+        self, hosts: Sequence[HostArray], offsets: Sequence[int], nbytes: int
+    ) -> list[Any]:
+        """Copy thread: one fresh device block of ``nbytes`` bytes (a load job's storage
+        spans), each of ``hosts`` (``uint8``) copied to its offset in it (64-byte aligned,
+        within ``nbytes``), waited for once; each one's loaded span (a ``uint8`` device
+        handle into the block, as ``restore_views`` takes). The block is freed when the last
+        view restored into it is."""
         ...
 
     def member(

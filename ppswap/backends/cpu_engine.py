@@ -200,15 +200,15 @@ class HostPool:
                 misses=self._misses,
             )
 
-    def count_d2h(self, nbytes: int) -> None:
+    def count_d2h(self, nbytes: int, calls: int = 1) -> None:
         with self._lock:
             self._d2h_bytes += nbytes
-            self._d2h_calls += 1
+            self._d2h_calls += calls
 
-    def count_h2d(self, nbytes: int) -> None:
+    def count_h2d(self, nbytes: int, calls: int = 1) -> None:
         with self._lock:
             self._h2d_bytes += nbytes
-            self._h2d_calls += 1
+            self._h2d_calls += calls
 
     def counters(self) -> CopyCounters:
         with self._lock:
@@ -406,6 +406,49 @@ class EmulatedDevice:
         np.copyto(typed, src_view, casting="no")
         _throttle(src_view.nbytes, self.d2h_gbps, started)
         self.pool.count_d2h(src_view.nbytes)
+
+    def d2h_many(self, sources: Sequence[Array]) -> list[Array]:
+        """Each source into a pooled buffer of its own (the bandwidth floor applies to
+        the bytes of all of them together, as one transfer)."""
+        started = time.perf_counter()
+        acquire = self.acquire_host
+        hosts: list[Array] = []
+        total = 0
+        try:
+            for src in sources:
+                hosts.append(dst := acquire(src.nbytes))
+                np.copyto(dst, src, casting="no")  # both 1-D uint8 (span bytes)
+                total += src.nbytes
+        except BaseException:
+            for dst in hosts:
+                self.release_host(dst)
+            raise
+        _throttle(total, self.d2h_gbps, started)
+        self.pool.count_d2h(total, len(hosts))
+        return hosts
+
+    def h2d_block(self, hosts: Sequence[Array], offsets: Sequence[int], nbytes: int) -> list[Array]:
+        """One cached block (:class:`BlockCache`) for all of ``hosts``."""
+        if len(offsets) != len(hosts):
+            raise ValueError(f"h2d_block: {len(hosts)} hosts but {len(offsets)} offsets")
+        started = time.perf_counter()
+        block = self.blocks.empty(nbytes)
+        loaded: list[Array] = []
+        total = 0
+        for host, offset in zip(hosts, offsets, strict=True):
+            end = offset + host.nbytes
+            if offset < 0 or offset % HOST_ALIGNMENT or end > nbytes:
+                raise ValueError(
+                    f"h2d_block: a {host.nbytes}-byte span at offset {offset} does not fit "
+                    f"a {nbytes}-byte block at a {HOST_ALIGNMENT}-byte boundary"
+                )
+            dst = block[offset:end]
+            np.copyto(dst, host, casting="no")
+            loaded.append(dst)
+            total += host.nbytes
+        _throttle(total, self.h2d_gbps, started)
+        self.pool.count_h2d(total, len(loaded))
+        return loaded
 
     def member(
         self,

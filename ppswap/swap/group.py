@@ -203,6 +203,7 @@ class SwapGroup(EntryTable):
                 ],
                 self._host_buckets,
                 self.accounting.new_loaded_block,
+                self.bucket_bytes,
             )
             taken = {id(b) for b, _ in plan.buckets}
             self._host_buckets = [b for b in self._host_buckets if id(b) not in taken]

@@ -3,7 +3,10 @@
 These functions run on the copy thread. They only see what a job carries: the copy
 sources, the host buffers, the buckets, and move bytes with the engine's primitives. They
 take no locks; the group wraps them. The unit they move is a storage span
-(``spans.py``): one copy per span, of its bytes as ``uint8``. After each copy they compare
+(``spans.py``): one copy per span, of its bytes as ``uint8``, all of a job's spans in one
+engine call (``d2h_many``; a load's into one device allocation per block of at most
+``bucket_bytes``, ``h2d_block``), each span in a host buffer of its own unless its group
+packs them into buckets. After the copies they compare
 content digests where the group keeps them (``StorageSpan.verify``, per view): the host
 copy against the reference taken when the forward ended, the source again after the copy
 (a write during the copy), a load against the host copy.
@@ -27,8 +30,10 @@ from ppswap.swap.tensor import CheckMode
 __all__ = [
     "CopySlot",
     "HostBucket",
+    "LoadBlock",
     "LoadPlan",
     "aligned",
+    "load_blocks",
     "pack_buckets",
     "release_load_buffers",
     "release_offload_buffers",
@@ -92,11 +97,12 @@ def run_offload(
     engine: CopyEngine, single: list[CopySlot], buckets: list[HostBucket], check: CheckMode
 ) -> None:
     """Copy every span to host: one pooled buffer per single slot, one per bucket."""
-    for slot in single:
-        assert slot.src is not None
-        slot.host = engine.d2h(slot.src)
-        _verify_offloaded(engine, slot, check)
-        slot.src = None
+    if single:
+        hosts = engine.d2h_many([slot.src for slot in single])
+        for slot, host in zip(single, hosts, strict=True):
+            slot.host = host
+            _verify_offloaded(engine, slot, check)
+            slot.src = None
     for bucket in buckets:
         bucket.raw = engine.acquire_host(bucket.nbytes)
         for slot, offset in bucket.members:
@@ -109,20 +115,45 @@ def run_offload(
             slot.src = None
 
 
+@dataclass(eq=False)
+class LoadBlock:
+    """One device block a load job allocates for spans that have a host buffer each: its
+    slots (each at its ``offset``) and its size."""
+
+    slots: list[CopySlot]
+    nbytes: int
+
+
+def load_blocks(slots: list[CopySlot], block_bytes: int) -> list[LoadBlock]:
+    """Place ``slots`` in device blocks by the host buckets' rule (:func:`pack_buckets`):
+    in order, 64-byte aligned, at most ``block_bytes`` a block unless one span is larger."""
+    blocks = []
+    for layout in pack_buckets(slots, block_bytes):
+        for slot, offset in layout.members:
+            slot.offset = offset
+        blocks.append(LoadBlock([slot for slot, _ in layout.members], layout.nbytes))
+    return blocks
+
+
 def run_load(
     engine: CopyEngine,
-    single: list[CopySlot],
+    blocks: list[LoadBlock],
     buckets: list[tuple[HostBucket, list[CopySlot]]],
     check: CheckMode,
 ) -> None:
-    """Copy host spans to fresh device memory; a bucket's spans become slices of one
-    block."""
+    """Copy host spans to fresh device memory: the spans of a block into slices of one
+    allocation (``h2d_block``), a bucket in one copy whose spans become slices of it."""
     where = "while it was on the host (load)"
-    for slot in single:
-        assert slot.host is not None
-        loaded = engine.h2d(slot.host)
-        slot.span.verify(engine.host_view(loaded), check, where)
-        slot.loaded = loaded
+    for block in blocks:
+        hosts = []
+        for slot in block.slots:
+            assert slot.host is not None
+            hosts.append(slot.host)
+        offsets = [slot.offset for slot in block.slots]
+        loaded_spans = engine.h2d_block(hosts, offsets, block.nbytes)
+        for slot, loaded in zip(block.slots, loaded_spans, strict=True):
+            slot.span.verify(engine.host_view(loaded), check, where)
+            slot.loaded = loaded
     for bucket, bucket_slots in buckets:
         assert bucket.raw is not None
         raw = bucket.raw
@@ -166,13 +197,17 @@ def release_offload_buffers(
 
 @dataclass(eq=False)
 class LoadPlan:
-    """What one load job moves: single spans, and buckets with their moving spans.
+    """What one load job moves: single spans (placed in ``blocks``), and buckets with
+    their moving spans.
 
-    Each slot gets the device block its data will land in: a block per single span, one
-    block per bucket (shared by its spans, sized as the whole bucket).
+    Each slot gets the accounting block its data will land in: one per single span
+    (counting that span's bytes, although the engine places the spans of a
+    :class:`LoadBlock` in one allocation: they are loaded, held and released together),
+    one per bucket (shared by its spans, sized as the whole bucket).
     """
 
     single: list[CopySlot]
+    blocks: list[LoadBlock]
     buckets: list[tuple[HostBucket, list[CopySlot]]]
 
     @classmethod
@@ -181,9 +216,10 @@ class LoadPlan:
         host_spans: list[StorageSpan],
         host_buckets: list[HostBucket],
         new_block: Callable[[], tuple[str, int]],
+        block_bytes: int,
     ) -> LoadPlan:
-        """Plan the load of ``host_spans`` (on the host, not bucketed) and of the spans
-        still in ``host_buckets``."""
+        """Plan the load of ``host_spans`` (on the host, not bucketed; device blocks of
+        at most ``block_bytes``) and of the spans still in ``host_buckets``."""
         single = [
             CopySlot(span=span, host=span.host, block=new_block(), block_nbytes=span.nbytes)
             for span in host_spans
@@ -207,7 +243,7 @@ class LoadPlan:
                     ],
                 )
             )
-        return cls(single=single, buckets=buckets)
+        return cls(single=single, blocks=load_blocks(single, block_bytes), buckets=buckets)
 
     @property
     def slots(self) -> list[CopySlot]:
@@ -218,7 +254,7 @@ class LoadPlan:
         return sum(s.span.nbytes for s in self.single) + sum(b.nbytes for b, _ in self.buckets)
 
     def run(self, engine: CopyEngine, check: CheckMode) -> None:
-        run_load(engine, self.single, self.buckets, check)
+        run_load(engine, self.blocks, self.buckets, check)
 
     def release(self, engine: CopyEngine) -> None:
         release_load_buffers(engine, self.single, self.buckets)

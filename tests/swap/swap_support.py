@@ -301,9 +301,17 @@ class GatedDevice(EmulatedDevice):
         self._pass(self.d2h_gate)
         super().d2h_into(src_view, dst)
 
+    def d2h_many(self, sources: Any) -> Any:
+        self._pass(self.d2h_gate)
+        return super().d2h_many(sources)
+
     def h2d(self, host: Any, strides: Any = None, dtype: str | None = None) -> Any:
         self._pass(self.h2d_gate)
         return super().h2d(host, strides, dtype)
+
+    def h2d_block(self, hosts: Any, offsets: Any, nbytes: int) -> Any:
+        self._pass(self.h2d_gate)
+        return super().h2d_block(hosts, offsets, nbytes)
 
 
 def open_later(gate: threading.Event, delay_s: float = 0.1) -> threading.Timer:

@@ -50,6 +50,66 @@ def test_d2h_into_a_bucket_slice():
     engine.release_host(raw)
 
 
+def _span_bytes(values: list[int]) -> np.ndarray:
+    """A storage span's bytes as the swap layer hands them to the engine: 1-D uint8."""
+    return np.array(values, dtype=np.int32).view(np.uint8)
+
+
+def test_d2h_many_copies_each_span_into_a_pooled_buffer_of_its_own():
+    engine = EmulatedDevice()
+    sources = [_span_bytes(list(range(n))) for n in (3, 1000, 17)]
+    hosts = engine.d2h_many(sources)
+    for src, host in zip(sources, hosts, strict=True):
+        assert host.tobytes() == src.tobytes() and not np.shares_memory(host, src)
+    assert engine.pool_stats().lent == 3
+    counters = engine.counters()
+    assert counters.d2h_calls == 3  # one copy per span
+    assert counters.d2h_bytes == sum(src.nbytes for src in sources)
+    for host in hosts:
+        engine.release_host(host)
+    assert engine.pool_stats().lent == 0
+
+
+def test_d2h_many_gives_its_buffers_back_when_a_copy_fails():
+    engine = EmulatedDevice()
+    good, bad = _span_bytes([1, 2, 3]), np.arange(3, dtype=np.float32)  # not uint8 bytes
+    with pytest.raises(TypeError):
+        engine.d2h_many([good, bad])
+    assert engine.pool_stats().lent == 0
+
+
+def test_h2d_block_loads_every_span_into_one_cached_block():
+    engine = EmulatedDevice()
+    hosts = [_span_bytes(list(range(n))) for n in (5, 64, 1)]  # 20, 256 and 4 bytes
+    offsets = [0, 64, 320]
+    loaded = engine.h2d_block(hosts, offsets, 384)
+    assert [span.tobytes() for span in loaded] == [host.tobytes() for host in hosts]
+    base = loaded[0].ctypes.data
+    assert base % 64 == 0
+    assert [span.ctypes.data - base for span in loaded] == offsets  # one allocation
+    assert engine.block_stats().lent == 1 and engine.counters().h2d_calls == 3
+    kept = loaded[1]
+    del loaded
+    assert engine.block_stats().lent == 1  # a span still in use keeps the whole block
+    del kept
+    assert engine.block_stats().lent == 0
+
+
+@pytest.mark.parametrize(
+    ("offsets", "nbytes", "message"),
+    [
+        ([0, 32], 128, "at offset 32 does not fit a 128-byte block at a 64-byte boundary"),
+        ([0, 64], 80, "a 20-byte span at offset 64 does not fit a 80-byte block"),
+        ([0], 128, "2 hosts but 1 offsets"),
+    ],
+)
+def test_h2d_block_refuses_a_layout_that_does_not_fit(offsets, nbytes, message):
+    engine = EmulatedDevice()
+    hosts = [_span_bytes([1, 2, 3, 4, 5]), _span_bytes([6, 7, 8, 9, 10])]
+    with pytest.raises(ValueError, match=message):
+        engine.h2d_block(hosts, offsets, nbytes)
+
+
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 def test_bandwidth_sets_a_floor_on_copy_time(direction):
     nbytes = 200_000

@@ -113,6 +113,43 @@ def test_small_buckets_split_a_group_and_restore_exactly(manager, copy_thread, n
     assert engine.pool_stats().lent == 0
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_load_places_its_spans_in_blocks_of_at_most_bucket_bytes(manager, copy_thread, name):
+    """Spans with host buffers of their own (no group_swap) land in one device allocation
+    per load, split at ``bucket_bytes`` as buckets are; the blocks go with the chunk."""
+    model, x = _wrapped(name, group_swap=False)
+    params = model.trainable_params()
+    fn = loss_of(model)
+    expected = reference_grads(fn, x, params)
+    engine = EmulatedDevice()
+    session = PipelineSwapSession(
+        manager, engine, rank=0, generation=3, eligible={(0, 0)}, bucket_bytes=2048
+    )
+    with session.collection_context(0, 0, protected=[x], parameters=params):
+        _, vjp_fn = forward(fn, x, params)
+    group = manager.get_group(session.group_name(0, 0))
+    copy_thread.run_now(session.prepare_offload(0, 0))
+    session.finish_offload(0, 0)
+    spans = group.spans()
+    assert engine.pool_stats().lent == len(spans)  # a host buffer per span
+    sizes = [span.nbytes for span in spans]
+    expected_blocks, used = 0, None
+    for size in sizes:  # the buckets' placement rule: in order, aligned, <= 2048
+        if used is not None and -(-used // 64) * 64 + size <= 2048:
+            used = -(-used // 64) * 64 + size
+        else:
+            expected_blocks, used = expected_blocks + 1, size
+    assert 1 < expected_blocks < len(spans), sizes
+    copy_thread.run_now(session.prepare_load(0, 0))
+    session.finish_load(0, 0)
+    assert engine.block_stats().lent == expected_blocks
+    assert_bit_identical(expected, backward(vjp_fn))
+    session.release_chunk(0, 0)
+    session.close()
+    del vjp_fn
+    assert engine.pool_stats().lent == 0 and engine.block_stats().lent == 0
+
+
 @pytest.mark.parametrize("group_swap", [False, True])
 def test_backward_without_load_loads_synchronously(make_session, copy_thread, group_swap):
     model, x = _wrapped("attention", group_swap)

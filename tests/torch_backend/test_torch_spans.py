@@ -186,6 +186,7 @@ def test_views_of_one_storage_move_once_and_come_back_as_views_of_one_block(
     assert session.finish_load(0, 0) == span_bytes
     loaded = engine.counters()
     assert loaded.h2d_calls - copied.h2d_calls == (1 if group_swap else len(spans))
+    assert engine.block_stats().lent == 1  # the load's spans share one allocation
     for span in spans:
         _assert_views_of_one_block(span)
     stats = session.stats()
@@ -194,7 +195,9 @@ def test_views_of_one_storage_move_once_and_come_back_as_views_of_one_block(
     got = _backward(record, list(module.parameters()))
     assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
     session.release_chunk(0, 0)
+    del record
     assert engine.pool_stats().lent == 0
+    assert engine.block_stats().lent == 0  # and it is freed with the chunk
 
 
 def test_a_backward_without_its_load_loads_each_span_once(

@@ -15,6 +15,9 @@ back, on a copy stream of their own.
 - What moves is a storage span (``ppswap/swap/spans.py``): the source is a ``uint8``
   tensor over the bytes of a storage its saved views use (``TorchBackend.storage_bytes``),
   the host copy one ``uint8`` buffer, the destination one ``uint8`` block.
+- ``d2h_many`` copies every span of an offload job and waits once (one event on the
+  copy stream after the last copy); ``h2d_block`` allocates one block for a load job's
+  spans on the copy stream, copies each to its offset and waits once.
 - ``h2d`` (copy thread) allocates the destination on the copy stream (with the given
   strides, if any), copies and waits; ``restore_views`` (compute thread) marks the block
   as used by the compute stream (``record_stream``): the caching allocator then never
@@ -190,6 +193,48 @@ class CudaCopyEngine:
             done.record(self.stream)
         done.synchronize()
         self.pool.count_d2h(source.nbytes)
+
+    def d2h_many(self, sources: Sequence[CudaSource]) -> list[HostArray]:
+        hosts: list[HostArray] = []
+        waited: set[int] = set()
+        total = 0
+        try:
+            with torch.cuda.stream(self.stream):
+                for source in sources:
+                    if id(source.ready) not in waited:  # one event per chunk (span_sources)
+                        self.stream.wait_event(source.ready)
+                        waited.add(id(source.ready))
+                    hosts.append(dst := self.acquire_host(source.nbytes))
+                    torch.from_numpy(dst).copy_(source.tensor, non_blocking=True)
+                    total += source.nbytes
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            done.synchronize()
+        except BaseException:
+            self.stream.synchronize()  # no copy still writes a buffer given back
+            for dst in hosts:
+                self.release_host(dst)
+            raise
+        self.pool.count_d2h(total, len(hosts))
+        return hosts
+
+    def h2d_block(
+        self, hosts: Sequence[HostArray], offsets: Sequence[int], nbytes: int
+    ) -> list[torch.Tensor]:
+        loaded: list[torch.Tensor] = []
+        total = 0
+        with torch.cuda.stream(self.stream):
+            block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            for host, offset in zip(hosts, offsets, strict=True):
+                span = block[offset : offset + host.nbytes]
+                span.copy_(torch.from_numpy(host), non_blocking=True)
+                loaded.append(span)
+                total += int(host.nbytes)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
+        self.pool.count_h2d(total, len(loaded))
+        return loaded
 
     def h2d(
         self, host: HostArray, strides: tuple[int, ...] | None = None, dtype: str | None = None
