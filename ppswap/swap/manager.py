@@ -150,6 +150,10 @@ class Collection:
         self._closed = False
         for tensor in tensors_in(backend, list(parameters)):
             self._parameters.setdefault(backend.storage_of(tensor).ptr, []).append(tensor)
+        # The same objects a swap_wrapper's module state lists again (the stage passes its
+        # whole module state): ``module_state`` skips them without reading their storage.
+        # Held in ``_parameters`` for the whole forward, so their ids cannot be reused.
+        self._parameter_ids = {id(t) for held in self._parameters.values() for t in held}
         for tensor in tensors_in(backend, list(protected)):
             self._protected[backend.storage_of(tensor).ptr] = tensor
 
@@ -177,7 +181,10 @@ class Collection:
     def module_state(self, tensors: Iterable[Tensor]) -> Iterator[None]:
         """Treat ``tensors`` as parameters (never captured or counted) inside the block."""
         added = []
+        known = self._parameter_ids
         for tensor in tensors:
+            if id(tensor) in known:
+                continue
             ptr = self.backend.storage_of(tensor).ptr
             self._parameters.setdefault(ptr, []).append(tensor)
             added.append(ptr)
@@ -283,6 +290,7 @@ class Collection:
         self._registered.clear()
         self._protected.clear()
         self._parameters.clear()
+        self._parameter_ids.clear()
         self._resident.clear()
         self.group = None
         self.sink = None
