@@ -98,7 +98,11 @@ def run_offload(
 ) -> None:
     """Copy every span to host: one pooled buffer per single slot, one per bucket."""
     if single:
-        hosts = engine.d2h_many([slot.src for slot in single])
+        sources = []
+        for slot in single:
+            assert slot.src is not None
+            sources.append(slot.src)
+        hosts = engine.d2h_many(sources)
         for slot, host in zip(single, hosts, strict=True):
             slot.host = host
             _verify_offloaded(engine, slot, check)
