@@ -364,22 +364,15 @@ class TimedCudaCopyEngine(CudaCopyEngine):
         self._lock = threading.Lock()
         self._spans: list[CopySpan] = []
 
-    def d2h_into(self, source: CudaSource, dst: HostArray) -> None:
-        start, end = _timing_event(), _timing_event()
-        with self._lock:
-            self.stream.wait_event(source.ready)
-            start.record(self.stream)
-            super().d2h_into(source, dst)
-            end.record(self.stream)
-            self._spans.append(CopySpan("d2h", source.nbytes, start, end))
-
-    def d2h_many(self, sources: Sequence[CudaSource]) -> list[HostArray]:
+    def d2h_many(
+        self, sources: Sequence[CudaSource], into: Sequence[HostArray | None] | None = None
+    ) -> list[HostArray]:
         start, end = _timing_event(), _timing_event()
         with self._lock:
             for ready in {id(source.ready): source.ready for source in sources}.values():
                 self.stream.wait_event(ready)
             start.record(self.stream)
-            hosts = super().d2h_many(sources)
+            hosts = super().d2h_many(sources, into)
             end.record(self.stream)
             self._spans.append(CopySpan("d2h", sum(s.nbytes for s in sources), start, end))
         return hosts

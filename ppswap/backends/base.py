@@ -198,8 +198,9 @@ class CopyEngine(Protocol):
     The swap layer takes a chunk's copy sources on the compute thread when its forward
     ends (``span_sources``: O(1) per storage span, no copy) and runs each copy as one job
     on the rank's copy stream, where the engine's primitives move bytes (``d2h_many``
-    and ``h2d_block`` for a job's spans, ``acquire_host`` + ``d2h_into``, ``h2d`` and
-    ``member`` for ``group_swap`` buckets); after the job's completion event,
+    for an offload's spans, into buffers of their own or slices of an ``acquire_host``
+    bucket; ``h2d_block`` for a load's spans, ``h2d`` and ``member`` for a
+    ``group_swap`` bucket's); after the job's completion event,
     ``restore_views`` (compute thread, O(1) per view) turns a loaded span back into the
     framework tensors of its views. Host buffers come from a pool that outlives runs
     (``release_host`` gives one back; thread-safe). ``host_view`` shows the bytes of a
@@ -230,21 +231,18 @@ class CopyEngine(Protocol):
         where the framework cannot view those bytes through ``tensor``."""
         ...
 
-    def d2h(self, source: Any) -> HostArray:
-        """Copy thread: a pooled host buffer holding ``source``'s bytes (same shape/dtype)."""
-        ...
-
-    def d2h_many(self, sources: Sequence[Any]) -> list[HostArray]:
-        """Copy thread: ``d2h`` of each of ``sources`` (an offload job's storage spans),
-        issued together and waited for once: every buffer is complete on return."""
+    def d2h_many(
+        self, sources: Sequence[Any], into: Sequence[HostArray | None] | None = None
+    ) -> list[HostArray]:
+        """Copy thread: every one of ``sources`` (an offload job's storage spans) to host,
+        issued together and waited for once: each into its ``into`` entry (a slice of an
+        acquired buffer, of its byte count) or, where that is None (or ``into`` is), into
+        a pooled buffer of its own. Returns the host copies, complete; on a failure the
+        buffers it took itself are given back."""
         ...
 
     def acquire_host(self, nbytes: int) -> HostArray:
         """A pooled ``uint8`` host buffer of exactly ``nbytes`` bytes."""
-        ...
-
-    def d2h_into(self, source: Any, dst: HostArray) -> None:
-        """Copy thread: copy ``source`` into ``dst`` (a slice of an acquired buffer)."""
         ...
 
     def h2d(

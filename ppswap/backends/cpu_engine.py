@@ -407,20 +407,33 @@ class EmulatedDevice:
         _throttle(src_view.nbytes, self.d2h_gbps, started)
         self.pool.count_d2h(src_view.nbytes)
 
-    def d2h_many(self, sources: Sequence[Array]) -> list[Array]:
-        """Each source into a pooled buffer of its own (the bandwidth floor applies to
-        the bytes of all of them together, as one transfer)."""
+    def d2h_many(
+        self, sources: Sequence[Array], into: Sequence[Array | None] | None = None
+    ) -> list[Array]:
+        """Each source into its ``into`` slice or a pooled buffer of its own (the
+        bandwidth floor applies to the bytes of all of them together, as one transfer)."""
         started = time.perf_counter()
+        targets = [None] * len(sources) if into is None else into
+        if len(targets) != len(sources):
+            raise ValueError(f"d2h_many: {len(sources)} sources but {len(targets)} targets")
         acquire = self.acquire_host
         hosts: list[Array] = []
+        taken: list[Array] = []
         total = 0
         try:
-            for src in sources:
-                hosts.append(dst := acquire(src.nbytes))
-                np.copyto(dst, src, casting="no")  # both 1-D uint8 (span bytes)
+            for src, target in zip(sources, targets, strict=True):
+                if target is None:
+                    target = acquire(src.nbytes)
+                    taken.append(target)
+                elif target.nbytes != src.nbytes:
+                    raise ValueError(
+                        f"d2h_many: a target has {target.nbytes} bytes, its source {src.nbytes}"
+                    )
+                np.copyto(target, src, casting="no")  # both 1-D uint8 (span bytes)
+                hosts.append(target)
                 total += src.nbytes
         except BaseException:
-            for dst in hosts:
+            for dst in taken:
                 self.release_host(dst)
             raise
         _throttle(total, self.d2h_gbps, started)

@@ -3,10 +3,10 @@
 These functions run on the copy thread. They only see what a job carries: the copy
 sources, the host buffers, the buckets, and move bytes with the engine's primitives. They
 take no locks; the group wraps them. The unit they move is a storage span
-(``spans.py``): one copy per span, of its bytes as ``uint8``, all of a job's spans in one
-engine call (``d2h_many``; a load's into one device allocation per block of at most
-``bucket_bytes``, ``h2d_block``), each span in a host buffer of its own unless its group
-packs them into buckets. After the copies they compare
+(``spans.py``): one copy per span, of its bytes as ``uint8``, all of an offload's spans
+in one engine call (``d2h_many``), each into a host buffer of its own or a slice of its
+bucket; a load's single spans into one device allocation per block of at most
+``bucket_bytes`` (``h2d_block``), a bucket in one copy. After the copies they compare
 content digests where the group keeps them (``StorageSpan.verify``, per view): the host
 copy against the reference taken when the forward ended, the source again after the copy
 (a write during the copy), a load against the host copy.
@@ -96,27 +96,25 @@ def _verify_offloaded(engine: CopyEngine, slot: CopySlot, check: CheckMode) -> N
 def run_offload(
     engine: CopyEngine, single: list[CopySlot], buckets: list[HostBucket], check: CheckMode
 ) -> None:
-    """Copy every span to host: one pooled buffer per single slot, one per bucket."""
-    if single:
-        sources = []
-        for slot in single:
-            assert slot.src is not None
-            sources.append(slot.src)
-        hosts = engine.d2h_many(sources)
-        for slot, host in zip(single, hosts, strict=True):
-            slot.host = host
-            _verify_offloaded(engine, slot, check)
-            slot.src = None
+    """Copy every span to host, all in one engine call: one pooled buffer per single
+    slot, a slice of one per bucket."""
+    into: list[Array | None] = [None] * len(single)
+    slots = list(single)
     for bucket in buckets:
-        bucket.raw = engine.acquire_host(bucket.nbytes)
+        bucket.raw = raw = engine.acquire_host(bucket.nbytes)
         for slot, offset in bucket.members:
-            src = slot.src
-            assert src is not None
-            dst = bucket.raw[offset : offset + slot.span.nbytes]
-            engine.d2h_into(src, dst)
-            slot.host = dst
-            _verify_offloaded(engine, slot, check)
-            slot.src = None
+            slots.append(slot)
+            into.append(raw[offset : offset + slot.span.nbytes])
+    if not slots:
+        return
+    sources = []
+    for slot in slots:
+        assert slot.src is not None
+        sources.append(slot.src)
+    for slot, host in zip(slots, engine.d2h_many(sources, into), strict=True):
+        slot.host = host
+        _verify_offloaded(engine, slot, check)
+        slot.src = None
 
 
 @dataclass(eq=False)

@@ -297,13 +297,9 @@ class GatedDevice(EmulatedDevice):
         if not gate.wait(self._gate_timeout_s):
             raise AssertionError("a gated copy was never released by the test")
 
-    def d2h_into(self, src_view: Any, dst: Any) -> None:
+    def d2h_many(self, sources: Any, into: Any = None) -> Any:
         self._pass(self.d2h_gate)
-        super().d2h_into(src_view, dst)
-
-    def d2h_many(self, sources: Any) -> Any:
-        self._pass(self.d2h_gate)
-        return super().d2h_many(sources)
+        return super().d2h_many(sources, into)
 
     def h2d(self, host: Any, strides: Any = None, dtype: str | None = None) -> Any:
         self._pass(self.h2d_gate)

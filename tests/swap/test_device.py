@@ -78,6 +78,26 @@ def test_d2h_many_gives_its_buffers_back_when_a_copy_fails():
     assert engine.pool_stats().lent == 0
 
 
+def test_d2h_many_copies_into_given_slices_and_takes_buffers_only_where_none_is_given():
+    engine = EmulatedDevice()
+    raw = engine.acquire_host(256)  # a bucket: two spans at 64-byte aligned offsets
+    sources = [_span_bytes([1, 2, 3]), _span_bytes([4, 5]), _span_bytes([6])]
+    hosts = engine.d2h_many(sources, [raw[0:12], None, raw[64:68]])
+    assert [h.tobytes() for h in hosts] == [src.tobytes() for src in sources]
+    assert np.shares_memory(hosts[0], raw) and np.shares_memory(hosts[2], raw)
+    assert not np.shares_memory(hosts[1], raw)
+    assert engine.pool_stats().lent == 2  # the bucket and the one buffer taken here
+    with pytest.raises(ValueError, match="a target has 8 bytes, its source 12"):
+        engine.d2h_many(sources[:1], [raw[128:136]])
+    with pytest.raises(ValueError, match="2 sources but 1 targets"):
+        engine.d2h_many(sources[:2], [None])
+    with pytest.raises(TypeError):  # the second copy fails: only its own buffer goes back
+        engine.d2h_many([sources[0], np.arange(2, dtype=np.float32)], [raw[0:12], None])
+    assert engine.pool_stats().lent == 2
+    engine.release_host(hosts[1])
+    engine.release_host(raw)
+
+
 def test_h2d_block_loads_every_span_into_one_cached_block():
     engine = EmulatedDevice()
     hosts = [_span_bytes(list(range(n))) for n in (5, 64, 1)]  # 20, 256 and 4 bytes

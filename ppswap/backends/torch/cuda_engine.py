@@ -8,16 +8,16 @@ back, on a copy stream of their own.
   the compute stream after the chunk's tensors were produced; each copy waits for it on
   the copy stream (``Stream.wait_event``), so the copy never reads a half-computed
   activation and the compute stream never waits for a copy.
-- ``d2h`` / ``d2h_into`` (copy thread) copy into page-locked buffers from a pool
-  (``torch.empty(..., pin_memory=True)``, handed out as numpy views: the swap layer's
-  bucket layout and checks work on them) with ``non_blocking=True`` and wait for the copy
-  on that thread, so the job's completion means the bytes are on the host.
+- ``d2h_many`` (copy thread) copies every span of an offload job into page-locked buffers
+  from a pool (``torch.empty(..., pin_memory=True)``, handed out as numpy views: the swap
+  layer's bucket layout and checks work on them) or into slices of a bucket, with
+  ``non_blocking=True``, and waits once on that thread (one event on the copy stream
+  after the last copy), so the job's completion means the bytes are on the host.
 - What moves is a storage span (``ppswap/swap/spans.py``): the source is a ``uint8``
   tensor over the bytes of a storage its saved views use (``TorchBackend.storage_bytes``),
   the host copy one ``uint8`` buffer, the destination one ``uint8`` block.
-- ``d2h_many`` copies every span of an offload job and waits once (one event on the
-  copy stream after the last copy); ``h2d_block`` allocates one block for a load job's
-  spans on the copy stream, copies each to its offset and waits once.
+- ``h2d_block`` (copy thread) allocates one block for a load job's spans on the copy
+  stream, copies each to its offset and waits once.
 - ``h2d`` (copy thread) allocates the destination on the copy stream (with the given
   strides, if any), copies and waits; ``restore_views`` (compute thread) marks the block
   as used by the compute stream (``record_stream``): the caching allocator then never
@@ -175,44 +175,39 @@ class CudaCopyEngine:
         return fresh
 
     # -- copy thread ---------------------------------------------------------------------
-    def d2h(self, source: CudaSource) -> HostArray:
-        raw = self.acquire_host(source.nbytes)
-        host: HostArray = raw.view(source.dtype).reshape(source.shape)
-        self.d2h_into(source, host)
-        return host
-
-    def d2h_into(self, source: CudaSource, dst: HostArray) -> None:
-        if dst.nbytes != source.nbytes:
-            raise ValueError(f"d2h_into: dst has {dst.nbytes} bytes, source has {source.nbytes}")
-        carrier = source.tensor.view(_carrier(source.tensor.dtype))
-        target = torch.from_numpy(dst.view(source.dtype)).reshape(source.shape)
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(source.ready)
-            target.copy_(carrier, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        done.synchronize()
-        self.pool.count_d2h(source.nbytes)
-
-    def d2h_many(self, sources: Sequence[CudaSource]) -> list[HostArray]:
+    def d2h_many(
+        self, sources: Sequence[CudaSource], into: Sequence[HostArray | None] | None = None
+    ) -> list[HostArray]:
+        targets = [None] * len(sources) if into is None else into
+        if len(targets) != len(sources):
+            raise ValueError(f"d2h_many: {len(sources)} sources but {len(targets)} targets")
         hosts: list[HostArray] = []
+        taken: list[HostArray] = []
         waited: set[int] = set()
         total = 0
         try:
             with torch.cuda.stream(self.stream):
-                for source in sources:
+                for source, target in zip(sources, targets, strict=True):
                     if id(source.ready) not in waited:  # one event per chunk (span_sources)
                         self.stream.wait_event(source.ready)
                         waited.add(id(source.ready))
-                    hosts.append(dst := self.acquire_host(source.nbytes))
-                    torch.from_numpy(dst).copy_(source.tensor, non_blocking=True)
+                    if target is None:
+                        target = self.acquire_host(source.nbytes)
+                        taken.append(target)
+                    elif target.nbytes != source.nbytes:
+                        raise ValueError(
+                            f"d2h_many: a target has {target.nbytes} bytes, its source "
+                            f"{source.nbytes}"
+                        )
+                    torch.from_numpy(target).copy_(source.tensor, non_blocking=True)
+                    hosts.append(target)
                     total += source.nbytes
                 done = torch.cuda.Event()
                 done.record(self.stream)
             done.synchronize()
         except BaseException:
             self.stream.synchronize()  # no copy still writes a buffer given back
-            for dst in hosts:
+            for dst in taken:
                 self.release_host(dst)
             raise
         self.pool.count_d2h(total, len(hosts))
