@@ -112,7 +112,8 @@ def run_offload(
         assert slot.src is not None
         sources.append(slot.src)
     for slot, host in zip(slots, engine.d2h_many(sources, into), strict=True):
-        slot.host = host
+        slot.host = host  # every buffer has its slot before a check may raise
+    for slot in slots:
         _verify_offloaded(engine, slot, check)
         slot.src = None
 

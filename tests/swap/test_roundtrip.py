@@ -20,10 +20,11 @@ from swap_support import (
     forward,
     loss_of,
     reference_grads,
+    release_forward,
     seeded,
 )
 
-from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapState, swap_wrapper
+from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapError, SwapState, swap_wrapper
 
 MODELS = {
     "mlp": (lambda: MLP(dim=16, hidden=32, blocks=3), (8, 16)),
@@ -148,6 +149,33 @@ def test_a_load_places_its_spans_in_blocks_of_at_most_bucket_bytes(manager, copy
     session.close()
     del vjp_fn
     assert engine.pool_stats().lent == 0 and engine.block_stats().lent == 0
+
+
+@pytest.mark.parametrize("group_swap", [False, True])
+def test_an_offload_refused_by_its_check_leaves_no_host_buffer_lent(
+    make_session, copy_thread, group_swap
+):
+    """The offload's one engine call copies every span before the checks run: a span
+    modified in place between the launch and the copy fails the job at its check, and
+    every buffer taken (the spans after it included) goes back when the chunk does."""
+    model, x = _wrapped("mlp", group_swap)
+    params = model.trainable_params()
+    session = make_session()
+    with session.collection_context(0, 0, protected=[x], parameters=params):
+        _, vjp_fn = forward(loss_of(model), x, params)
+    group = session.manager.get_group(session.group_name(0, 0))
+    spans = group.spans()
+    assert len(spans) > 2
+    job = session.prepare_offload(0, 0)
+    spans[0].entries[0].storage.device.asnumpy()[:] += 1.0  # on CPU a view: in place
+    copy_thread.run_now(job)
+    assert isinstance(job.error, SwapError) and "modified in place" in str(job.error)
+    assert session.engine.pool_stats().lent > 0
+    with pytest.raises(SwapError, match="modified in place after capture"):
+        session.finish_offload(0, 0)
+    release_forward(vjp_fn)
+    session.abort()
+    assert session.engine.pool_stats().lent == 0
 
 
 @pytest.mark.parametrize("group_swap", [False, True])
