@@ -84,18 +84,25 @@ def test_round_trip_gradients_bit_identical(make_session, copy_thread, name, gro
     assert session.engine.pool_stats().lent == 0
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_small_buckets_split_a_group_and_restore_exactly(manager, copy_thread, name):
-    model, x = _wrapped(name, group_swap=True)
+def _collected(manager, name: str, group_swap: bool, *, bucket_bytes: int):
+    """Chunk (0, 0) of model ``name`` collected by a session of its own engine with
+    ``bucket_bytes``: the session, the engine, the reference gradients, the vjp."""
+    model, x = _wrapped(name, group_swap)
     params = model.trainable_params()
     fn = loss_of(model)
     expected = reference_grads(fn, x, params)
     engine = EmulatedDevice()
     session = PipelineSwapSession(
-        manager, engine, rank=0, generation=3, eligible={(0, 0)}, bucket_bytes=1024
+        manager, engine, rank=0, generation=3, eligible={(0, 0)}, bucket_bytes=bucket_bytes
     )
     with session.collection_context(0, 0, protected=[x], parameters=params):
         _, vjp_fn = forward(fn, x, params)
+    return session, engine, expected, vjp_fn
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_small_buckets_split_a_group_and_restore_exactly(manager, copy_thread, name):
+    session, engine, expected, vjp_fn = _collected(manager, name, True, bucket_bytes=1024)
     job = session.prepare_offload(0, 0)
     group = manager.get_group(session.group_name(0, 0))
     copy_thread.run_now(job)
@@ -118,16 +125,7 @@ def test_small_buckets_split_a_group_and_restore_exactly(manager, copy_thread, n
 def test_a_load_places_its_spans_in_blocks_of_at_most_bucket_bytes(manager, copy_thread, name):
     """Spans with host buffers of their own (no group_swap) land in one device allocation
     per load, split at ``bucket_bytes`` as buckets are; the blocks go with the chunk."""
-    model, x = _wrapped(name, group_swap=False)
-    params = model.trainable_params()
-    fn = loss_of(model)
-    expected = reference_grads(fn, x, params)
-    engine = EmulatedDevice()
-    session = PipelineSwapSession(
-        manager, engine, rank=0, generation=3, eligible={(0, 0)}, bucket_bytes=2048
-    )
-    with session.collection_context(0, 0, protected=[x], parameters=params):
-        _, vjp_fn = forward(fn, x, params)
+    session, engine, expected, vjp_fn = _collected(manager, name, False, bucket_bytes=2048)
     group = manager.get_group(session.group_name(0, 0))
     copy_thread.run_now(session.prepare_offload(0, 0))
     session.finish_offload(0, 0)
