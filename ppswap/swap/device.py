@@ -9,11 +9,11 @@ removed in a later release.
 import warnings
 
 from ppswap.backends.base import CopyEngine
-from ppswap.backends.cpu_engine import (
+from ppswap.backends.cpu_engine import EmulatedDevice
+from ppswap.backends.host_memory import (
     HOST_ALIGNMENT,
     Array,
     CopyCounters,
-    EmulatedDevice,
     PoolStats,
     size_class,
 )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ppswap.backends.base import CopyEngine
-from ppswap.backends.cpu_engine import HOST_ALIGNMENT, Array
+from ppswap.backends.host_memory import HOST_ALIGNMENT, Array
 from ppswap.swap.spans import StorageSpan
 from ppswap.swap.tensor import CheckMode
 

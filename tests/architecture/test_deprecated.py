@@ -46,3 +46,13 @@ def test_the_old_autograd_functions_still_record_and_run_backwards_in_any_order(
     first = old.run_backward(forward, (xs[0],), weights, sens)
     assert len(outs) == 2 and len(first[1]) == len(second[1]) == len(weights)
     assert not np.array_equal(first[1][0].asnumpy(), second[1][0].asnumpy())
+
+
+def test_size_class_still_serves_from_the_cpu_engine_with_a_warning() -> None:
+    cpu_engine = importlib.import_module("ppswap.backends.cpu_engine")
+    host_memory = importlib.import_module("ppswap.backends.host_memory")
+    with pytest.warns(DeprecationWarning, match=r"ppswap\.backends\.host_memory"):
+        moved = cpu_engine.size_class
+    assert moved is host_memory.size_class
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        _ = cpu_engine.no_such_name

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mindspore import ops
 
-from ppswap.backends.cpu_engine import size_class
+from ppswap.backends.host_memory import size_class
 from ppswap.swap import CopyEngine, EmulatedDevice
 
 

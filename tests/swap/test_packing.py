@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppswap.backends.cpu_engine import HOST_ALIGNMENT
+from ppswap.backends.host_memory import HOST_ALIGNMENT
 from ppswap.swap.transfer import CopySlot, pack_buckets
 
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ppswap.backends.base import Backend, CopyEngine, HostArray, ViewKey
-from ppswap.backends.cpu_engine import CopyCounters, HostPool, PoolStats
+from ppswap.backends.host_memory import CopyCounters, HostPool, PoolStats
 
 __all__ = ["CudaCopyEngine", "CudaSource"]
 
