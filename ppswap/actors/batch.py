@@ -269,21 +269,26 @@ class BatchRun:
             return "done"
         return f"at {jobs[order[position] if order else position].step.short()}"
 
+    def _pair(self, position: int) -> tuple[StepJob, StepJob, ThreadWait, ThreadWait]:
+        """The two jobs of the pair at ``position``, in their current order, and their
+        arrivals (both jobs of a pair wait for one)."""
+        first, second = self.jobs[self.order[position]], self.jobs[self.order[position + 1]]
+        assert first.arrival is not None and second.arrival is not None
+        return first, second, first.arrival, second.arrival
+
     def _first_ready(self, position: int) -> tuple[int, StepJob, ThreadWait]:
         """The pair at ``position``: its second job goes first if only its input is
         there; the index, job and arrival of the one that runs at ``position``."""
-        order, jobs = self.order, self.jobs
-        first, second = jobs[order[position]], jobs[order[position + 1]]
-        assert first.arrival is not None and second.arrival is not None
-        if not first.arrival.ready and second.arrival.ready:
+        order = self.order
+        first, second, first_arrival, second_arrival = self._pair(position)
+        if not first_arrival.ready and second_arrival.ready:
             order[position], order[position + 1] = order[position + 1], order[position]
-            return order[position], second, second.arrival
-        return order[position], first, first.arrival
+            return order[position], second, second_arrival
+        return order[position], first, first_arrival
 
     def _awaited(self, position: int) -> FirstOf:
-        first, second = self.jobs[self.order[position]], self.jobs[self.order[position + 1]]
-        assert first.arrival is not None and second.arrival is not None
-        return FirstOf(first.arrival, second.arrival)
+        _, _, first_arrival, second_arrival = self._pair(position)
+        return FirstOf(first_arrival, second_arrival)
 
     def _outcome(self, error: Exception | None) -> BatchOutcome:
         return BatchOutcome(
