@@ -70,9 +70,9 @@ class SwapAccounting:
         self._serial = itertools.count(1)
 
     def new_loaded_block(self) -> DeviceBlock:
-        """A fresh block id for memory that a load is about to allocate."""
-        with self._lock:
-            return ("loaded", next(self._serial))
+        """A fresh block id for memory that a load is about to allocate (no lock: one
+        ``next`` of an ``itertools.count`` is atomic in CPython)."""
+        return ("loaded", next(self._serial))
 
     def hold(self, block: DeviceBlock, nbytes: int, holder: Hashable, chunk: Chunk) -> None:
         """``holder`` (of ``chunk``) keeps ``block`` of ``nbytes`` alive on device."""
@@ -83,17 +83,31 @@ class SwapAccounting:
     ) -> None:
         """Each of ``holders`` (of ``chunk``) keeps ``block`` of ``nbytes`` alive on device
         (one lock for all of them)."""
+        with self._lock:
+            self._hold(block, nbytes, holders, chunk)
+
+    def _hold(
+        self, block: DeviceBlock, nbytes: int, holders: Iterable[Hashable], chunk: Chunk
+    ) -> None:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        record = self._blocks.get(block)
+        if record is None:
+            record = _BlockRecord(nbytes)
+            self._blocks[block] = record
+            self._resident += nbytes
+            if self._resident > self._peak:
+                self._peak = self._resident
+        for holder in holders:
+            record.holders[holder] = chunk
+
+    def hold_blocks(
+        self, blocks: Iterable[tuple[DeviceBlock, int, Iterable[Hashable]]], chunk: Chunk
+    ) -> None:
+        """:meth:`hold_all` for each ``(block, nbytes, holders)``, under one lock."""
         with self._lock:
-            record = self._blocks.get(block)
-            if record is None:
-                record = _BlockRecord(nbytes)
-                self._blocks[block] = record
-                self._resident += nbytes
-                self._peak = max(self._peak, self._resident)
-            for holder in holders:
-                record.holders[holder] = chunk
+            for block, nbytes, holders in blocks:
+                self._hold(block, nbytes, holders, chunk)
 
     def drop(self, block: DeviceBlock, holder: Hashable) -> None:
         """``holder`` no longer keeps ``block`` alive; unknown pairs are ignored."""

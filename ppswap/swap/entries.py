@@ -264,10 +264,11 @@ class EntryTable:
             span.source = source
             if source is None:
                 continue
-            host = engine.host_view(source)
             fingerprint = span.members[0][0].storage.fingerprint
-            if host is not None and (fingerprint is None or fingerprint.version is None):
-                span.take_digests(host, self.check)
+            if fingerprint is None or fingerprint.version is None:
+                host = engine.host_view(source)
+                if host is not None:
+                    span.take_digests(host, self.check)
 
     def _expect(self, phase: GroupPhase, target: GroupPhase) -> None:
         if self._phase is not phase:

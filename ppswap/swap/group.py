@@ -160,7 +160,8 @@ class SwapGroup(EntryTable):
                 span = slot.span
                 for entry in span.entries:
                     entry.check_unchanged(self.backend, "before its device memory was released")
-                span.verify(self.engine.host_view(span.source), self.check, "after its copy")
+                if span.digests is not None:
+                    span.verify(self.engine.host_view(span.source), self.check, "after its copy")
             before = self.accounting.resident_bytes
             bucket_of = {id(s): b for b in self._offload_buckets for s, _ in b.members}
             dropped: list[tuple[DeviceBlock, SwapTensor]] = []
@@ -227,10 +228,13 @@ class SwapGroup(EntryTable):
                 if slots
                 else CopyJob.empty(JobKind.LOAD, self.name)
             )
+            held = []
+            for slot in slots:
+                assert slot.block is not None
+                held.append((slot.block, slot.block_nbytes, slot.span.entries))
+            self.accounting.hold_blocks(held, self.chunk)
             for slot in slots:
                 span = slot.span
-                assert slot.block is not None
-                self.accounting.hold_all(slot.block, slot.block_nbytes, span.entries, self.chunk)
                 span.transition(SwapState.H2D)
                 span.host, span.host_bucket = None, None
                 for entry in span.entries:
@@ -259,6 +263,7 @@ class SwapGroup(EntryTable):
                     restored += span.nbytes
             self._load_slots = {}
             self._phase = GroupPhase.LOADED
+            self.accounting.add_loaded(restored)
             return restored
 
     def _finished_job(
@@ -293,7 +298,6 @@ class SwapGroup(EntryTable):
         for entry, view in zip(span.entries, views, strict=True):
             entry.storage.device = view
             entry.storage.job = None
-        self.accounting.add_loaded(span.nbytes)
 
     # -- backward's unpack (the safety net) ---------------------------------------------
 
@@ -334,6 +338,7 @@ class SwapGroup(EntryTable):
             self._raise_if_failed(job)
             slot = self._load_slots[span]
             self._complete_load(span, slot.loaded)
+            self.accounting.add_loaded(span.nbytes)
             slot.loaded = None
             if was_pending:
                 self.accounting.count_waited_load()
@@ -371,6 +376,7 @@ class SwapGroup(EntryTable):
                 self._host_buckets = [b for b in self._host_buckets if b is not bucket]
         self.accounting.count_sync_load()
         self._complete_load(span, loaded)
+        self.accounting.add_loaded(span.nbytes)
 
     # -- teardown -----------------------------------------------------------------------
 

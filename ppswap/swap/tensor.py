@@ -333,11 +333,17 @@ class SwapTensor:
         (compute thread; O(1))."""
         storage = self.storage
         device = storage.device
-        if device is None or storage.fingerprint is None:
+        expected = storage.fingerprint
+        if device is None or expected is None:
             raise SwapError(f"group {self.group!r} tensor {self.tag!r} lost its device tensor")
-        now = Fingerprint.of(backend, device)
-        if now != storage.fingerprint:
-            changes = storage.fingerprint.differences(now)
+        ptr, nbytes = backend.storage_of(device)
+        version = backend.version_of(device)
+        if (
+            ptr != expected.storage_ptr
+            or nbytes != expected.storage_nbytes
+            or version != expected.version
+        ):
+            changes = expected.differences(Fingerprint(ptr, nbytes, version))
             raise SwapError(
                 f"group {self.group!r} tensor {self.tag!r}: its storage changed after "
                 f"capture ({'; '.join(changes)}) {when}; refusing to offload"

@@ -89,6 +89,8 @@ def pack_buckets(slots: list[CopySlot], bucket_bytes: int) -> list[HostBucket]:
 
 
 def _verify_offloaded(engine: CopyEngine, slot: CopySlot, check: CheckMode) -> None:
+    if slot.span.digests is None:  # the version counter is the check (torch)
+        return
     slot.span.verify(slot.host, check, "after capture")
     slot.span.verify(engine.host_view(slot.src), check, "while its offload copy ran")
 
@@ -155,7 +157,8 @@ def run_load(
         offsets = [slot.offset for slot in block.slots]
         loaded_spans = engine.h2d_block(hosts, offsets, block.nbytes)
         for slot, loaded in zip(block.slots, loaded_spans, strict=True):
-            slot.span.verify(engine.host_view(loaded), check, where)
+            if slot.span.digests is not None:
+                slot.span.verify(engine.host_view(loaded), check, where)
             slot.loaded = loaded
     for bucket, bucket_slots in buckets:
         assert bucket.raw is not None
@@ -164,7 +167,8 @@ def run_load(
         for slot in bucket_slots:
             host = raw[slot.offset : slot.offset + slot.span.nbytes]
             loaded = engine.member(block, slot.offset, host)
-            slot.span.verify(engine.host_view(loaded), check, where)
+            if slot.span.digests is not None:
+                slot.span.verify(engine.host_view(loaded), check, where)
             slot.loaded = loaded
 
 

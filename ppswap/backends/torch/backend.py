@@ -137,11 +137,17 @@ def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
     return found
 
 
+_DTYPES_NAMED: dict[str, torch.dtype] = {}
+
+
 def _dtype_named(name: str) -> torch.dtype:
     """The torch dtype ``str(dtype)`` names (``"torch.float32"``)."""
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} names no torch dtype")
+    dtype = _DTYPES_NAMED.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name!r} names no torch dtype")
+        _DTYPES_NAMED[name] = dtype
     return dtype
 
 
@@ -256,7 +262,7 @@ class TorchBackend:
 
     def storage_of(self, tensor: torch.Tensor) -> StorageRef:
         storage = tensor.untyped_storage()
-        return StorageRef(int(storage.data_ptr()), int(storage.nbytes()))
+        return StorageRef(storage.data_ptr(), storage.nbytes())
 
     def view_key(self, tensor: torch.Tensor, storage: StorageRef) -> ViewKey:
         dtype = tensor.dtype
