@@ -76,7 +76,8 @@ class SwapAccounting:
 
     def hold(self, block: DeviceBlock, nbytes: int, holder: Hashable, chunk: Chunk) -> None:
         """``holder`` (of ``chunk``) keeps ``block`` of ``nbytes`` alive on device."""
-        self.hold_all(block, nbytes, (holder,), chunk)
+        with self._lock:
+            self._hold(block, nbytes, (holder,), chunk)
 
     def hold_all(
         self, block: DeviceBlock, nbytes: int, holders: Iterable[Hashable], chunk: Chunk

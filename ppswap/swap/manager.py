@@ -261,7 +261,7 @@ class Collection:
                 group_swap=registration.group_swap,
                 storage=info,
             )
-        selected = capture and self._policy_allows(policy_fn, tensor)
+        selected = capture and (policy_fn is None or self._policy_allows(policy_fn, tensor))
         return group.register(
             tensor, tag=label, group_swap=group_swap, selected=selected, storage=info
         )

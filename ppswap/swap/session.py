@@ -108,8 +108,8 @@ class _ChunkRecord:
         self.session._pin_storage_everywhere(storage.ptr)
 
     def release(self) -> None:
-        for ptr in self.resident:
-            self.session.accounting.drop(("storage", ptr), self.holder)
+        holder = self.holder
+        self.session.accounting.drop_all([(("storage", ptr), holder) for ptr in self.resident])
         self.resident.clear()
 
 

@@ -186,7 +186,10 @@ class StorageSpan:
 
     def movable(self) -> bool:
         """Whether the span may leave the device now: no member pinned, all on device."""
-        return all(not e.pinned and e.state is SwapState.DEVICE for e in self.entries)
+        for entry in self.entries:
+            if entry.pinned or entry.storage.state is not SwapState.DEVICE:
+                return False
+        return True
 
     def transition(self, to_state: SwapState) -> None:
         """Move every member to ``to_state`` (legal moves only; all or, on a refused
