@@ -224,8 +224,15 @@ def summarize(result: RunResult) -> dict[str, Any]:
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each measure over ``runs``: step time, exposed share and hidden share
+    each their own median (the step time of the run with the median exposed share would be
+    one arbitrary run's); the rest from the run with the median exposed share."""
     ordered = sorted(runs, key=lambda run: run["exposed_share"])
-    return ordered[len(ordered) // 2]
+    middle = dict(ordered[len(ordered) // 2])
+    middle["step_s"] = statistics.median(run["step_s"] for run in runs)
+    hidden = [run["hidden_share"] for run in runs if run["hidden_share"] is not None]
+    middle["hidden_share"] = statistics.median(hidden) if hidden else None
+    return middle
 
 
 def measure_case(
