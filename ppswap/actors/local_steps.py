@@ -25,7 +25,7 @@ batch, and the actor runs its leaves as two tasks. A send's payload maker also g
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 
 from ppswap.actors.batch import StepBodies, StepJob, SwapDriver, after_arrival, payload_maker
@@ -173,7 +173,14 @@ class LocalSteps:
                 maker = jobs[producer]
                 hand_off = self.mail.hand_off(step)
                 hand_offs = maker.hand_offs if hand_off is None else (*maker.hand_offs, hand_off)
-                jobs[producer] = replace(maker, announce=True, hand_offs=hand_offs)
+                jobs[producer] = StepJob(  # not dataclasses.replace: 10 us a call
+                    maker.step,
+                    maker.kind,
+                    maker.run,
+                    announce=True,
+                    arrival=maker.arrival,
+                    hand_offs=hand_offs,
+                )
                 plan.sends.setdefault(producer, []).append(step)
                 plan.posted.append((producer + 1, step))
                 index += 1

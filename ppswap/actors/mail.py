@@ -12,6 +12,12 @@
   batch of its launch takes the completion the launch will use, made beforehand, and the
   copy never enters ``copies``).
 
+What a batch's jobs wait for on the compute thread is listed for hang dumps only: the
+receives by weak reference (the mail never keeps a payload alive after its leaf ran),
+the copies until done. Both lists are pruned when they have doubled since the last
+prune, not at every addition: an in-process rank's batch is its whole order, and
+pruning at every addition made building it quadratic.
+
 Posting never blocks: the P2P channel is sized to every request of the order
 (``send_nowait``). With a ``ThreadHandoff`` (ranks that share the compute thread), every
 receive posted also expects its payload from the sender's compute thread, and
@@ -21,6 +27,7 @@ event loop.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -41,6 +48,7 @@ _RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
 
 
 _LAUNCHES = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
+_PRUNE_AT_LEAST = 8  # the lists of what the thread waits for are pruned from this size
 
 
 def send_key(step: MetaStep) -> MessageKey:
@@ -80,15 +88,16 @@ class RankMail:
         self._rank = rank
         self._handoff = handoff
         self.recvs: dict[MessageKey, ReplyFuture[Payload]] = {}
-        # taken by take_arrival and not resolved yet when last looked (hang dumps); pruned
-        # as it goes, so that no payload is kept here after its leaf ran
-        self.awaited_on_thread: dict[MessageKey, ReplyFuture[Payload]] = {}
+        # taken by take_arrival, by weak reference (hang dumps; module docstring)
+        self.awaited_on_thread: dict[MessageKey, weakref.ref[ReplyFuture[Payload]]] = {}
+        self._prune_awaited_at = _PRUNE_AT_LEAST
         self.outbox: dict[MessageKey, Payload] = {}
         self.sends: list[ReplyFuture[None]] = []
         self.copies: dict[CopyKey, CopyCompletion] = {}
         # launched by a batch that also waits for them: never in ``copies``
         self.launched_in_batch: set[CopyKey] = set()
         self.copies_on_thread: list[CopyCompletion] = []  # pruned by copy_on_thread
+        self._prune_copies_at = _PRUNE_AT_LEAST
 
     def post(self, step: MetaStep) -> None:
         """Hand a send or receive (or each of a BATCH_SEND_RECV's) to the P2P actor."""
@@ -166,25 +175,33 @@ class RankMail:
         future = self.received(key, step)
         if future.done or future.arrival is None:
             return None
-        awaited = {k: f for k, f in self.awaited_on_thread.items() if not f.done}
-        awaited[key] = self.recvs.pop(key)
-        self.awaited_on_thread = awaited
+        del self.recvs[key]
+        awaited = self.awaited_on_thread
+        awaited[key] = weakref.ref(future)
+        if len(awaited) >= self._prune_awaited_at:
+            self.awaited_on_thread = awaited = {
+                k: ref for k, ref in awaited.items() if _in_flight(ref)
+            }
+            self._prune_awaited_at = max(_PRUNE_AT_LEAST, 2 * len(awaited))
         return future.arrival
 
     def copy_on_thread(self, completion: CopyCompletion) -> None:
         """A copy still running that a batch's job waits for on the compute thread (it
         is listed by ``pending`` until it is done)."""
-        awaited = [c for c in self.copies_on_thread if not c.is_set()]
+        awaited = self.copies_on_thread
         awaited.append(completion)
-        self.copies_on_thread = awaited
+        if len(awaited) >= self._prune_copies_at:
+            self.copies_on_thread = awaited = [c for c in awaited if not c.is_set()]
+            self._prune_copies_at = max(_PRUNE_AT_LEAST, 2 * len(awaited))
 
     def pending(self) -> list[str]:
         """Receives, copies and sends still in flight (for hang dumps)."""
         items = [f"recv {f.label}" for f in self.recvs.values() if not f.done]
+        awaited = [ref() for ref in self.awaited_on_thread.values()]
         items += [
             f"recv {f.label} (awaited on the compute thread)"
-            for f in self.awaited_on_thread.values()
-            if not f.done
+            for f in awaited
+            if f is not None and not f.done
         ]
         items += [c.label for c in self.copies.values() if not c.is_set()]
         items += [
@@ -203,3 +220,8 @@ class RankMail:
             f"order ended with unconsumed receives {sorted(map(str, self.recvs))}, "
             f"copies {sorted(map(str, self.copies))} or sends {sorted(map(str, self.outbox))}"
         )
+
+
+def _in_flight(ref: weakref.ref[ReplyFuture[Payload]]) -> bool:
+    future = ref()
+    return future is not None and not future.done

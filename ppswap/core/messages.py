@@ -59,7 +59,7 @@ class ReplyFuture(Generic[T]):
     the future resolves, for a compute thread that waits for a receive itself.
     """
 
-    __slots__ = ("_done", "_error", "_result", "_waiters", "arrival", "label")
+    __slots__ = ("__weakref__", "_done", "_error", "_result", "_waiters", "arrival", "label")
 
     def __init__(self, label: str, arrival: Arrival | None = None) -> None:
         self.label = label

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 
 from ppswap import PipelineError, PipelineHangError, PipelineStage, run_schedule
 from ppswap.actors.batch import StepJob, after_arrival, run_batch
+from ppswap.actors.copy_stream import CopyCompletion
 from ppswap.actors.mail import RankMail
 from ppswap.core.arrival import Arrival, ArrivalTimeoutError
 from ppswap.core.messages import HostArray, MessageKey, ReplyFuture
@@ -121,15 +123,31 @@ def test_the_mail_lists_receives_awaited_on_the_thread_until_they_resolve_and_no
     steps = [MetaStep(StepKind.RECV_F, 1, micro, peer=0) for micro in range(3)]
     for step in steps:
         mail.post(step)
+    payloads = []
     for step, request in zip(steps, sink.requests, strict=True):
         arrival = mail.take_arrival(request.key, step)
         assert arrival is request.reply.arrival is not None
         assert f"recv {request.reply.label} (awaited on the compute thread)" in mail.pending()
-        request.reply.set_result(np.zeros(2))
+        payloads.append(payload := np.zeros(2))
+        request.reply.set_result(payload)
         assert arrival.landed
-    # A resolved receive is dropped at the next take: no payload stays for the whole run.
-    assert list(mail.awaited_on_thread) == [MessageKey("F", 1, 2)]
     assert mail.pending() == [] and mail.leftovers() is None
+    # Once the transport and the leaf dropped a receive, its payload is gone: the mail
+    # keeps none for the rest of the run, with no further take to prune it.
+    freed = [weakref.ref(payload) for payload in payloads]
+    del payloads, payload, arrival, request
+    sink.requests.clear()
+    assert [ref() for ref in freed] == [None, None, None]
+
+
+def test_the_lists_of_what_the_thread_waits_for_are_pruned_as_they_grow() -> None:
+    mail = RankMail(_Sink(), lambda step, message: PipelineError(message), arrivals=True)  # type: ignore[arg-type]
+    completions = [CopyCompletion(f"copy {n}") for n in range(1000)]
+    for completion in completions:
+        mail.copy_on_thread(completion)
+        completion.set_value(None)  # done at once: pruned at the next doubling
+    assert len(mail.copies_on_thread) < 16
+    assert mail.pending() == []
 
 
 # -- a rank alone in its process ---------------------------------------------------------

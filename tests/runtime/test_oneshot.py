@@ -70,3 +70,23 @@ def test_racing_setters_leave_one_value_and_one_run_of_each_callback() -> None:
     for _ in range(50):
         won, seen, value = _race(8)
         assert len(won) == 1 and seen == won and value == won[0]
+
+
+def test_every_blocked_waiter_wakes_and_a_timed_out_one_is_withdrawn() -> None:
+    shot: OneShot[int] = OneShot()
+    assert shot.wait(0.01) is False  # timed out before anyone set it
+    assert shot._waiters == []  # withdrawn: set_value will not release a lock nobody holds
+    woken: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woken.append(shot.wait(5.0))) for _ in range(4)]
+    unbounded = threading.Thread(target=lambda: woken.append(shot.wait(float("inf"))))
+    for thread in [*waiters, unbounded]:
+        thread.start()
+    deadline = time.perf_counter() + 5.0
+    while len(shot._waiters) < 5 and time.perf_counter() < deadline:
+        time.sleep(0.001)
+    assert len(shot._waiters) == 5  # all five blocked
+    assert shot.set_value(3) is True
+    for thread in [*waiters, unbounded]:
+        thread.join(timeout=5.0)
+    assert woken == [True] * 5 and shot._waiters == []
+    assert shot.wait(0.0) is True and shot.wait(-1.0) is True

@@ -200,9 +200,15 @@ class Waiters:
                 self._idle.append(jobs)
 
     def _run(self, job: _Job) -> BaseException | None:
-        """Wait for the job's works, then for those ``then`` returns; what failed, if any."""
+        """Wait for the job's works, then for those ``then`` returns; what failed, if any.
+
+        The works are dropped here, not on the loop: a gloo ``Work``'s destructor releases
+        the GIL, and taking it back from the compute thread cost the loop 150-260 us per
+        message (measured).
+        """
         works: Posted | None = job.works
         then = job.then
+        job.works = []
         try:
             while works:
                 for work, polled in works:
@@ -247,7 +253,7 @@ class Waiters:
     def _resolve(self, job: _Job, error: BaseException | None) -> None:
         self.pending_sends -= job.p2p_send
         self._waiting.discard(job)
-        job.works, job.then, job.landed, job.keep = [], None, None, None  # the thread is done
+        job.then, job.landed, job.keep = None, None, None  # the thread is done
         on_done, job.on_done = job.on_done, None
         if on_done is not None:  # not cancelled, not failed by close()
             call_back(on_done, error)
