@@ -32,7 +32,7 @@ DEMO_DEFAULTS: Mapping[str, int | str] = {
     "schedule": "gpipe",
     "pp": 4,
     "micro": 8,
-    "batch": 16,
+    "batch": 32,
     "steps": 3,
     "out": "out",
     "transport": "inprocess",

@@ -25,7 +25,13 @@ import mindspore as ms
 
 from ppswap.core.messages import HostArray
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
-from ppswap.demo.run import DemoOptions, lm_batches, load_corpus, step_time_line
+from ppswap.demo.run import (
+    DEMO_LM_SIZES,
+    DemoOptions,
+    lm_batches,
+    load_corpus,
+    step_time_line,
+)
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.results import RunResult
@@ -126,7 +132,7 @@ def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
     ms.set_context(mode=ms.PYNATIVE_MODE)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()
-    cfg = LMConfig(vocab=len(set(text)), seq=32, dim=64, heads=4, layers_per_stage=2)
+    cfg = LMConfig(vocab=len(set(text)), **DEMO_LM_SIZES)
     data = lm_batches(text, cfg, opts.batch, opts.steps)
     mesh = DeviceMesh(pp=opts.pp, dp=dp)
     print(

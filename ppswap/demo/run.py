@@ -38,6 +38,7 @@ from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap import EmulatedDevice, swap_wrapper
 
 __all__ = [
+    "DEMO_LM_SIZES",
     "DEMO_MODELS",
     "REPORT_LEGEND",
     "DemoConfigError",
@@ -63,6 +64,13 @@ DEMO_MODELS: Mapping[str, str] = {
 }
 """``DemoOptions.backend`` -> the module of the demo LM written in that framework (each
 has ``LMConfig``, ``build_lm_stages(cfg, stage_num)`` and ``cross_entropy_loss``)."""
+
+DEMO_LM_SIZES: Mapping[str, int] = {"seq": 64, "dim": 128, "heads": 4, "layers_per_stage": 2}
+"""The demo LM's sizes (its vocabulary is the corpus's characters): with the default batch
+of 32 sequences in 8 micro-batches, the LM ``benchmarks/bench_memory.py`` and
+``bench_cost.py`` measure, so what the demo prints can be read against
+docs/benchmarks.md. Smaller chunks would show swap's fixed cost per saved tensor as a
+larger share of the step than a real model's."""
 
 
 class LMShape(Protocol):
@@ -168,7 +176,7 @@ class DemoOptions:
     pp: int = 4
     vpp: int = 1
     micro: int = 8
-    batch: int = 16
+    batch: int = 32
     steps: int = 3
     lr: float = 0.05
     out_dir: Path = Path("out")
@@ -331,7 +339,7 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
         )
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()
-    cfg = model.config(vocab=len(set(text)), seq=32, dim=64, heads=4, layers_per_stage=2)
+    cfg = model.config(vocab=len(set(text)), **DEMO_LM_SIZES)
     data = lm_batches(text, cfg, opts.batch, opts.steps)
     config = ScheduleConfig(
         schedule=opts.schedule,  # type: ignore[arg-type]

@@ -183,7 +183,7 @@ def test_demo_help_gives_every_default(capsys: pytest.CaptureFixture[str]) -> No
         "pipeline ranks (default 4)",
         "default: 2 for interleaved_1f1b",
         "(default 8)",
-        "(default 16)",
+        "(default 32)",
         "training steps per pass (default 3)",
         "(default out)",
         "skip the diagram (default: draw it)",
