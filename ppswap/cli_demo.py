@@ -159,7 +159,7 @@ def _run_demo(args: argparse.Namespace, config: ScheduleConfig) -> int:
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
-    """``ppswap demo``: check every option, then train the LM without, then with swap, and
+    """``ppswap demo``: check every option, then train the LM without and with swap, and
     report. A bad option (or, under MPI, a world size other than ``--pp``) is one
     ``ppswap: error:`` line and exit status 2, before any training."""
     try:
@@ -173,7 +173,7 @@ def add_demo_parser(subparsers: Any) -> None:
     defaults = DEMO_DEFAULTS
     demo = subparsers.add_parser(
         "demo",
-        help="train a small transformer LM with pp ranks, swap off then on",
+        help="train a small transformer LM with pp ranks, swap off and on",
         description="The main job: trains, checks swap on/off agree, reports memory. Every "
         "option is checked before anything is built.",
     )

@@ -1,7 +1,8 @@
-"""``ppswap demo``: train a small transformer LM with pp ranks in one process, swap off then on.
+"""``ppswap demo``: train a small transformer LM with pp ranks in one process, swap off and on.
 
-The corpus ships with the package (``ppswap/data/corpus.txt``). Both passes start from the
-same weights and see the same batches, so their losses must agree bit for bit; the demo
+The corpus ships with the package (``ppswap/data/corpus.txt``). The two trainings (swap off,
+swap on) take their steps in turn; both start from the same weights and see the same
+batches, so their losses must agree bit for bit; the demo
 checks that and prints, per rank, the measured peak of saved activation bytes without and
 with swap next to what the planner predicted, the step time and the exposed copy wait.
 It writes the schedule diagram (when matplotlib is installed) and a Chrome trace.
@@ -267,14 +268,32 @@ def mpi_transport() -> Transport:
     return transport
 
 
-def _train(
-    opts: DemoOptions,
-    model: DemoModel,
-    cfg: LMShape,
-    data: list[tuple[HostArray, HostArray]],
-    swap: bool,
-    transport: Transport | None,
-) -> tuple[list[float], list[float], RunResult]:
+class _Schedule(Protocol):
+    def run(
+        self, inputs: Any, targets: Any = None, *, trace: str | Path | None = None
+    ) -> RunResult: ...
+
+
+@dataclass
+class _Pass:
+    """One of the demo's two trainings (swap off or on): its own stages, schedule and
+    record. Both start from the same weights and see the same batches."""
+
+    swap: bool
+    stages: list[PipelineStage]
+    schedule: _Schedule
+    losses: list[float]
+    step_times: list[float]
+    result: RunResult | None = None
+
+    @property
+    def label(self) -> str:
+        return "swap on" if self.swap else "swap off"
+
+
+def _build_pass(
+    opts: DemoOptions, model: DemoModel, cfg: LMShape, swap: bool, transport: Transport | None
+) -> _Pass:
     stage_num = opts.pp * opts.vpp
     modules = model.build_stages(cfg, stage_num)
     for module in modules:
@@ -295,41 +314,56 @@ def _train(
         device=EmulatedDevice(),
         transport=transport,
     )
-    losses: list[float] = []
-    step_times: list[float] = []
-    result: RunResult | None = None
-    label = "swap on " if swap else "swap off"
+    return _Pass(swap, stages, schedule, losses=[], step_times=[])
+
+
+def _train(
+    opts: DemoOptions,
+    model: DemoModel,
+    cfg: LMShape,
+    data: list[tuple[HostArray, HostArray]],
+    transport: Transport | None,
+) -> tuple[_Pass, _Pass]:
+    """Both trainings, step by step in turn (which of the two goes first alternates), so
+    their step times are taken side by side rather than minutes apart."""
+    passes = (
+        _build_pass(opts, model, cfg, False, transport),
+        _build_pass(opts, model, cfg, True, transport),
+    )
+    rank = getattr(transport, "rank", None)
     suffix = "" if rank is None else f"_rank{rank}"
+    last = len(data) - 1
     if not rank:  # under MPI only rank 0 reports
-        print(f"\r  {label} [{'':<20}] step 0/{len(data)} running...", end="", file=sys.stderr)
+        print(f"\r  [{'':<20}] step 0/{len(data)} running...", end="", file=sys.stderr)
     for step, (x, y) in enumerate(data):
-        trace = opts.out_dir / f"trace_{'swap' if swap else 'noswap'}{suffix}.json"
-        result = schedule.run(x, targets=y, trace=trace if step == len(data) - 1 else None)
-        losses.append(result.loss)
-        step_times.append(result.step_time_s)
-        for stage in stages:
-            model.sgd_step(stage.parameters, stage.grads, opts.lr)
+        for run in passes if step % 2 == 0 else passes[::-1]:
+            trace = opts.out_dir / f"trace_{'swap' if run.swap else 'noswap'}{suffix}.json"
+            result = run.schedule.run(x, targets=y, trace=trace if step == last else None)
+            run.losses.append(result.loss)
+            run.step_times.append(result.step_time_s)
+            run.result = result
+            for stage in run.stages:
+                model.sgd_step(stage.parameters, stage.grads, opts.lr)
+        if rank:
+            continue
         done = step + 1
         bar = "#" * (20 * done // len(data))
-        if rank:  # under MPI only rank 0 reports
-            continue
+        times = ", ".join(f"{run.label} {run.step_times[-1]:.2f}s" for run in passes)
         print(
-            f"\r  {label} [{bar:<20}] step {done}/{len(data)} loss {result.loss:.4f} "
-            f"({result.step_time_s:.2f}s)",
+            f"\r  [{bar:<20}] step {done}/{len(data)} loss {passes[0].losses[-1]:.4f} ({times})",
             end="",
             file=sys.stderr,
             flush=True,
         )
     if not rank:
         print(file=sys.stderr)
-    assert result is not None
-    return losses, step_times, result
+    return passes
 
 
 def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoReport:
-    """Train without, then with swap. With an MPI ``transport`` this process runs its own
-    rank's stages; every process gets the whole report back. The LM is written in
-    ``opts.backend``'s framework (``load_demo_model``)."""
+    """Train without and with swap, step by step in turn. With an MPI ``transport`` this
+    process runs its own rank's stages; every process gets the whole report back. The LM
+    is written in ``opts.backend``'s framework (``load_demo_model``)."""
     model = load_demo_model(opts.backend)
     model.prepare()
     if transport is not None and getattr(transport, "world_size", opts.pp) != opts.pp:
@@ -357,16 +391,18 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
             file=sys.stderr,
         )
         print(
-            f"  {opts.pp * opts.vpp} stages, {opts.steps} steps with swap off, then again with "
-            "swap on (first steps are the slowest)",
+            f"  {opts.pp * opts.vpp} stages, {opts.steps} steps, each trained with swap off "
+            "and with swap on in turn (the first step warms up)",
             file=sys.stderr,
         )
-    losses_off, times_off, last_off = _train(opts, model, cfg, data, False, transport)
-    losses_on, times_on, last_on = _train(opts, model, cfg, data, True, transport)
+    off, on = _train(opts, model, cfg, data, transport)
+    assert off.result is not None and on.result is not None
     predicted = memory_table(config)
     if opts.plot and not quiet:
         _plot(config, opts.out_dir / f"schedule_{opts.schedule}.png")
-    return DemoReport(losses_off, losses_on, last_off, last_on, predicted, times_off, times_on)
+    return DemoReport(
+        off.losses, on.losses, off.result, on.result, predicted, off.step_times, on.step_times
+    )
 
 
 def _plot(config: ScheduleConfig, path: Path) -> None:

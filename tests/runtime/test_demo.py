@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,11 @@ def test_demo_trains_and_swap_agrees(tmp_path: Path, capsys: pytest.CaptureFixtu
     report = run_demo(DemoOptions(pp=2, micro=4, batch=8, steps=2, out_dir=tmp_path, plot=False))
     progress = capsys.readouterr().err
     # a line before the first step, so the slow first step does not look like a hang
-    assert progress.index("swap off [                    ] step 0/2 running") < progress.index(
-        "step 1/2"
-    )
+    assert progress.index("  [                    ] step 0/2 running") < progress.index("step 1/2")
+    # the two trainings take each step in turn: both times are there after every step
+    for step in (1, 2):
+        both = rf"step {step}/2 loss [0-9.]+ \(swap off [0-9.]+s, swap on [0-9.]+s\)"
+        assert re.search(both, progress), step
     assert report.losses_no_swap == report.losses_swap
     assert len(report.losses_swap) == 2
     assert report.losses_swap[1] < report.losses_swap[0]  # it trains
