@@ -2,10 +2,10 @@
 
 The corpus ships with the package (``ppswap/data/corpus.txt``). The two trainings (swap off,
 swap on) take their steps in turn; both start from the same weights and see the same
-batches, so their losses must agree bit for bit; the demo
-checks that and prints, per rank, the measured peak of saved activation bytes without and
-with swap next to what the planner predicted, the step time and the exposed copy wait.
-It writes the schedule diagram (when matplotlib is installed) and a Chrome trace.
+batches, so their losses must agree bit for bit; the demo checks that and prints, per rank,
+the measured peak of saved activation bytes without and with swap next to what the planner
+predicted, the step time and the exposed copy wait. It writes the schedule diagram (when
+matplotlib is installed) and a Chrome trace.
 
 The LM is written once per tensor framework (``DemoOptions.backend``): MindSpore
 (``ppswap.demo.model``, the default) or torch (``ppswap.demo.model_torch``). Importing this
@@ -344,7 +344,7 @@ def _train(
             run.result = result
             for stage in run.stages:
                 model.sgd_step(stage.parameters, stage.grads, opts.lr)
-        if rank:
+        if rank:  # under MPI only rank 0 reports
             continue
         done = step + 1
         bar = "#" * (20 * done // len(data))
