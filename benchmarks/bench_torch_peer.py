@@ -1,7 +1,8 @@
 """ppswap against torch.distributed.pipelining: step time and peak saved-activation bytes.
 
-    python benchmarks/bench_torch_peer.py [--pp 2] [--rounds 15] [--warmup 2] [--quick]
-                                          [--json PATH] [--timeout-s 360]
+    python benchmarks/bench_torch_peer.py [--pp 2] [--model small|wide] [--rounds 15]
+                                          [--warmup 2] [--quick] [--json PATH]
+                                          [--timeout-s 360]
 
 The same per-stage torch model, batch, micro-batches and loss run one training step
 (forward and backward of every micro-batch, no optimizer) per round under three
@@ -15,13 +16,24 @@ contenders, one process per pipeline rank over gloo, launched here with ``torchr
   swap and with ``count_saved_bytes=False`` (no saved-tensor hooks: torch's timed steps
   count nothing either), every other option at its default (``p2p="plain"``);
 - ``ppswap+swap``: the same with ``swap=True`` (every block ``swap_wrapper``-ed, the
-  default gap plan, ``EmulatedDevice`` without throttling: host memory is the "device").
+  default gap plan, ``EmulatedDevice`` without throttling: host memory is the "device"):
+  a rank that swaps counts every saved tensor (swap must), one the plan gives nothing
+  to swap (1F1B at pp2 m8) runs without hooks.
 
 Schedules: GPipe and 1F1B with ``PP`` stages, Interleaved 1F1B with ``2 PP`` (vpp 2),
-``MICRO`` micro-batches each. The model (``DIM``, ``BLOCKS`` pre-norm residual MLP blocks
-with a 4x hidden layer, split evenly over the stages) is sized so saved activations
-dominate the parameters (20 MiB against 2 MiB per rank under GPipe at pp2) and a step
-computes for about 60 ms per rank on this CPU. Every process uses one intra-op thread.
+``MICRO`` micro-batches each. The model: 8 pre-norm residual MLP blocks with a 4x hidden
+layer, split evenly over the stages, 8 micro-batches of 8 sequences of 16 tokens, at one of
+two widths (``--model``):
+
+- ``small`` (width 128, the default): saved activations dominate the parameters (20 MiB
+  against 2 MiB per rank under GPipe at pp2) and a step computes for about 60 ms per rank
+  on this CPU. Each chunk saves 40 tensors (23 storages that swap moves) for about 8 ms of
+  compute: swap's fixed cost per saved tensor (its Python on the compute thread) is at
+  its largest share of a step here.
+- ``wide`` (width 256): the same saved tensors, twice their bytes (40 MiB per rank under
+  GPipe, against 8 MiB of parameters), four times the compute (about 250 ms per step).
+
+Every process uses one intra-op thread.
 
 Step time: all ranks meet at a barrier, rank 0 starts its clock, every rank runs the step,
 all meet at a barrier again and rank 0 stops its clock (the barrier's own cost falls on
@@ -39,7 +51,7 @@ machine than a single-threaded one: the wall-clock ratio then flatters ppswap, t
 ratio does not.
 
 Memory: peak saved-activation bytes per rank, counted the same way for both, ppswap's
-without swap in one more run that counts them (untimed, as torch's). ppswap's is
+in one more run of each that counts them (untimed, as torch's). ppswap's is
 ``RankStats.peak_saved_bytes``: the distinct device storages (whole storage size, each
 counted once however many saved views it has) that the rank's live chunks hold for
 backward, parameters and module state excluded; with swap, what is offloaded no longer
@@ -104,7 +116,12 @@ class Model:
         return 4 * self.dim
 
 
-FULL = Model(dim=128, blocks=8, micro=8, micro_batch=8, seq=16)
+MODELS = {
+    "small": Model(dim=128, blocks=8, micro=8, micro_batch=8, seq=16),
+    "wide": Model(dim=256, blocks=8, micro=8, micro_batch=8, seq=16),
+}
+"""``--model``: ``small`` is the default; ``wide`` computes four times as much per chunk
+on twice the saved bytes and the same saved tensors."""
 QUICK = Model(dim=64, blocks=8, micro=8, micro_batch=2, seq=8)
 
 
@@ -119,7 +136,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 async def _worker(args: argparse.Namespace) -> int:
-    model = Model(**json.loads(args.model))
+    model = Model(**json.loads(args.model_json))
 
     async def measure(transport: Any) -> list[dict[str, Any]]:
         return [
@@ -377,7 +394,7 @@ async def _measure_schedule(
             targets=targets,
             loss_fn=mse,
             swap=swap,
-            count_saved_bytes=swap or count_saved_bytes,
+            count_saved_bytes=count_saved_bytes,
             device=engines[contender],
             transport=transport,
             step_timeout=300,
@@ -412,12 +429,13 @@ async def _measure_schedule(
             cpu[contender].append(cpu_s)
             cpu_main[contender].append(main_s)
             if contender == "ppswap+swap":
-                peaks[contender].append(result.ranks[rank].peak_saved_bytes)
                 offloaded.append(result.ranks[rank].offloaded_bytes)
-    # ppswap's saved bytes without swap: one more run that counts them (not timed: the
-    # timed runs without swap count nothing, as torch's timed steps)
-    dist.barrier()
-    peaks["ppswap"].append((await run_ppswap("ppswap", True)).ranks[rank].peak_saved_bytes)
+    # ppswap's saved bytes: one more run of each that counts them (not timed: the timed
+    # runs count only what swap must, as torch's timed steps count nothing)
+    for contender in CONTENDERS[1:]:
+        dist.barrier()
+        counted = await run_ppswap(contender, True)
+        peaks[contender].append(counted.ranks[rank].peak_saved_bytes)
     # torch's saved bytes: one more step with the counter on (not timed)
     peer.zero_grad()
     peer.counter.enabled = True
@@ -686,7 +704,8 @@ def headline(report: dict[str, Any]) -> str:
         for row in report["summary"]
     ]
     return (
-        f"Against torch.distributed.pipelining (pp{report['pp']}, gloo, median step time, "
+        f"Against torch.distributed.pipelining (pp{report['pp']}, gloo, "
+        f"{report['model_name']} model: width {report['model']['dim']}, median step time, "
         f"ppswap without / with swap over torch; targets 1.10x / 1.15x; load average "
         f"{report['load_before'].split(',')[0]} on {report['cores']} cores): "
         f"{', '.join(parts)}."
@@ -698,7 +717,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (15)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured rounds (2)")
-    parser.add_argument("--quick", action="store_true", help="small model, 1 + 2 rounds")
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="small", help="the model (small)"
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 + 2 rounds")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument(
         "--timeout-s",
@@ -708,13 +730,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
     if args.pp < 2:
         parser.error(f"--pp must be >= 2, got {args.pp}")
-    model = QUICK if args.quick else FULL
+    model = QUICK if args.quick else MODELS[args.model]
     if model.blocks % (2 * args.pp):
         parser.error(f"--pp {args.pp}: {model.blocks} blocks do not split over {2 * args.pp}")
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 15)
@@ -723,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ppswap-peer-") as scratch:
         out = Path(scratch) / "results.json"
-        worker_args = ["--model", json.dumps(asdict(model))]
+        worker_args = ["--model-json", json.dumps(asdict(model))]
         worker_args += ["--rounds", str(args.rounds), "--warmup", str(args.warmup)]
         launch(Path(__file__).resolve(), worker_args, args.pp, args.timeout_s, out)
         results = json.loads(out.read_text())
@@ -732,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "pp": args.pp,
         "model": asdict(model),
+        "model_name": "quick" if args.quick else args.model,
         "rounds": args.rounds,
         "warmup": args.warmup,
         "quick": args.quick,

@@ -83,10 +83,11 @@ class RunOptions:
     ``swap_min_bytes``: a saved tensor whose storage is smaller stays on device (counted,
     never moved; default 0: every marked tensor may move; 4096 keeps what is not worth
     its bookkeeping on device, docs/swap.md);
-    ``count_saved_bytes``: count the saved activations of a run without swap
-    (``RankStats.peak_saved_bytes``) through saved-tensor hooks; False leaves a run
-    without swap free of hooks, and its ``peak_saved_bytes`` 0 (with swap every saved
-    tensor passes through the swap layer, which counts it: it must stay True);
+    ``count_saved_bytes``: count every rank's saved activations
+    (``RankStats.peak_saved_bytes``) through saved-tensor hooks; False leaves a rank
+    whose plan swaps no chunk (every rank of a run without swap) free of hooks, with
+    ``peak_saved_bytes`` 0; a rank that swaps still passes every saved tensor through the
+    swap layer, which counts it;
     ``forward_only``: evaluation (no graph, no swap); ``step_timeout``: the deadline of
     every single wait; ``transport`` (default in-process), ``device`` (the copy engine;
     default the stages' backend's), ``mesh`` (FSDP; read from the stages when None),
@@ -142,12 +143,6 @@ class RunOptions:
             )
         _check_instance("mesh", self.mesh, DeviceMesh, "be a ppswap.DeviceMesh")
         _check_instance("faults", self.faults, FaultPlan, "be a ppswap.core.faults.FaultPlan")
-        if self.swap and not self.count_saved_bytes:
-            raise ValueError(
-                "count_saved_bytes must be True when swap=True, got False (with swap every "
-                "saved tensor passes through the swap layer, which counts it); "
-                "count_saved_bytes=False applies to runs without swap"
-            )
         if self.forward_only and self.swap:
             raise ValueError(
                 "swap must be False for a forward-only run, got swap=True "

@@ -20,7 +20,7 @@ class RankStats:
     """What one rank measured during a run.
 
     ``peak_saved_bytes``: the peak of the device bytes of saved activations held for
-    backward (0 in a run without swap with ``count_saved_bytes=False``);
+    backward (0 with ``count_saved_bytes=False`` on a rank whose plan swaps nothing);
     ``offloaded_bytes`` / ``loaded_bytes``: what swap moved; ``exposed_copy_wait_s``: the
     time compute waited at SWAP_WAIT_* (copy time not hidden behind compute); ``copies``
     / ``copy_busy_s``: the copy stream's jobs and busy time;

@@ -64,7 +64,7 @@ class RankRuntime:
             eligible=eligible,
             wait_timeout_s=plan.step_timeout,
             check=plan.swap_check,
-            count_saved=plan.count_saved_bytes,
+            count_saved=plan.count_saved_bytes or bool(eligible),  # swap counts what it holds
             min_bytes=plan.swap_min_bytes,
         )
         p2p_tx, p2p_rx = p2p_channel(plan.channel_capacity)

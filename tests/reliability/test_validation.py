@@ -117,8 +117,6 @@ BAD_INPUTS: list[tuple[str, list[Any], Any, dict[str, Any], type[Exception], str
      ValueError, "swap must be False for a forward-only run"),
     ("forward_only not a bool", STAGES, "gpipe", _kwargs(swap=False, forward_only="yes"),
      TypeError, "forward_only must be a bool"),
-    ("swap without counting", STAGES, "gpipe", _kwargs(count_saved_bytes=False),
-     ValueError, "count_saved_bytes must be True when swap=True, got False"),
     ("count_saved_bytes not a bool", STAGES, "gpipe", _kwargs(swap=False, count_saved_bytes=1),
      TypeError, "count_saved_bytes must be a bool"),
     ("unknown schedule", STAGES, "pipedream", _kwargs(),

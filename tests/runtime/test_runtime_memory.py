@@ -108,3 +108,53 @@ async def test_a_run_without_counting_has_no_hooks_and_the_same_results() -> Non
         np.testing.assert_array_equal(a, b)
     assert all(rank.peak_saved_bytes > 0 for rank in runs[True].ranks)
     assert all(rank.peak_saved_bytes == 0 for rank in runs[False].ranks)
+
+
+@pytest.mark.asyncio
+async def test_swap_without_counting_counts_only_on_ranks_that_swap() -> None:
+    """``swap=True, count_saved_bytes=False``: a rank whose plan swaps nothing (1F1B's
+    last ranks) runs without hooks and reports 0; a rank that swaps still collects every
+    chunk and reports what the counting run reports; losses, gradients and the bytes moved
+    are those of the counting run, bit for bit."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2 * MICRO, DIM)).astype(np.float32)
+    y = rng.standard_normal((2 * MICRO, DIM)).astype(np.float32)
+    plan = memory_table(ScheduleConfig(schedule="1f1b", pp=PP, micro=MICRO, swap=True))
+    swapping = {rank for rank in range(PP) if plan[rank]["eligible"] > 0}
+    assert swapping and swapping != set(range(PP))  # both kinds of rank are in the run
+    seen: dict[bool, list[list[bool]]] = {c: [[] for _ in range(PP)] for c in (True, False)}
+    runs, grads = {}, {}
+    for count in (True, False):
+        stages = [
+            PipelineStage(
+                nn.SequentialCell([_CollectionProbe(seen[count][s.stage_index]), s.module]),
+                s.stage_index,
+                PP,
+            )
+            for s in _stages()
+        ]
+        runs[count] = await run_schedule(
+            stages,
+            "1f1b",
+            micro_batch_num=MICRO,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            swap=True,
+            count_saved_bytes=count,
+        )
+        grads[count] = [g.asnumpy() for stage in stages for g in stage.grads]
+    assert runs[False].losses == runs[True].losses
+    for a, b in zip(grads[True], grads[False], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for rank in range(PP):
+        counted, uncounted = runs[True].ranks[rank], runs[False].ranks[rank]
+        assert seen[True][rank] == [True] * MICRO
+        assert uncounted.offloaded_bytes == counted.offloaded_bytes
+        if rank in swapping:
+            assert seen[False][rank] == [True] * MICRO
+            assert uncounted.offloaded_bytes > 0
+            assert uncounted.peak_saved_bytes == counted.peak_saved_bytes > 0
+        else:
+            assert seen[False][rank] == [False] * MICRO
+            assert uncounted.peak_saved_bytes == 0 < counted.peak_saved_bytes
