@@ -192,6 +192,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         json_out=True,
     ),
     Benchmark(
+        "torch-peer-wide",
+        "bench_torch_peer.py",
+        "Against torch.distributed.pipelining, the wide model (width 256)",
+        "The comparison above on the same blocks at twice the width: the same saved "
+        "tensors per chunk with twice their bytes and four times the compute, so swap's "
+        "fixed cost per saved tensor is a quarter of the share it has above.",
+        args=("--model", "wide", "--rounds", "11"),
+        quick_args=("--model", "wide", "--rounds", "2", "--warmup", "1"),
+        limit_s=420.0,
+        json_out=True,
+    ),
+    Benchmark(
         "torch-overhead",
         "bench_torch_overhead.py",
         "Against torch.distributed.pipelining without compute: per micro-batch and per step",
@@ -364,11 +376,13 @@ def headline(outcomes: Sequence[Outcome]) -> str:
 
 
 def peer_headline(outcomes: Sequence[Outcome]) -> str:
-    """The torch peer benchmark's one line (its JSON's ``headline``), if it ran."""
-    peer = next((o for o in outcomes if o.bench.name == "torch-peer"), None)
-    if peer is None or peer.data is None:
-        return "(the torch peer benchmark did not run)"
-    return str(peer.data["headline"])
+    """The torch peer benchmarks' lines (their JSON's ``headline``), those that ran."""
+    lines = [
+        str(o.data["headline"])
+        for o in outcomes
+        if o.bench.name.startswith("torch-peer") and o.data is not None
+    ]
+    return "\n\n".join(lines) if lines else "(the torch peer benchmark did not run)"
 
 
 def render(outcomes: Sequence[Outcome], machine: str, total_s: float, quick: bool) -> str:
