@@ -2,8 +2,9 @@
 
 Every (stage, dp replica) holds its own copy of the stage, built from the same seed, its
 layers wrapped with ``swap_wrapper`` and the stage ``fully_shard()``-ed with its dp rank
-(RFC 5.2.3). The demo trains ``steps`` steps with swap off, then with swap on (same
-weights, same batches: the losses must agree bit for bit), each step updating the
+(RFC 5.2.3). The demo trains ``steps`` steps with swap off and with swap on, their steps
+taken in turn (same weights, same batches: the losses must agree bit for bit), each
+step updating the
 *shards* with plain SGD on the shard gradients, and reports per world rank:
 
 - parameter bytes, measured from the storages: the unsharded stage (what a pp-only rank
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import mindspore as ms
 
@@ -73,49 +75,64 @@ def _sharded_lm(cfg: LMConfig, stage_num: int, mesh: DeviceMesh) -> list[Pipelin
     return stages
 
 
+@dataclass
+class _FsdpPass:
+    """One of the two trainings (swap off or on): its own sharded stages and schedule."""
+
+    swap: bool
+    stages: list[PipelineStage]
+    schedule: Any
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    result: RunResult | None = None
+
+
 def _train(
     opts: DemoOptions,
     cfg: LMConfig,
     mesh: DeviceMesh,
     data: list[tuple[HostArray, HostArray]],
-    swap: bool,
-) -> tuple[list[float], list[float], RunResult]:
-    stages = _sharded_lm(cfg, opts.pp * opts.vpp, mesh)
-    schedule = _SCHEDULES[opts.schedule](
-        stages,
-        opts.micro,
-        loss_fn=cross_entropy_loss,
-        swap=swap,
-        pp=opts.pp,
-        device=EmulatedDevice(),
-    )
-    losses: list[float] = []
-    step_times: list[float] = []
-    result: RunResult | None = None
-    label = "fsdp swap on " if swap else "fsdp swap off"
+) -> tuple[_FsdpPass, _FsdpPass]:
+    """Both trainings, step by step in turn (which goes first alternates), as the main
+    demo does: their step times are taken side by side."""
+    passes = []
+    for swap in (False, True):
+        stages = _sharded_lm(cfg, opts.pp * opts.vpp, mesh)
+        schedule = _SCHEDULES[opts.schedule](
+            stages,
+            opts.micro,
+            loss_fn=cross_entropy_loss,
+            swap=swap,
+            pp=opts.pp,
+            device=EmulatedDevice(),
+        )
+        passes.append(_FsdpPass(swap, stages, schedule))
+    last = len(data) - 1
     for step, (x, y) in enumerate(data):
-        last = step == len(data) - 1
-        trace = opts.out_dir / f"trace_fsdp_{'swap' if swap else 'noswap'}.json"
-        result = schedule.run(x, targets=y, trace=trace if last else None)
-        losses.append(result.loss)
-        step_times.append(result.step_time_s)
-        for stage in stages:  # SGD on the shards, with the shard gradients
-            for param, grad in zip(stage.parameters, stage.grads, strict=True):
-                param.set_data(param - opts.lr * grad)
+        for run in passes if step % 2 == 0 else passes[::-1]:
+            trace = opts.out_dir / f"trace_fsdp_{'swap' if run.swap else 'noswap'}.json"
+            result = run.schedule.run(x, targets=y, trace=trace if step == last else None)
+            run.losses.append(result.loss)
+            run.step_times.append(result.step_time_s)
+            run.result = result
+            for stage in run.stages:  # SGD on the shards, with the shard gradients
+                for param, grad in zip(stage.parameters, stage.grads, strict=True):
+                    param.set_data(param - opts.lr * grad)
+        times = ", ".join(
+            f"swap {'on' if run.swap else 'off'} {run.step_times[-1]:.2f}s" for run in passes
+        )
         print(
-            f"\r  {label} step {step + 1}/{len(data)} loss {result.loss:.4f} "
-            f"({result.step_time_s:.2f}s)",
+            f"\r  fsdp step {step + 1}/{len(data)} loss {passes[0].losses[-1]:.4f} ({times})",
             end="",
             file=sys.stderr,
             flush=True,
         )
     print(file=sys.stderr)
-    assert result is not None
-    return losses, step_times, result
+    return passes[0], passes[1]
 
 
 def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
-    """Train the LM over a ``DeviceMesh(pp=opts.pp, dp=dp)``, swap off then on.
+    """Train the LM over a ``DeviceMesh(pp=opts.pp, dp=dp)``, swap off and on in turn.
 
     ``opts.batch`` is the global batch: it must divide into ``dp`` blocks of
     ``opts.micro`` micro-batches.
@@ -140,10 +157,10 @@ def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
         f"micro={opts.micro} ({mesh.world_size} ranks), char LM, {opts.steps} steps",
         file=sys.stderr,
     )
-    losses_off, times_off, last_off = _train(opts, cfg, mesh, data, swap=False)
-    losses_on, times_on, last_on = _train(opts, cfg, mesh, data, swap=True)
+    off, on = _train(opts, cfg, mesh, data)
+    assert off.result is not None and on.result is not None
     return FsdpDemoReport(
-        dp, opts.pp, losses_off, losses_on, last_off, last_on, times_off, times_on
+        dp, opts.pp, off.losses, on.losses, off.result, on.result, off.step_times, on.step_times
     )
 
 

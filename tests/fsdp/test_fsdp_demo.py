@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,10 +11,17 @@ from ppswap.demo.fsdp_demo import format_fsdp_report, run_fsdp_demo
 from ppswap.demo.run import DEMO_LM_SIZES, DemoOptions
 
 
-def test_fsdp_demo_reports_parameter_and_activation_savings(tmp_path: Path) -> None:
-    opts = DemoOptions(schedule="gpipe", pp=2, micro=1, batch=2, steps=1, out_dir=tmp_path)
+def test_fsdp_demo_reports_parameter_and_activation_savings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    opts = DemoOptions(schedule="gpipe", pp=2, micro=1, batch=2, steps=2, out_dir=tmp_path)
     report = run_fsdp_demo(opts, dp=2)
     assert report.losses_no_swap == report.losses_swap
+    assert len(report.step_times_no_swap) == len(report.step_times_swap) == 2
+    progress = capsys.readouterr().err
+    for step in (1, 2):  # the two trainings take their steps in turn: both times each step
+        both = rf"fsdp step {step}/2 loss [0-9.]+ \(swap off [0-9.]+s, swap on [0-9.]+s\)"
+        assert re.search(both, progress), progress
     assert len(report.last_swap.ranks) == 4
     # The first stage's positional table is (1, seq, dim): one row, padded to dp rows, so
     # each replica's shard holds all of it, half of it over an even split.
@@ -24,7 +32,7 @@ def test_fsdp_demo_reports_parameter_and_activation_savings(tmp_path: Path) -> N
     text = format_fsdp_report(report)
     assert "bit-identical: yes" in text
     assert "saved by FSDP, dp=2" in text and "saved by swap" in text
-    assert "step time (one step, warm-up included): swap off" in text
+    assert "step time (step 2; step 1 warms up): swap off" in text
     assert (tmp_path / "trace_fsdp_swap.json").exists()
 
 
