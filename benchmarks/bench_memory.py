@@ -48,12 +48,15 @@ import numpy.typing as npt
 
 from ppswap import DeviceMesh, PipelineStage, RunResult, fully_shard, run_schedule
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
+from ppswap.demo.run import DEMO_LM_SIZES
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost import CostModel, SwapPolicy
 from ppswap.scheduler.simulate import memory_table
 from ppswap.swap import CopyEngine, swap_wrapper
 
-LM = LMConfig(vocab=64, seq=64, dim=128, heads=4, seed=0)
+LM = LMConfig(  # the demo's LM; its blocks per stage follow BLOCKS and the schedule
+    vocab=64, seq=DEMO_LM_SIZES["seq"], dim=DEMO_LM_SIZES["dim"], heads=DEMO_LM_SIZES["heads"]
+)
 BLOCKS = 8  # the whole model: 2 blocks per stage at pp4, 1 per virtual stage at pp4 vpp2
 MICRO = 8
 MICRO_BATCH = 4

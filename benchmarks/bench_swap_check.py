@@ -27,6 +27,7 @@ from mindspore import Tensor
 
 from ppswap.backends.mindspore import BACKEND as MINDSPORE
 from ppswap.demo.model import LMConfig, build_lm_stages
+from ppswap.demo.run import DEMO_LM_SIZES
 from ppswap.swap import (
     CheckMode,
     CopyJob,
@@ -66,7 +67,7 @@ def _run_copy(job: CopyJob, seconds: list[float]) -> None:
 def measure(check: CheckMode | None, chunks: int, min_bytes: int = 0) -> dict[str, Any]:
     """Compute-thread CPU seconds per chunk by phase; ``check=None``: no swap;
     ``min_bytes``: the session's ``min_bytes`` (``RunOptions.swap_min_bytes``)."""
-    cfg = LMConfig(vocab=64, seq=64, dim=128, heads=4, layers_per_stage=2)
+    cfg = LMConfig(vocab=64, **DEMO_LM_SIZES)  # the demo's LM
     module = build_lm_stages(cfg, 4)[STAGE]
     for index, layer in enumerate(module.layers):
         module.layers[index] = swap_wrapper(layer)
