@@ -25,6 +25,8 @@ when other work waits for the thread (``yield_to``): ``run_batch`` returns what 
 and the actor queues the rest again; ``start_batch`` goes on behind the work queued,
 without a trip to the loop. So the ranks' leaves interleave when they compete for the
 thread (as a copy's start does: swap steps go on the urgent lane).
+
+``ComputeStats`` sums what the batches timed, by job kind (``JOB_KINDS``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "JOB_KINDS",
     "BatchOutcome",
     "BatchRun",
+    "ComputeStats",
     "EarlySends",
     "StepBodies",
     "StepJob",
@@ -70,6 +73,19 @@ JOB_KINDS = (
 
 SWAP_JOB_KINDS = frozenset({"swap_prepare", "swap_finish"})
 COMPUTE_JOB_KINDS = frozenset(JOB_KINDS) - SWAP_JOB_KINDS
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeStats:
+    """``job_s`` / ``jobs``: seconds and count of the compute-thread work by kind
+    (``JOB_KINDS``), timed on the thread itself, so waiting for the thread is not in
+    them; ``batches``: compute-thread jobs (hops) the actor made."""
+
+    steps_executed: int
+    exposed_copy_wait_s: float
+    job_s: Mapping[str, float]
+    jobs: Mapping[str, int]
+    batches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +284,11 @@ class BatchRun:
         if position >= len(jobs):
             return "done"
         return f"at {jobs[order[position] if order else position].step.short()}"
+
+    def progress(self, rank: int) -> str:
+        """Where the batch is, as the compute thread reports it (hang dumps, deadline
+        errors)."""
+        return f"rank {rank} {self.now()}"
 
     def _pair(self, position: int) -> tuple[StepJob, StepJob, ThreadWait, ThreadWait]:
         """The two jobs of the pair at ``position``, in their current order, and their

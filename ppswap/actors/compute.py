@@ -52,7 +52,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, Protocol
 
@@ -64,6 +63,7 @@ from ppswap.actors.batch import (
     SWAP_JOB_KINDS,
     BatchOutcome,
     BatchRun,
+    ComputeStats,
     EarlySends,
     StepBodies,
     StepJob,
@@ -90,7 +90,7 @@ from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import COMPOSITE_KINDS, MetaStep, Order, StepKind
 from ppswap.stage import PipelineStage
 
-__all__ = ["JOB_KINDS", "ComputeActor", "ComputeStats", "FsdpDriver", "RankInputs", "SwapDriver"]
+__all__ = ["JOB_KINDS", "ComputeActor", "FsdpDriver", "RankInputs", "SwapDriver"]
 
 
 class FsdpDriver(Protocol):
@@ -99,19 +99,6 @@ class FsdpDriver(Protocol):
     async def run_step(self, step: MetaStep) -> None: ...
     async def before_compute(self, step: MetaStep) -> None: ...
     async def finish(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ComputeStats:
-    """``job_s`` / ``jobs``: seconds and count of the compute-thread work by kind
-    (``JOB_KINDS``), timed on the thread itself, so waiting for the thread is not in
-    them; ``batches``: compute-thread jobs (hops) the actor made."""
-
-    steps_executed: int
-    exposed_copy_wait_s: float
-    job_s: Mapping[str, float]
-    jobs: Mapping[str, int]
-    batches: int = 0
 
 
 _WAITS = LAUNCH_OF_WAIT
@@ -342,7 +329,7 @@ class ComputeActor:
                 # the deadline bounds each step of the batch, not the whole: a step with
                 # an arrival may wait the step deadline for it, then run
                 timeout_s=self._waits.timeout_s * (2 if arrivals else 1),
-                progress=partial(_batch_progress, rank, batch),
+                progress=partial(batch.progress, rank),
             )
         finally:
             early.open = False  # an announcement still queued is dropped
@@ -499,8 +486,3 @@ class ComputeActor:
         StepKind.FSDP_UNSHARD: _fsdp_step,
         StepKind.FSDP_RESHARD: _fsdp_step,
     }
-
-
-def _batch_progress(rank: int, batch: BatchRun) -> str:
-    """Where a batch is, as the compute thread reports it (hang dumps, deadline errors)."""
-    return f"rank {rank} {batch.now()}"
