@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import mindspore as ms
 
@@ -29,9 +28,11 @@ from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
 from ppswap.demo.run import (
     DEMO_LM_SIZES,
     DemoOptions,
+    TrainingPass,
     lm_batches,
     load_corpus,
     step_time_line,
+    train_in_turn,
 )
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -74,26 +75,13 @@ def _sharded_lm(cfg: LMConfig, stage_num: int, mesh: DeviceMesh) -> list[Pipelin
     return stages
 
 
-@dataclass
-class _FsdpPass:
-    """One of the two trainings (swap off or on): its own sharded stages and schedule."""
-
-    swap: bool
-    stages: list[PipelineStage]
-    schedule: Any
-    losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)
-    result: RunResult | None = None
-
-
 def _train(
     opts: DemoOptions,
     cfg: LMConfig,
     mesh: DeviceMesh,
     data: list[tuple[HostArray, HostArray]],
-) -> tuple[_FsdpPass, _FsdpPass]:
-    """Both trainings, step by step in turn (which goes first alternates), as the main
-    demo does: their step times are taken side by side."""
+) -> tuple[TrainingPass, TrainingPass]:
+    """Both trainings, step by step in turn, as the main demo's (``train_in_turn``)."""
     passes = []
     for swap in (False, True):
         stages = _sharded_lm(cfg, opts.pp * opts.vpp, mesh)
@@ -105,27 +93,28 @@ def _train(
             pp=opts.pp,
             device=EmulatedDevice(),
         )
-        passes.append(_FsdpPass(swap, stages, schedule))
-    last = len(data) - 1
-    for step, (x, y) in enumerate(data):
-        for run in passes if step % 2 == 0 else passes[::-1]:
-            trace = opts.out_dir / f"trace_fsdp_{'swap' if run.swap else 'noswap'}.json"
-            result = run.schedule.run(x, targets=y, trace=trace if step == last else None)
-            run.losses.append(result.loss)
-            run.step_times.append(result.step_time_s)
-            run.result = result
-            for stage in run.stages:  # SGD on the shards, with the shard gradients
-                for param, grad in zip(stage.parameters, stage.grads, strict=True):
-                    param.set_data(param - opts.lr * grad)
-        times = ", ".join(
-            f"swap {'on' if run.swap else 'off'} {run.step_times[-1]:.2f}s" for run in passes
-        )
+        passes.append(TrainingPass(swap, stages, schedule))
+
+    def sgd_on_shards(stage: PipelineStage) -> None:  # with the shard gradients
+        for param, grad in zip(stage.parameters, stage.grads, strict=True):
+            param.set_data(param - opts.lr * grad)
+
+    def report(done: int) -> None:
+        times = ", ".join(f"{run.label} {run.step_times[-1]:.2f}s" for run in passes)
         print(
-            f"\r  fsdp step {step + 1}/{len(data)} loss {passes[0].losses[-1]:.4f} ({times})",
+            f"\r  fsdp step {done}/{len(data)} loss {passes[0].losses[-1]:.4f} ({times})",
             end="",
             file=sys.stderr,
             flush=True,
         )
+
+    train_in_turn(
+        passes,
+        data,
+        trace_of=lambda run: opts.out_dir / f"trace_fsdp_{'swap' if run.swap else 'noswap'}.json",
+        update=sgd_on_shards,
+        report=report,
+    )
     print(file=sys.stderr)
     return passes[0], passes[1]
 

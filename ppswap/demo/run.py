@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,10 +47,12 @@ __all__ = [
     "DemoOptions",
     "DemoReport",
     "LMShape",
+    "TrainingPass",
     "lm_batches",
     "load_corpus",
     "load_demo_model",
     "run_demo",
+    "train_in_turn",
 ]
 
 _SCHEDULES = {
@@ -275,15 +277,15 @@ class _Schedule(Protocol):
 
 
 @dataclass
-class _Pass:
-    """One of the demo's two trainings (swap off or on): its own stages, schedule and
+class TrainingPass:
+    """One of a demo's two trainings (swap off or on): its own stages, schedule and
     record. Both start from the same weights and see the same batches."""
 
     swap: bool
     stages: list[PipelineStage]
     schedule: _Schedule
-    losses: list[float]
-    step_times: list[float]
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
     result: RunResult | None = None
 
     @property
@@ -291,9 +293,33 @@ class _Pass:
         return "swap on" if self.swap else "swap off"
 
 
+def train_in_turn(
+    passes: Sequence[TrainingPass],
+    data: Sequence[tuple[HostArray, HostArray]],
+    *,
+    trace_of: Callable[[TrainingPass], Path],
+    update: Callable[[PipelineStage], None],
+    report: Callable[[int], None],
+) -> None:
+    """Train every pass on ``data``, step by step in turn (which goes first alternates),
+    so their step times are taken side by side rather than minutes apart. After each of
+    a pass's steps ``update`` runs on each of its stages (the optimizer step); after each
+    step of all of them, ``report(steps_done)``. The last step writes ``trace_of(pass)``."""
+    last = len(data) - 1
+    for step, (x, y) in enumerate(data):
+        for run in passes if step % 2 == 0 else passes[::-1]:
+            result = run.schedule.run(x, targets=y, trace=trace_of(run) if step == last else None)
+            run.losses.append(result.loss)
+            run.step_times.append(result.step_time_s)
+            run.result = result
+            for stage in run.stages:
+                update(stage)
+        report(step + 1)
+
+
 def _build_pass(
     opts: DemoOptions, model: DemoModel, cfg: LMShape, swap: bool, transport: Transport | None
-) -> _Pass:
+) -> TrainingPass:
     stage_num = opts.pp * opts.vpp
     modules = model.build_stages(cfg, stage_num)
     for module in modules:
@@ -314,7 +340,7 @@ def _build_pass(
         device=EmulatedDevice(),
         transport=transport,
     )
-    return _Pass(swap, stages, schedule, losses=[], step_times=[])
+    return TrainingPass(swap, stages, schedule)
 
 
 def _train(
@@ -323,30 +349,19 @@ def _train(
     cfg: LMShape,
     data: list[tuple[HostArray, HostArray]],
     transport: Transport | None,
-) -> tuple[_Pass, _Pass]:
-    """Both trainings, step by step in turn (which of the two goes first alternates), so
-    their step times are taken side by side rather than minutes apart."""
+) -> tuple[TrainingPass, TrainingPass]:
+    """Both trainings, step by step in turn (``train_in_turn``)."""
     passes = (
         _build_pass(opts, model, cfg, False, transport),
         _build_pass(opts, model, cfg, True, transport),
     )
     rank = getattr(transport, "rank", None)
     suffix = "" if rank is None else f"_rank{rank}"
-    last = len(data) - 1
-    if not rank:  # under MPI only rank 0 reports
-        print(f"\r  [{'':<20}] step 0/{len(data)} running...", end="", file=sys.stderr)
-    for step, (x, y) in enumerate(data):
-        for run in passes if step % 2 == 0 else passes[::-1]:
-            trace = opts.out_dir / f"trace_{'swap' if run.swap else 'noswap'}{suffix}.json"
-            result = run.schedule.run(x, targets=y, trace=trace if step == last else None)
-            run.losses.append(result.loss)
-            run.step_times.append(result.step_time_s)
-            run.result = result
-            for stage in run.stages:
-                model.sgd_step(stage.parameters, stage.grads, opts.lr)
-        if rank:  # under MPI only rank 0 reports
-            continue
-        done = step + 1
+    reports = not rank  # under MPI only rank 0 reports
+
+    def report(done: int) -> None:
+        if not reports:
+            return
         bar = "#" * (20 * done // len(data))
         times = ", ".join(f"{run.label} {run.step_times[-1]:.2f}s" for run in passes)
         print(
@@ -355,7 +370,19 @@ def _train(
             file=sys.stderr,
             flush=True,
         )
-    if not rank:
+
+    if reports:
+        print(f"\r  [{'':<20}] step 0/{len(data)} running...", end="", file=sys.stderr)
+    train_in_turn(
+        passes,
+        data,
+        trace_of=lambda run: (
+            opts.out_dir / f"trace_{'swap' if run.swap else 'noswap'}{suffix}.json"
+        ),
+        update=lambda stage: model.sgd_step(stage.parameters, stage.grads, opts.lr),
+        report=report,
+    )
+    if reports:
         print(file=sys.stderr)
     return passes
 
