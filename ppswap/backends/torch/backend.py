@@ -36,6 +36,7 @@ Facts this relies on (torch 2.11-2.14):
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -56,7 +57,7 @@ from ppswap.backends.base import (
     UnpackHook,
     ViewKey,
 )
-from ppswap.backends.cpu_engine import EmulatedDevice
+from ppswap.backends.cpu_engine import EmulatedDevice, contiguous_strides
 from ppswap.backends.torch.autograd import TorchAutograd
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine
 
@@ -89,7 +90,7 @@ def _version_checked(pack: PackHook, unpack: UnpackHook) -> tuple[PackHook, Unpa
     """``pack`` / ``unpack`` with torch's saved-tensor version check (module docstring)."""
 
     def pack_checked(tensor: torch.Tensor) -> _Saved:
-        version = int(tensor._version)
+        version: int = tensor._version
         try:
             origin: weakref.ref[torch.Tensor] | None = weakref.ref(tensor)
         except TypeError:  # a tensor type without weak references: not checked
@@ -138,6 +139,14 @@ def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
 
 
 _DTYPES_NAMED: dict[str, torch.dtype] = {}
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any] | None] = {}
+
+
+def _numpy_dtype_cached(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """:func:`_numpy_dtype_of`, looked up once per dtype."""
+    if dtype not in _NUMPY_DTYPES:
+        _NUMPY_DTYPES[dtype] = _numpy_dtype_of(dtype)
+    return _NUMPY_DTYPES[dtype]
 
 
 def _dtype_named(name: str) -> torch.dtype:
@@ -282,13 +291,43 @@ class TorchBackend:
         return span.set_(tensor.untyped_storage(), start, (nbytes,), (1,))
 
     def host_bytes(self, tensor: torch.Tensor, start: int, nbytes: int) -> HostArray | None:
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             return None
-        return _numpy_of(self.storage_bytes(tensor, start, nbytes))
+        # Once per span when a forward ends. A C-contiguous tensor whose bytes are the span
+        # (the common case: one saved view per storage) is read through its own numpy
+        # view, which keeps the tensor alive; any other span through a uint8 tensor set_
+        # onto the storage (storage_bytes).
+        itemsize = tensor.element_size()
+        if (
+            tensor.storage_offset() * itemsize == start
+            and tensor.numel() * itemsize == nbytes
+            and tensor.stride() == contiguous_strides(tuple(tensor.shape))
+            and _numpy_dtype_cached(tensor.dtype) is not None
+        ):
+            dense: HostArray = tensor.detach().numpy().reshape(-1).view(np.uint8)
+            return dense
+        span = torch.empty(0, dtype=torch.uint8).set_(
+            tensor.untyped_storage(), start, (nbytes,), (1,)
+        )
+        array: HostArray = span.numpy()  # uint8: numpy always has it
+        return array
 
     def host_views(
         self, block: HostArray, places: Sequence[tuple[int, ViewKey]]
     ) -> list[torch.Tensor]:
+        if len(places) == 1:
+            # One C-contiguous view filling the block from its first byte (the common
+            # case, and the span is then exactly its bytes): the block's memory as that
+            # view, through numpy, without a torch op per view.
+            ((offset, key),) = places
+            dtype = _numpy_dtype_cached(_dtype_named(key.dtype))
+            if (
+                offset == 0
+                and dtype is not None
+                and math.prod(key.shape) * key.itemsize == block.nbytes
+                and contiguous_strides(key.shape) == key.strides
+            ):
+                return [torch.from_numpy(block.view(dtype).reshape(key.shape))]
         return self.views_of(torch.from_numpy(block), places)
 
     def views_of(
@@ -296,17 +335,18 @@ class TorchBackend:
     ) -> list[torch.Tensor]:
         # set_ onto the block's storage: every view shares that one storage (and its
         # allocation), as the saved views shared theirs before the offload.
-        storage, base = block.untyped_storage(), int(block.storage_offset())
+        storage, base, device = block.untyped_storage(), block.storage_offset(), block.device
         views = []
         for offset, key in places:
             first = base + offset
-            if first % key.itemsize:
+            itemsize = key.itemsize
+            if first % itemsize:
                 raise ValueError(
                     f"a {key.dtype} view cannot start at byte {first} of a restored span "
-                    f"(not a multiple of its {key.itemsize}-byte elements)"
+                    f"(not a multiple of its {itemsize}-byte elements)"
                 )
-            view = torch.empty(0, dtype=_dtype_named(key.dtype), device=block.device)
-            views.append(view.set_(storage, first // key.itemsize, key.shape, key.strides))
+            view = torch.empty(0, dtype=_dtype_named(key.dtype), device=device)
+            views.append(view.set_(storage, first // itemsize, key.shape, key.strides))
         return views
 
     def data_nbytes(self, tensor: torch.Tensor) -> int:
@@ -316,7 +356,8 @@ class TorchBackend:
         return tuple(tensor.shape)
 
     def version_of(self, tensor: torch.Tensor) -> int | None:
-        return int(tensor._version)
+        version: int = tensor._version
+        return version
 
     def to_host(self, tensor: torch.Tensor, *, copy: bool) -> HostArray:
         # A numpy view makes torch refuse to resize the tensor's storage from then on (it
