@@ -132,8 +132,9 @@ class EntryTable:
         :meth:`seal`, it is pinned. Registering an existing view again can only select it.
         ``storage`` is the tensor's :class:`StorageRef` when the caller already has it.
         """
-        info = storage if storage is not None else self.backend.storage_of(tensor)
-        key = self.backend.view_key(tensor, info)
+        backend = self.backend
+        info = storage if storage is not None else backend.storage_of(tensor)
+        key = backend.view_key(tensor, info)
         with self._lock:
             if self._phase is not GroupPhase.COLLECTING:
                 raise SwapStateError(
@@ -150,8 +151,9 @@ class EntryTable:
                     existing.selected = True
                     existing.bulk = bulk
                 return existing
+            ptr = info.ptr
             entry = SwapTensor.capture(
-                self.backend,
+                backend,
                 tensor,
                 owner=self._owner,
                 group=self.name,
@@ -160,15 +162,17 @@ class EntryTable:
                 bulk=bulk,
                 chunk=self.chunk,
                 storage_info=info,
+                selected=selected,
+                pinned=ptr in self._pinned_storages,
             )
-            block = ("storage", info.ptr)
-            entry.selected = selected
-            entry.storage.device_block = block
-            entry.pinned = info.ptr in self._pinned_storages
-            self.accounting.hold(block, info.nbytes, entry, self.chunk)
+            self.accounting.hold(("storage", ptr), info.nbytes, entry, self.chunk)
             self._entries.append(entry)
             self._by_key[key] = entry
-            self._by_storage.setdefault(info.ptr, []).append(entry)
+            held = self._by_storage.get(ptr)
+            if held is None:
+                self._by_storage[ptr] = [entry]
+            else:
+                held.append(entry)
             return entry
 
     def select_storage(self, storage_ptr: int, *, group_swap: bool) -> int:
@@ -229,17 +233,17 @@ class EntryTable:
         """
         with self._lock:
             self._expect(GroupPhase.COLLECTING, GroupPhase.SEALED)
-            for entry in self._entries:
-                device = entry.storage.device
-                if not entry.selected or (device is not None and not self.engine.can_move(device)):
-                    entry.pinned = True
+            can_move, span_of = self.engine.can_move, StorageSpan.of
             spans = []
             for ptr, entries in self._by_storage.items():
-                if any(e.pinned or e.storage.device is None for e in entries):
-                    for entry in entries:
-                        entry.pinned = True
+                for entry in entries:
+                    device = entry.storage.device
+                    if not entry.selected or entry.pinned or device is None or not can_move(device):
+                        for pinned in entries:
+                            pinned.pinned = True
+                        break
                 else:
-                    spans.append(StorageSpan.of(ptr, entries))
+                    spans.append(span_of(ptr, entries))
             self._attach_sources(spans)
             for span in spans:
                 if span.source is None:

@@ -214,57 +214,67 @@ class Collection:
         if self.group is not None:
             self.group.select_storage(info.ptr, group_swap=group_swap)
 
-    def pack_saved(
+    def pack_hook(
         self,
-        tensor: Any,
         *,
         capture: bool,
         policy_fn: PolicyFn | None = None,
         group_swap: bool | None = None,
         label: str | None = None,
-    ) -> Any:
-        """The pack hook body: return a SwapTensor handle, a ResidentTensor handle, or
-        ``tensor`` itself.
+    ) -> Callable[[Any], Any]:
+        """The pack hook of one capture region: returns a SwapTensor handle, a
+        ResidentTensor handle, or the tensor itself.
 
         Parameters (and empty tensors) are returned untouched and not counted. Without a
         group, or for a protected storage, one smaller than ``min_bytes`` or one held on
-        device elsewhere, the tensor
-        is reported to the sink and returned as a ResidentTensor (emptied by
-        :meth:`abandon` if the forward fails). Otherwise it becomes an entry of
-        the group, *selected* for swap when ``capture`` is set and ``policy_fn`` agrees,
-        or when its storage was registered (before or, via
+        device elsewhere, the tensor is reported to the sink and returned as a
+        ResidentTensor (emptied by :meth:`abandon` if the forward fails). Otherwise it
+        becomes an entry of the group, *selected* for swap when ``capture`` is set and
+        ``policy_fn`` agrees, or when its storage was registered (before or, via
         :meth:`SwapGroup.select_storage`, after this save).
+
+        One closure per region, its lookups bound once: it runs for every tensor a
+        forward saves.
         """
         backend = self.backend
-        if not backend.is_tensor(tensor):
-            return tensor
-        info = backend.storage_of(tensor)
-        if info.ptr in self._parameters or info.nbytes == 0:
-            return tensor
-        group = self.group
-        if (
-            group is None
-            or info.nbytes < self.min_bytes
-            or info.ptr in self._protected
-            or (self.sink is not None and self.sink.must_stay_resident(info))
-        ):
-            if self.sink is not None:
-                self.sink.record_resident(tensor, info)
-            handle = ResidentTensor(tensor)
-            self._resident.append(handle)
-            return handle
-        registration = self._registered.get(info.ptr)
-        if registration is not None:
+        is_tensor, storage_of = backend.is_tensor, backend.storage_of
+        parameters, protected, registered = self._parameters, self._protected, self._registered
+        resident = self._resident
+        min_bytes = self.min_bytes
+
+        def pack(tensor: Any) -> Any:
+            if not is_tensor(tensor):
+                return tensor
+            info = storage_of(tensor)
+            ptr, nbytes = info
+            if ptr in parameters or nbytes == 0:
+                return tensor
+            group, sink = self.group, self.sink
+            if (
+                group is None
+                or nbytes < min_bytes
+                or ptr in protected
+                or (sink is not None and sink.must_stay_resident(info))
+            ):
+                if sink is not None:
+                    sink.record_resident(tensor, info)
+                handle = ResidentTensor(tensor)
+                resident.append(handle)
+                return handle
+            registration = registered.get(ptr)
+            if registration is not None:
+                return group.register(
+                    tensor,
+                    tag=registration.tag or label,
+                    group_swap=registration.group_swap,
+                    storage=info,
+                )
+            selected = capture and (policy_fn is None or self._policy_allows(policy_fn, tensor))
             return group.register(
-                tensor,
-                tag=registration.tag or label,
-                group_swap=registration.group_swap,
-                storage=info,
+                tensor, tag=label, group_swap=group_swap, selected=selected, storage=info
             )
-        selected = capture and (policy_fn is None or self._policy_allows(policy_fn, tensor))
-        return group.register(
-            tensor, tag=label, group_swap=group_swap, selected=selected, storage=info
-        )
+
+        return pack
 
     @staticmethod
     def _policy_allows(policy_fn: PolicyFn | None, tensor: Tensor) -> bool:

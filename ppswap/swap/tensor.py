@@ -184,18 +184,29 @@ class Storage:
         "tag",
     )
 
-    def __init__(self, *, group: str, tag: str, nbytes: int, shape: tuple[int, ...], dtype: Any):
+    def __init__(
+        self,
+        *,
+        group: str,
+        tag: str,
+        nbytes: int,
+        shape: tuple[int, ...],
+        dtype: Any,
+        device: Tensor | None = None,
+        fingerprint: Fingerprint | None = None,
+        device_block: tuple[str, int] | None = None,
+    ):
         self.group = group
         self.tag = tag
         self.nbytes = nbytes
         self.shape = shape
         self.dtype = dtype
         self._state = SwapState.DEVICE
-        self.device: Tensor | None = None
-        self.device_block: tuple[str, int] | None = None
+        self.device = device
+        self.device_block = device_block
         self.span: StorageSpan | None = None
         self.job: Any = None
-        self.fingerprint: Fingerprint | None = None
+        self.fingerprint = fingerprint
         self.released = False
 
     @property
@@ -262,6 +273,8 @@ class SwapTensor:
         storage: Storage,
         bulk: bool,
         chunk: tuple[int, int],
+        selected: bool = True,
+        pinned: bool = False,
     ) -> None:
         self._owner = owner
         self.tag = tag
@@ -269,8 +282,8 @@ class SwapTensor:
         self.storage = storage
         self.bulk = bulk
         self.chunk = chunk
-        self.pinned = False
-        self.selected = True
+        self.pinned = pinned
+        self.selected = selected
 
     @classmethod
     def capture(
@@ -285,20 +298,32 @@ class SwapTensor:
         bulk: bool,
         chunk: tuple[int, int],
         storage_info: StorageRef,
+        selected: bool = True,
+        pinned: bool = False,
     ) -> SwapTensor:
-        """A new DEVICE entry holding ``tensor`` with its capture fingerprint."""
+        """A new DEVICE entry holding ``tensor`` with its capture fingerprint; its storage
+        is held on device as the block ``("storage", address)``."""
+        ptr = storage_info.ptr
         storage = Storage(
             group=group,
             tag=tag,
             nbytes=math.prod(key.shape) * key.itemsize,
             shape=key.shape,
             dtype=key.dtype,
+            device=tensor,
+            fingerprint=Fingerprint(ptr, storage_info.nbytes, backend.version_of(tensor)),
+            device_block=("storage", ptr),
         )
-        storage.device = tensor
-        storage.fingerprint = Fingerprint(
-            storage_info.ptr, storage_info.nbytes, backend.version_of(tensor)
+        return cls(
+            owner=owner,
+            tag=tag,
+            key=key,
+            storage=storage,
+            bulk=bulk,
+            chunk=chunk,
+            selected=selected,
+            pinned=pinned,
         )
-        return cls(owner=owner, tag=tag, key=key, storage=storage, bulk=bulk, chunk=chunk)
 
     @property
     def state(self) -> SwapState:
@@ -338,11 +363,7 @@ class SwapTensor:
             raise SwapError(f"group {self.group!r} tensor {self.tag!r} lost its device tensor")
         ptr, nbytes = backend.storage_of(device)
         version = backend.version_of(device)
-        if (
-            ptr != expected.storage_ptr
-            or nbytes != expected.storage_nbytes
-            or version != expected.version
-        ):
+        if (ptr, nbytes, version) != expected:
             changes = expected.differences(Fingerprint(ptr, nbytes, version))
             raise SwapError(
                 f"group {self.group!r} tensor {self.tag!r}: its storage changed after "

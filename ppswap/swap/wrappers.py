@@ -87,9 +87,7 @@ def capture_scope(collection: Collection) -> Iterator[Collection]:
     their own hooks (the frameworks apply only the innermost hooks), which do both too.
     """
 
-    def pack(tensor: Any) -> Any:
-        return collection.pack_saved(tensor, capture=False, label="registered")
-
+    pack = collection.pack_hook(capture=False, label="registered")
     with activate(collection), collection.backend.saved_tensors_hooks(pack, unpack_saved):
         yield collection
 
@@ -115,12 +113,8 @@ class SwapCapture:
         if collection is None or collection.group is None:
             return call()
 
-        pack = functools.partial(  # a partial, not a closure: one Python frame less per save
-            collection.pack_saved,
-            capture=True,
-            policy_fn=self.policy_fn,
-            group_swap=self.group_swap,
-            label=self.label,
+        pack = collection.pack_hook(
+            capture=True, policy_fn=self.policy_fn, group_swap=self.group_swap, label=self.label
         )
         backend = collection.backend
         state = collection.state_of(self.owner) if self.owner is not None else []
