@@ -138,6 +138,8 @@ class SwapAccounting:
 
     def held_by_other_chunk(self, block: DeviceBlock, chunk: Chunk) -> bool:
         """Whether a chunk other than ``chunk`` holds ``block`` on device."""
+        if block not in self._blocks:  # the common case, asked once per saved tensor: one
+            return False  # dict lookup (atomic under the GIL), no lock
         with self._lock:
             record = self._blocks.get(block)
             return record is not None and any(c != chunk for c in record.holders.values())

@@ -36,6 +36,7 @@ Facts this relies on (torch 2.11-2.14):
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -140,6 +141,12 @@ def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
 
 _DTYPES_NAMED: dict[str, torch.dtype] = {}
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any] | None] = {}
+
+
+@functools.lru_cache(maxsize=1024)
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``contiguous_strides(shape)``, made once per shape."""
+    return contiguous_strides(shape)
 
 
 def _numpy_dtype_cached(dtype: torch.dtype) -> np.dtype[Any] | None:
@@ -301,11 +308,12 @@ class TorchBackend:
         if (
             tensor.storage_offset() * itemsize == start
             and tensor.numel() * itemsize == nbytes
-            and tensor.stride() == contiguous_strides(tuple(tensor.shape))
             and _numpy_dtype_cached(tensor.dtype) is not None
         ):
-            dense: HostArray = tensor.detach().numpy().reshape(-1).view(np.uint8)
-            return dense
+            elements: HostArray = tensor.detach().numpy()
+            if elements.flags.c_contiguous:  # so reshape(-1) is a view, never a copy
+                dense: HostArray = elements.reshape(-1).view(np.uint8)
+                return dense
         span = torch.empty(0, dtype=torch.uint8).set_(
             tensor.untyped_storage(), start, (nbytes,), (1,)
         )
@@ -325,7 +333,7 @@ class TorchBackend:
                 offset == 0
                 and dtype is not None
                 and math.prod(key.shape) * key.itemsize == block.nbytes
-                and contiguous_strides(key.shape) == key.strides
+                and _c_strides(key.shape) == key.strides
             ):
                 return [torch.from_numpy(block.view(dtype).reshape(key.shape))]
         return self.views_of(torch.from_numpy(block), places)
