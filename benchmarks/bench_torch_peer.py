@@ -85,9 +85,12 @@ from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppswap.scheduler.config import ScheduleName
+
+if TYPE_CHECKING:
+    from ppswap.results import RunResult
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES: tuple[tuple[str, ScheduleName], ...] = (
@@ -366,7 +369,7 @@ async def _measure_schedule(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ppswap import PipelineStage, RunResult, run_schedule
+    from ppswap import PipelineStage, run_schedule
     from ppswap.scheduler.config import ScheduleConfig
     from ppswap.scheduler.simulate import memory_table
     from ppswap.swap import EmulatedDevice
@@ -404,6 +407,7 @@ async def _measure_schedule(
     cpu: dict[str, list[float]] = {c: [] for c in CONTENDERS}
     cpu_main: dict[str, list[float]] = {c: [] for c in CONTENDERS}
     peaks: dict[str, list[int]] = {c: [] for c in CONTENDERS[1:]}
+    threads: dict[str, list[dict[str, float]]] = {c: [] for c in CONTENDERS[1:]}
     losses: dict[str, list[float]] = {}
     offloaded: list[int] = []
     for round_index in range(args.warmup + args.rounds):
@@ -428,6 +432,8 @@ async def _measure_schedule(
             times[contender].append(elapsed)
             cpu[contender].append(cpu_s)
             cpu_main[contender].append(main_s)
+            if contender != "torch":
+                threads[contender].append(thread_seconds(result))
             if contender == "ppswap+swap":
                 offloaded.append(result.ranks[rank].offloaded_bytes)
     # ppswap's saved bytes: one more run of each that counts them (not timed: the timed
@@ -488,6 +494,7 @@ async def _measure_schedule(
             c: [sum(r["cpu_main_s"][c][i] for r in every) for i in range(args.rounds)]
             for c in CONTENDERS
         },
+        "thread_s": threads,  # per round, from the run's stats of every rank
         "losses_equal": bool(
             len(last["torch"]) == model.micro
             and all(
@@ -560,6 +567,23 @@ def ppswap_source() -> str:
     return f"{commit}{', with uncommitted changes in ppswap/' if dirty else ''}{place}"
 
 
+THREAD_PARTS = ("forward", "backward", "swap_prepare", "swap_finish", "copy")
+"""What ``thread_seconds`` splits a ppswap step into: compute-thread time by job kind
+(``backward`` includes ``backward_input`` and ``backward_weight``) and the copy threads'
+busy time."""
+
+
+def thread_seconds(result: RunResult) -> dict[str, float]:
+    """Seconds of one run on the compute threads by job kind and on the copy threads
+    (wall time on each thread, as the runtime times them), summed over every rank."""
+    parts = dict.fromkeys(THREAD_PARTS, 0.0)
+    for stats in result.ranks:
+        for kind, seconds in stats.compute_job_s.items():
+            parts["backward" if kind.startswith("backward") else kind] += seconds
+        parts["copy"] += stats.copy_busy_s
+    return parts
+
+
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per schedule: median step time per contender, ratios of medians, paired ratios."""
     rows = []
@@ -573,6 +597,10 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "median_s": medians,
             "cpu_median_s": cpu_medians,
             "cpu_main_median_s": main_medians,
+            "thread_median_s": {
+                c: {p: statistics.median(r[p] for r in runs) for p in THREAD_PARTS}
+                for c, runs in result["thread_s"].items()
+            },
         }
         for contender in CONTENDERS[1:]:
             paired = [a / b for a, b in zip(times[contender], times["torch"], strict=True)]
@@ -653,6 +681,21 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {row['schedule']} pp{report['pp']} m{model['micro']} | {' | '.join(cells)} | "
             f"{row['ppswap/torch cpu']:.2f}x | {row['ppswap+swap/torch cpu']:.2f}x |"
         )
+    lines += [
+        "",
+        "Where ppswap's step goes: the compute threads' time by job kind (backward with "
+        "the chunk's release) and the copy threads' busy time, wall time on each thread as "
+        "the runtime times it (`RankStats.compute_job_s`, `copy_busy_s`), summed over the "
+        "ranks, median over rounds, ms; swap's bookkeeping is in forward (capture), "
+        "backward (unpack, release) and the swap steps:",
+        "",
+        "| schedule | contender | forward | backward | swap prepare | swap finish | copy busy |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for contender, parts in row["thread_median_s"].items():
+            times_ms = " | ".join(f"{1e3 * parts[p]:.1f}" for p in THREAD_PARTS)
+            lines.append(f"| {row['schedule']} | {contender} | {times_ms} |")
     lines += [
         "",
         "Peak saved-activation bytes per rank, counted the same way for both (distinct "

@@ -79,6 +79,12 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
     for row in report["summary"]:
         assert all(row["median_s"][c] > 0 for c in ("torch", "ppswap", "ppswap+swap"))
         assert row["ppswap/torch"] > 0 and row["ppswap+swap/torch"] > 0
+        # where ppswap's step goes: compute-thread time by kind, the copy threads' busy time
+        plain, swapped = row["thread_median_s"]["ppswap"], row["thread_median_s"]["ppswap+swap"]
+        assert plain["forward"] > 0 and plain["backward"] > 0, row["schedule"]
+        assert plain["swap_prepare"] == plain["swap_finish"] == plain["copy"] == 0.0
+        if row["schedule"] == "GPipe":  # every chunk is swapped
+            assert min(swapped[p] for p in ("swap_prepare", "swap_finish", "copy")) > 0, swapped
     for result in report["results"]:
         assert result["losses_equal"] and result["swap_bit_identical"], result["schedule"]
         assert [r["rank"] for r in result["ranks"]] == [0, 1]
@@ -90,6 +96,7 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
             assert all(r["swap_peak"] < r["ppswap_peak"] for r in result["ranks"])
     assert report["headline"].startswith("Against torch.distributed.pipelining (pp2")
     assert "| GPipe pp2 m8 |" in output and report["headline"] in output
+    assert "| GPipe | ppswap+swap |" in output
 
 
 @pytest.mark.timeout(200)
