@@ -567,10 +567,10 @@ def ppswap_source() -> str:
     return f"{commit}{', with uncommitted changes in ppswap/' if dirty else ''}{place}"
 
 
-THREAD_PARTS = ("forward", "backward", "swap_prepare", "swap_finish", "copy")
+THREAD_PARTS = ("forward", "backward", "swap_prepare", "swap_finish", "copy", "exposed_wait")
 """What ``thread_seconds`` splits a ppswap step into: compute-thread time by job kind
-(``backward`` includes ``backward_input`` and ``backward_weight``) and the copy threads'
-busy time."""
+(``backward`` includes ``backward_input`` and ``backward_weight``), the copy threads'
+busy time and the compute threads' time blocked in a SWAP_WAIT_* for a copy not done."""
 
 
 def thread_seconds(result: RunResult) -> dict[str, float]:
@@ -581,6 +581,7 @@ def thread_seconds(result: RunResult) -> dict[str, float]:
         for kind, seconds in stats.compute_job_s.items():
             parts["backward" if kind.startswith("backward") else kind] += seconds
         parts["copy"] += stats.copy_busy_s
+        parts["exposed_wait"] += stats.exposed_copy_wait_s
     return parts
 
 
@@ -684,13 +685,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Where ppswap's step goes: the compute threads' time by job kind (backward with "
-        "the chunk's release) and the copy threads' busy time, wall time on each thread as "
-        "the runtime times it (`RankStats.compute_job_s`, `copy_busy_s`), summed over the "
-        "ranks, median over rounds, ms; swap's bookkeeping is in forward (capture), "
-        "backward (unpack, release) and the swap steps:",
+        "the chunk's release), the copy threads' busy time and the compute threads' time "
+        "blocked for a copy not done at its SWAP_WAIT_* (exposed), wall time on each "
+        "thread as the runtime times it (`RankStats.compute_job_s`, `copy_busy_s`, "
+        "`exposed_copy_wait_s`), summed over the ranks, median over rounds, ms; swap's "
+        "bookkeeping is in forward (capture), backward (unpack, release) and the swap "
+        "steps:",
         "",
-        "| schedule | contender | forward | backward | swap prepare | swap finish | copy busy |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| schedule | contender | forward | backward | swap prepare | swap finish | copy busy "
+        "| exposed wait |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         for contender, parts in row["thread_median_s"].items():

@@ -83,6 +83,7 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
         plain, swapped = row["thread_median_s"]["ppswap"], row["thread_median_s"]["ppswap+swap"]
         assert plain["forward"] > 0 and plain["backward"] > 0, row["schedule"]
         assert plain["swap_prepare"] == plain["swap_finish"] == plain["copy"] == 0.0
+        assert plain["exposed_wait"] == 0.0 and swapped["exposed_wait"] >= 0.0
         if row["schedule"] == "GPipe":  # every chunk is swapped
             assert min(swapped[p] for p in ("swap_prepare", "swap_finish", "copy")) > 0, swapped
     for result in report["results"]:
