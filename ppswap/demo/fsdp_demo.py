@@ -27,6 +27,7 @@ from ppswap.core.messages import HostArray
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
 from ppswap.demo.run import (
     DEMO_LM_SIZES,
+    SCHEDULE_CLASSES,
     DemoOptions,
     TrainingPass,
     lm_batches,
@@ -35,7 +36,6 @@ from ppswap.demo.run import (
     train_in_turn,
 )
 from ppswap.fsdp import DeviceMesh, fully_shard
-from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.results import RunResult
 from ppswap.stage import PipelineStage
 from ppswap.swap import EmulatedDevice, swap_wrapper
@@ -55,13 +55,6 @@ class FsdpDemoReport:
     last_swap: RunResult
     step_times_no_swap: list[float]
     step_times_swap: list[float]
-
-
-_SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-}
 
 
 def _sharded_lm(cfg: LMConfig, stage_num: int, mesh: DeviceMesh) -> list[PipelineStage]:
@@ -85,7 +78,7 @@ def _train(
     passes = []
     for swap in (False, True):
         stages = _sharded_lm(cfg, opts.pp * opts.vpp, mesh)
-        schedule = _SCHEDULES[opts.schedule](
+        schedule = SCHEDULE_CLASSES[opts.schedule](
             stages,
             opts.micro,
             loss_fn=cross_entropy_loss,

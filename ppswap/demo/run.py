@@ -42,6 +42,7 @@ __all__ = [
     "DEMO_LM_SIZES",
     "DEMO_MODELS",
     "REPORT_LEGEND",
+    "SCHEDULE_CLASSES",
     "DemoConfigError",
     "DemoModel",
     "DemoOptions",
@@ -55,11 +56,12 @@ __all__ = [
     "train_in_turn",
 ]
 
-_SCHEDULES = {
+SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
+"""The schedule class of each ``--schedule`` name (both demos)."""
 
 DEMO_MODELS: Mapping[str, str] = {
     "mindspore": "ppswap.demo.model",
@@ -198,9 +200,9 @@ class DemoOptions:
                 f"backend must be 'mindspore' with fsdp (the FSDP demo's LM is MindSpore's), "
                 f"got {self.backend!r}"
             )
-        if self.schedule not in _SCHEDULES:
+        if self.schedule not in SCHEDULE_CLASSES:
             raise ValueError(
-                f"schedule must be one of {', '.join(_SCHEDULES)}, got {self.schedule!r}"
+                f"schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {self.schedule!r}"
             )
         for name in ("pp", "vpp", "micro", "batch", "steps"):
             value = getattr(self, name)
@@ -331,7 +333,7 @@ def _build_pass(
         for i, m in enumerate(modules)
         if rank is None or i % opts.pp == rank  # under MPI: this process's stages only
     ]
-    schedule = _SCHEDULES[opts.schedule](
+    schedule = SCHEDULE_CLASSES[opts.schedule](
         stages,
         opts.micro,
         loss_fn=model.loss_fn,
