@@ -348,6 +348,14 @@ class Backend(Protocol):
 
     def view_key(self, tensor: Tensor, storage: StorageRef) -> ViewKey: ...
 
+    def is_lazy_view(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s values are not just its bytes: the framework transforms
+        them when they are read (torch's conjugate and negative bits, set by ``conj()``
+        and ``.imag`` of a conjugated view without copying). Such a saved tensor stays on
+        device: its bytes alone, restored, would give other values (and its
+        :class:`ViewKey` equals that of the plain view of the same bytes)."""
+        ...
+
     def storage_bytes(self, tensor: Tensor, start: int, nbytes: int) -> Tensor | None:
         """A 1-D ``uint8`` tensor over bytes ``[start, start + nbytes)`` of ``tensor``'s
         storage (counted from the storage's first byte), sharing its memory and keeping

@@ -226,9 +226,11 @@ class Collection:
         ResidentTensor handle, or the tensor itself.
 
         Parameters (and empty tensors) are returned untouched and not counted. Without a
-        group, or for a protected storage, one smaller than ``min_bytes`` or one held on
-        device elsewhere, the tensor is reported to the sink and returned as a
-        ResidentTensor (emptied by :meth:`abandon` if the forward fails). Otherwise it
+        group, or for a protected storage, one smaller than ``min_bytes``, one held on
+        device elsewhere or a lazy view (``Backend.is_lazy_view``: its bytes are not its
+        values), the tensor is reported to the sink (which keeps every view of that
+        storage on device) and returned as a ResidentTensor (emptied by :meth:`abandon`
+        if the forward fails). Otherwise it
         becomes an entry of the group, *selected* for swap when ``capture`` is set and
         ``policy_fn`` agrees, or when its storage was registered (before or, via
         :meth:`SwapGroup.select_storage`, after this save).
@@ -237,7 +239,11 @@ class Collection:
         forward saves.
         """
         backend = self.backend
-        is_tensor, storage_of = backend.is_tensor, backend.storage_of
+        is_tensor, storage_of, is_lazy_view = (
+            backend.is_tensor,
+            backend.storage_of,
+            backend.is_lazy_view,
+        )
         parameters, protected, registered = self._parameters, self._protected, self._registered
         resident = self._resident
         min_bytes = self.min_bytes
@@ -254,6 +260,7 @@ class Collection:
                 group is None
                 or nbytes < min_bytes
                 or ptr in protected
+                or is_lazy_view(tensor)
                 or (sink is not None and sink.must_stay_resident(info))
             ):
                 if sink is not None:

@@ -308,3 +308,63 @@ def test_a_restored_copy_is_not_refused_after_the_original_changed() -> None:
         y.mul_(2.0)
     (grad,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(grad, 1 - saved**2)  # the modified y would give 1 - 4 saved**2
+
+
+# -- lazily conjugated and negated views ------------------------------------------------------
+
+
+class _ConjugatedProduct(nn.Module):
+    """A complex product whose backward reads ``z`` itself, a lazily conjugated view of it
+    (``conj()`` sets a bit instead of copying: same storage, offset, shape, strides and
+    dtype as ``z``) and the imaginary part of that view (which sets the negative bit)."""
+
+    def __init__(self, z_first: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(DIM, DIM, dtype=torch.complex64) * 0.3)
+        self.z_first = z_first  # z saved before its lazy views, or after them
+        self.z_storage = 0  # where the last forward's z lives
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.complex(x, x.flip(-1)) @ self.w
+        self.z_storage = z.untyped_storage().data_ptr()
+        square = (z * z).real if self.z_first else None
+        lazy = z.conj()  # the product saves it, conjugate bit and all
+        out: torch.Tensor = (lazy @ self.w).real + lazy.imag * x
+        return out + (square if square is not None else (z * z).real)
+
+
+@pytest.mark.parametrize("z_first", [True, False], ids=["plain-view-first", "lazy-views-first"])
+def test_lazily_conjugated_and_negated_saved_views_stay_on_device(
+    session: PipelineSwapSession, z_first: bool
+) -> None:
+    """A view with torch's conjugate or negative bit is not its bytes: restored from them
+    it would lose the bit (and its key is the plain view's, so one handle would serve
+    both). It stays on device with every view of its storage; the rest of the chunk moves,
+    and the gradients are bit-identical."""
+    saved: list[tuple[bool, bool]] = []
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        saved.append((t.is_conj(), t.is_neg()))
+        return t
+
+    product = _ConjugatedProduct(z_first)
+    block = swap_wrapper(_seeded(product))
+    params = list(block.parameters())
+    x = _input()
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        expected = _backward(_record(_loss_of(block), x), params)
+    assert (True, False) in saved and (False, True) in saved, saved  # the case is real
+
+    record = _collect(session, _loss_of(block), x, params)
+    group = session.manager.get_group(session.group_name(0, 0))
+    devices = [e.storage.device for e in group.entries()]
+    assert not any(t.is_conj() or t.is_neg() for t in devices)
+    # z itself stays on device with them: pinned, or never an entry (the chunk's ledger)
+    assert product.z_storage and not any(
+        e.key.storage_ptr == product.z_storage and not e.pinned for e in group.entries()
+    )
+    _round_trip(session)
+    assert session.stats().offloaded_bytes > 0
+    got = _backward(record, params)
+    assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
+    session.release_chunk(0, 0)

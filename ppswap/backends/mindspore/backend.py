@@ -185,6 +185,9 @@ class MindSporeBackend:
         storage = tensor.untyped_storage()
         return StorageRef(int(storage.data_ptr()), int(storage.nbytes()))
 
+    def is_lazy_view(self, tensor: Tensor) -> bool:
+        return False  # MindSpore 2.10 has no lazily conjugated or negated views
+
     def view_key(self, tensor: Tensor, storage: StorageRef) -> ViewKey:
         dtype = tensor.dtype
         named = _VIEW_DTYPES.get(dtype)

@@ -293,6 +293,9 @@ class TorchBackend:
             *named,
         )
 
+    def is_lazy_view(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_conj() or tensor.is_neg()
+
     def storage_bytes(self, tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
         span = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         return span.set_(tensor.untyped_storage(), start, (nbytes,), (1,))
@@ -303,12 +306,14 @@ class TorchBackend:
         # Once per span when a forward ends. A C-contiguous tensor whose bytes are the span
         # (the common case: one saved view per storage) is read through its own numpy
         # view, which keeps the tensor alive; any other span through a uint8 tensor set_
-        # onto the storage (storage_bytes).
+        # onto the storage. numpy() refuses a lazily conjugated or negated view (the swap
+        # layer never captures one, is_lazy_view; its raw bytes are still readable here).
         itemsize = tensor.element_size()
         if (
             tensor.storage_offset() * itemsize == start
             and tensor.numel() * itemsize == nbytes
             and _numpy_dtype_cached(tensor.dtype) is not None
+            and not self.is_lazy_view(tensor)
         ):
             elements: HostArray = tensor.detach().numpy()
             if elements.flags.c_contiguous:  # so reshape(-1) is a view, never a copy
