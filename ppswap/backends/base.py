@@ -40,6 +40,7 @@ import numpy.typing as npt
 from ppswap.core.oneshot import OneShot
 
 __all__ = [
+    "NO_STORAGE",
     "Autograd",
     "Backend",
     "CopyEngine",
@@ -76,6 +77,10 @@ class StorageRef(NamedTuple):
 
     ptr: int
     nbytes: int
+
+
+NO_STORAGE = StorageRef(0, 0)
+"""What ``Backend.storage_of`` returns for a tensor without a storage of its own."""
 
 
 class ViewKey(NamedTuple):
@@ -344,7 +349,11 @@ class Backend(Protocol):
 
     def is_parameter(self, obj: object) -> bool: ...
 
-    def storage_of(self, tensor: Tensor) -> StorageRef: ...
+    def storage_of(self, tensor: Tensor) -> StorageRef:
+        """The storage ``tensor`` is a view of; :data:`NO_STORAGE` for a tensor without
+        one the swap layer could name (torch's sparse and other non-strided layouts): a
+        saved tensor of that kind is left to the graph, neither counted nor moved."""
+        ...
 
     def view_key(self, tensor: Tensor, storage: StorageRef) -> ViewKey: ...
 

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from ppswap.backends.base import (
+    NO_STORAGE,
     Autograd,
     CopyEngine,
     DeviceMemory,
@@ -277,7 +278,10 @@ class TorchBackend:
         return isinstance(obj, nn.Parameter)
 
     def storage_of(self, tensor: torch.Tensor) -> StorageRef:
-        storage = tensor.untyped_storage()
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # sparse and other non-strided layouts
+            return NO_STORAGE
         return StorageRef(storage.data_ptr(), storage.nbytes())
 
     def view_key(self, tensor: torch.Tensor, storage: StorageRef) -> ViewKey:
