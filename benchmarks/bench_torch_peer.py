@@ -65,6 +65,12 @@ prediction is the planner's (``ppswap.scheduler.simulate.memory_table``): the pe
 resident chunks per rank without and with swap, converted to bytes with ppswap's measured
 bytes per chunk (no-swap peak / no-swap peak chunks), as ``bench_memory.py`` does.
 
+Where ppswap's step goes: per contender, the compute threads' time by job kind (forward,
+backward with the chunk's release, the swap steps' prepare and finish), the copy threads'
+busy time and the time the compute threads were blocked for a copy not done at its
+SWAP_WAIT_*, from each run's ``RankStats`` (wall time on each thread), summed over the
+ranks, median over rounds.
+
 Also checked in every run: ppswap's per-micro-batch losses equal torch's (rtol 1e-6) and
 swap on equals swap off bit for bit. ``--quick``: a smaller model, one warm-up round and
 two measured rounds (checks the pipeline, not for publishing).
