@@ -280,7 +280,7 @@ class TorchBackend:
     def storage_of(self, tensor: torch.Tensor) -> StorageRef:
         try:
             storage = tensor.untyped_storage()
-        except (NotImplementedError, RuntimeError):  # sparse and other non-strided layouts
+        except RuntimeError:  # sparse and other non-strided layouts have no storage
             return NO_STORAGE
         return StorageRef(storage.data_ptr(), storage.nbytes())
 
