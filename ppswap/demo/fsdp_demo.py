@@ -25,6 +25,7 @@ import mindspore as ms
 
 from ppswap.core.messages import HostArray
 from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
+from ppswap.demo.report import step_time_line
 from ppswap.demo.run import (
     DEMO_LM_SIZES,
     SCHEDULE_CLASSES,
@@ -32,7 +33,6 @@ from ppswap.demo.run import (
     TrainingPass,
     lm_batches,
     load_corpus,
-    step_time_line,
     train_in_turn,
 )
 from ppswap.fsdp import DeviceMesh, fully_shard

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ppswap.cli import main
-from ppswap.demo.run import DemoOptions, format_report, run_demo, step_time_line
+from ppswap.demo.report import format_report, step_time_line
+from ppswap.demo.run import DemoOptions, run_demo
 
 
 def test_demo_trains_and_swap_agrees(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
