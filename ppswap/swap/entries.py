@@ -239,8 +239,8 @@ class EntryTable:
                 for entry in entries:
                     device = entry.storage.device
                     if not entry.selected or entry.pinned or device is None or not can_move(device):
-                        for pinned in entries:
-                            pinned.pinned = True
+                        for same_storage in entries:  # it stays: so do all its views
+                            same_storage.pinned = True
                         break
                 else:
                     spans.append(span_of(ptr, entries))

@@ -230,10 +230,9 @@ class Collection:
         device elsewhere or a lazy view (``Backend.is_lazy_view``: its bytes are not its
         values), the tensor is reported to the sink (which keeps every view of that
         storage on device) and returned as a ResidentTensor (emptied by :meth:`abandon`
-        if the forward fails). Otherwise it
-        becomes an entry of the group, *selected* for swap when ``capture`` is set and
-        ``policy_fn`` agrees, or when its storage was registered (before or, via
-        :meth:`SwapGroup.select_storage`, after this save).
+        if the forward fails). Otherwise it becomes an entry of the group, *selected* for
+        swap when ``capture`` is set and ``policy_fn`` agrees, or when its storage was
+        registered (before or, via :meth:`SwapGroup.select_storage`, after this save).
 
         One closure per region, its lookups bound once: it runs for every tensor a
         forward saves.

@@ -323,11 +323,7 @@ class TorchBackend:
             if elements.flags.c_contiguous:  # so reshape(-1) is a view, never a copy
                 dense: HostArray = elements.reshape(-1).view(np.uint8)
                 return dense
-        span = torch.empty(0, dtype=torch.uint8).set_(
-            tensor.untyped_storage(), start, (nbytes,), (1,)
-        )
-        array: HostArray = span.numpy()  # uint8: numpy always has it
-        return array
+        return _numpy_of(self.storage_bytes(tensor, start, nbytes))
 
     def host_views(
         self, block: HostArray, places: Sequence[tuple[int, ViewKey]]
