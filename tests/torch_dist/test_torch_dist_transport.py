@@ -30,6 +30,7 @@ def test_exchange_is_bit_exact_and_collectives_match_in_process(ranks: int) -> N
         messages = 2 * cases * (ranks - 1)
         pattern = rf"rank {rank} OK: {messages} messages bit-exact, \d+ collectives equal"
         assert re.search(pattern, result.output), result.output
+        assert f"rank {rank} closed: no thread left" in result.output, result.output
 
 
 @pytest.mark.timeout(150)

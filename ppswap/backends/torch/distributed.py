@@ -158,6 +158,7 @@ class TorchDistTransport:
             _check_same_everywhere("inline_max_bytes", inline_max_bytes, self._groups[0])
         except BaseException:
             self._destroy_groups()
+            self._groups.clear()  # not held by the traceback (close()'s comment says why)
             raise
         self.abort_on_failure = abort_on_failure
         self._rank = dist.get_rank()
@@ -366,8 +367,10 @@ class TorchDistTransport:
         operations a cancelled wait left posted ``_CLOSE_GRACE_S`` to end. Idempotent.
 
         Those end as their peers close their groups or exit; one still posted when Python
-        finalizes can kill the process (``distributed_wait``'s doc). Call it on the event
-        loop's thread or after the loop ended.
+        finalizes can kill the process (``distributed_wait``'s doc). Once every one ended,
+        the transport's waiting threads are joined and its groups dropped, which ends their
+        gloo threads: nothing of it runs on when the interpreter finalizes. Call it on the
+        event loop's thread or after the loop ended.
         """
         if self._io.waiters.closed:
             return
@@ -379,7 +382,11 @@ class TorchDistTransport:
             on_done(None, RuntimeError("TorchDistTransport was closed while a message was awaited"))
         self._destroy_groups()
         self._io.clear()
-        self._io.waiters.drain(_CLOSE_GRACE_S)
+        if self._io.waiters.drain(_CLOSE_GRACE_S) == 0:
+            # destroy_process_group leaves a gloo group's threads running while Python
+            # holds the group; dropped here they are joined now, not while the
+            # interpreter finalizes (where one releasing a tensor aborts the process).
+            self._groups.clear()
 
     def abort(self, errorcode: int = 1) -> NoReturn:
         """End this process with ``errorcode`` (``os._exit``), after flushing stdout/stderr.

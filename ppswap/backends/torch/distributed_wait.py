@@ -16,7 +16,8 @@ withdrawn, and one left waiting must not keep the process from exiting. A cancel
 (when the peer closes its group or exits, or at the group's timeout). A daemon thread
 that returns from ``wait()`` while Python finalizes kills the process (pybind11 cannot
 unwind the thread: "terminate called without an active exception", SIGABRT; measured),
-so ``close`` gives such threads a grace period to end first.
+so ``drain`` gives such threads a grace period to end first, and joins every thread that
+ended.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class Waiters:
         self._ended = threading.Condition(self._lock)  # notified when a job ends
         self._busy = 0  # jobs on a thread
         self._idle: list[queue.SimpleQueue[_Job | None]] = []
+        self._threads: list[threading.Thread] = []  # every waiting thread started
         self._waiting: set[_Job] = set()  # jobs whose thread has not reported back
         # per loop, the jobs that ended and wait for the loop to call them back
         self._ended_jobs: dict[asyncio.AbstractEventLoop, list[tuple[_Job, BaseException | None]]]
@@ -149,7 +151,9 @@ class Waiters:
         if jobs is None:
             jobs = queue.SimpleQueue()
             name = "ppswap-torch-dist-wait"
-            threading.Thread(target=self._serve, args=(jobs,), name=name, daemon=True).start()
+            thread = threading.Thread(target=self._serve, args=(jobs,), name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
         self.pending_sends += p2p_send
         self._waiting.add(job)
         jobs.put(job)
@@ -183,10 +187,17 @@ class Waiters:
                     on_done(RuntimeError(_CLOSED))
 
     def drain(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for every job to end; the number still on a thread."""
+        """After ``close()``: wait up to ``timeout_s`` for every job to end and join the
+        threads that ended; the number of jobs still on a thread (their threads stay)."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             self._ended.wait_for(lambda: self._busy == 0, timeout=timeout_s)
-            return self._busy
+            busy = self._busy
+        if self.closed:  # no thread starts any more; an idle one returns at once
+            for thread in self._threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            self._threads = [thread for thread in self._threads if thread.is_alive()]
+        return busy
 
     def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
         while (job := jobs.get()) is not None:

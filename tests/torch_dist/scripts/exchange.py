@@ -18,8 +18,11 @@ A rank that finds a mismatch prints it and aborts the job, so torchrun exits non
 
 from __future__ import annotations
 
+import os
 import random
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -225,7 +228,33 @@ def mismatched_inline_limit(rank: int) -> None:
         raise AssertionError(f"rank {rank}: ranks disagreeing on inline_max_bytes were accepted")
 
 
+def os_threads() -> list[str]:
+    """The names of this process's threads, Python's and native ones, less gloo's TCP
+    event loop: a peer's traffic the test leaves unreceived (``stale_message``) can keep
+    that one until the process ends; it runs no Python."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return [name for name in names if name != "gloo_tcp_loop"]
+
+
+def check_nothing_left(before: list[str]) -> None:
+    """A closed transport left no thread behind: its waiting threads are joined and its
+    groups' gloo worker threads ended (none may end while the interpreter finalizes)."""
+    waiting = [t.name for t in threading.enumerate() if t.name.startswith("ppswap-")]
+    deadline = time.monotonic() + 5.0  # a joined thread leaves /proc a moment later
+    while len(os_threads()) != len(before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if waiting or len(os_threads()) != len(before):
+        raise AssertionError(
+            f"after close: ppswap threads {waiting}, threads {os_threads()} against "
+            f"{before} before the transport"
+        )
+
+
 if __name__ == "__main__":
+    threads_before = os_threads()
     with TorchDistTransport(timeout_s=120) as torch_transport:
         try:
             anyio.run(main, torch_transport)
@@ -234,3 +263,5 @@ if __name__ == "__main__":
             print(f"rank {torch_transport.rank} FAILED", file=sys.stderr, flush=True)
             traceback.print_exc()
             torch_transport.abort(1)
+    check_nothing_left(threads_before)
+    print(f"rank {torch_transport.rank} closed: no thread left", flush=True)
