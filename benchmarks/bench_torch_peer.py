@@ -94,6 +94,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ppswap.scheduler.config import ScheduleName
+from ppswap.swap.manager import SWAP_MIN_BYTES
 
 if TYPE_CHECKING:
     from ppswap.results import RunResult
@@ -404,6 +405,7 @@ async def _measure_schedule(
             loss_fn=mse,
             swap=swap,
             count_saved_bytes=count_saved_bytes,
+            swap_min_bytes=args.swap_min_bytes,
             device=engines[contender],
             transport=transport,
             step_timeout=300,
@@ -633,12 +635,14 @@ def _verdict(ratio: float, target: float) -> str:
 def markdown(report: dict[str, Any]) -> str:
     model, rows, results = report["model"], report["summary"], report["results"]
     params_per_block = 2 * model["dim"] * 4 * model["dim"] + 7 * model["dim"]
+    kept = report.get("swap_min_bytes", SWAP_MIN_BYTES)
+    min_bytes = "" if kept == SWAP_MIN_BYTES else f" but swap_min_bytes={kept}"
     lines = [
         f"pp{report['pp']}, one process per rank, gloo; {model['blocks']} blocks of width "
         f"{model['dim']} (hidden {4 * model['dim']}, {params_per_block * 4 / 2**20:.2f} MiB "
         f"of parameters each) split evenly over the stages; {model['micro']} micro-batches "
         f"of {model['micro_batch']} x {model['seq']} tokens; ppswap with its default "
-        f"options (p2p plain, the gap plan); warm-up rounds: {report['warmup']}, "
+        f"options (p2p plain, the gap plan){min_bytes}; warm-up rounds: {report['warmup']}, "
         f"measured rounds: {report['rounds']}, "
         f"the contenders alternating; torch {report['torch']}; ppswap {report['ppswap']}.",
         "",
@@ -774,6 +778,13 @@ def main(argv: list[str] | None = None) -> int:
         "--model", choices=sorted(MODELS), default="small", help="the model (small)"
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 + 2 rounds")
+    parser.add_argument(
+        "--swap-min-bytes",
+        type=int,
+        default=SWAP_MIN_BYTES,
+        help=f"ppswap's swap_min_bytes ({SWAP_MIN_BYTES}, its default): smaller storages "
+        "stay on device",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument(
         "--timeout-s",
@@ -787,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.swap_min_bytes < 0:
+        parser.error(f"--swap-min-bytes must be >= 0, got {args.swap_min_bytes}")
     if args.pp < 2:
         parser.error(f"--pp must be >= 2, got {args.pp}")
     model = QUICK if args.quick else MODELS[args.model]
@@ -800,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(scratch) / "results.json"
         worker_args = ["--model-json", json.dumps(asdict(model))]
         worker_args += ["--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+        worker_args += ["--swap-min-bytes", str(args.swap_min_bytes)]
         launch(Path(__file__).resolve(), worker_args, args.pp, args.timeout_s, out)
         results = json.loads(out.read_text())
     from importlib import metadata
@@ -811,6 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "warmup": args.warmup,
         "quick": args.quick,
+        "swap_min_bytes": args.swap_min_bytes,
         "torch": metadata.version("torch"),
         "cores": os.cpu_count(),
         "ppswap": ppswap_source(),
