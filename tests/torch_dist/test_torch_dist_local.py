@@ -322,6 +322,29 @@ def test_a_cancelled_wait_returns_at_once_and_its_send_stays_counted() -> None:
     assert waiters.drain(5.0) == 0
 
 
+def test_drain_after_close_joins_every_waiting_thread() -> None:
+    """Nothing of a closed transport's waiting may run on while Python finalizes: once
+    ``drain`` says no job is left, its threads have ended, the idle ones too."""
+    before = set(threading.enumerate())
+    waiters = Waiters()
+    works = [FakeWork() for _ in range(24)]
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for work in works:  # at once: a thread each
+                tg.start_soon(waiters.complete, [(work, False)])
+            await anyio.sleep(0.05)
+            for work in works:
+                work.finish()
+
+    anyio.run(main)
+    assert waiters.drain(5.0) == 0  # not closed: 24 threads idle, waiting for jobs
+    waiters.close()
+    assert waiters.drain(5.0) == 0
+    started = [t for t in threading.enumerate() if t not in before]
+    assert [t for t in started if t.name == "ppswap-torch-dist-wait"] == []
+
+
 def test_close_fails_a_waiting_call_at_once() -> None:
     waiters = Waiters()
     work = FakeWork()
