@@ -24,6 +24,12 @@ Reported: microseconds per chunk by phase, medians of ``--repeats`` rounds of
 the 2-core machine agree within about 10% (the no-swap figure moves with them: compare the
 ratio too), against 20% or more for swap's share of a real chunk, so this is the figure
 to compare when changing the swap layer's hot path.
+
+``--contend-us B`` adds what a pipeline's other threads do to the compute thread: a thread
+of the same process that sleeps ``--contend-period-us`` (GIL released, as the event loop
+in ``epoll``), then runs ``B`` us of Python (GIL held, as the loop handling a message), for
+as long as the chunks run. Every GIL release of the compute thread (each torch op, each
+saved-tensor hook's return to C++) then may hand the GIL over and wait to get it back.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -120,8 +129,39 @@ class Chunks:
         lap("release")
 
 
-def measure(sessions: int, repeats: int) -> dict[str, Any]:
+@contextmanager
+def contention(burst_us: float, period_us: float) -> Iterator[None]:
+    """While the block runs, a thread of this process alternates ``period_us`` of sleep
+    with ``burst_us`` of Python (nothing when ``burst_us`` is 0)."""
+    if burst_us <= 0:
+        yield
+        return
+    stop = threading.Event()
+
+    def contend() -> None:
+        while not stop.wait(period_us * 1e-6):
+            until = time.perf_counter() + burst_us * 1e-6
+            while time.perf_counter() < until:
+                pass
+
+    thread = threading.Thread(target=contend, name="bench-contend")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def measure(
+    sessions: int, repeats: int, burst_us: float = 0.0, period_us: float = 200.0
+) -> dict[str, Any]:
     torch.set_num_threads(1)
+    with contention(burst_us, period_us):
+        return _measure(sessions, repeats)
+
+
+def _measure(sessions: int, repeats: int) -> dict[str, Any]:
     chunks = Chunks()
     chunks.run(True, 3)  # warm-up: pools, caches, first-call costs
     chunks.run(False, 3)
@@ -154,8 +194,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=25, help="sessions per round")
     parser.add_argument("--repeats", type=int, default=7, help="rounds per contender")
+    parser.add_argument(
+        "--contend-us",
+        type=float,
+        default=0.0,
+        help="a thread runs this many us of Python every --contend-period-us (0: none)",
+    )
+    parser.add_argument("--contend-period-us", type=float, default=200.0, help="(200)")
     args = parser.parse_args()
-    report = measure(args.sessions, args.repeats)
+    if args.contend_us < 0 or args.contend_period_us <= 0:
+        parser.error(
+            f"--contend-us must be >= 0 and --contend-period-us > 0, got {args.contend_us} "
+            f"and {args.contend_period_us}"
+        )
+    report = measure(args.sessions, args.repeats, args.contend_us, args.contend_period_us)
     none, swap = report["phases"][False], report["phases"][True]
     print("| phase | no swap us | swap us | added us |")
     print("|---|---:|---:|---:|")
@@ -172,6 +224,12 @@ def main() -> None:
         "storage moved. Compute-thread CPU "
         f"(time.thread_time), garbage collector off while timed, medians of "
         f"{args.repeats} rounds of {args.sessions * MICROS_PER_SESSION} chunks."
+        + (
+            f" A thread ran {args.contend_us:g} us of Python every "
+            f"{args.contend_period_us:g} us beside them."
+            if args.contend_us > 0
+            else ""
+        )
     )
 
 
