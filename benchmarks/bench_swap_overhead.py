@@ -29,7 +29,7 @@ to compare when changing the swap layer's hot path.
 of the same process that sleeps ``--contend-period-us`` (GIL released, as the event loop
 in ``epoll``), then runs ``B`` us of Python (GIL held, as the loop handling a message), for
 as long as the chunks run. Every GIL release of the compute thread (each torch op, each
-saved-tensor hook's return to C++) then may hand the GIL over and wait to get it back.
+call of a saved-tensor hook from C++) then may hand the GIL over and wait to get it back.
 """
 
 from __future__ import annotations
