@@ -132,7 +132,9 @@ class SwapWrapperModule(nn.Module):
         return self.swap_run(lambda: self.module(*args, **kwargs))
 
 
+@functools.lru_cache(maxsize=64)
 def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """numpy's dtype for ``dtype`` (None where numpy has none), found once per dtype."""
     try:
         found: np.dtype[Any] = torch.empty(0, dtype=dtype).numpy().dtype
     except TypeError:  # bfloat16 and other dtypes numpy lacks
@@ -141,20 +143,12 @@ def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
 
 
 _DTYPES_NAMED: dict[str, torch.dtype] = {}
-_NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any] | None] = {}
 
 
 @functools.lru_cache(maxsize=1024)
 def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """``contiguous_strides(shape)``, made once per shape."""
     return contiguous_strides(shape)
-
-
-def _numpy_dtype_cached(dtype: torch.dtype) -> np.dtype[Any] | None:
-    """:func:`_numpy_dtype_of`, looked up once per dtype."""
-    if dtype not in _NUMPY_DTYPES:
-        _NUMPY_DTYPES[dtype] = _numpy_dtype_of(dtype)
-    return _NUMPY_DTYPES[dtype]
 
 
 def _dtype_named(name: str) -> torch.dtype:
@@ -316,7 +310,7 @@ class TorchBackend:
         if (
             tensor.storage_offset() * itemsize == start
             and tensor.numel() * itemsize == nbytes
-            and _numpy_dtype_cached(tensor.dtype) is not None
+            and _numpy_dtype_of(tensor.dtype) is not None
             and not self.is_lazy_view(tensor)
         ):
             elements: HostArray = tensor.detach().numpy()
@@ -333,7 +327,7 @@ class TorchBackend:
             # case, and the span is then exactly its bytes): the block's memory as that
             # view, through numpy, without a torch op per view.
             ((offset, key),) = places
-            dtype = _numpy_dtype_cached(_dtype_named(key.dtype))
+            dtype = _numpy_dtype_of(_dtype_named(key.dtype))
             if (
                 offset == 0
                 and dtype is not None
