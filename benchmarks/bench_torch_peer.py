@@ -2,6 +2,7 @@
 
     python benchmarks/bench_torch_peer.py [--pp 2] [--model small|wide] [--rounds 15]
                                           [--warmup 2] [--quick] [--json PATH]
+                                          [--swap-policy gap|peak] [--swap-min-bytes N]
                                           [--timeout-s 360]
 
 The same per-stage torch model, batch, micro-batches and loss run one training step
@@ -16,9 +17,10 @@ contenders, one process per pipeline rank over gloo, launched here with ``torchr
   swap and with ``count_saved_bytes=False`` (no saved-tensor hooks: torch's timed steps
   count nothing either), every other option at its default (``p2p="plain"``);
 - ``ppswap+swap``: the same with ``swap=True`` (every block ``swap_wrapper``-ed, the
-  default gap plan, ``EmulatedDevice`` without throttling: host memory is the "device"):
-  a rank that swaps counts every saved tensor (swap must), one the plan gives nothing
-  to swap (1F1B at pp2 m8) runs without hooks.
+  chunks of ``--swap-policy``: ``gap``, the default plan, or ``peak``, the fewest of the
+  gap plan's chunks that give its peak; ``EmulatedDevice`` without throttling: host
+  memory is the "device"): a rank that swaps counts every saved tensor (swap must), one
+  the plan gives nothing to swap (1F1B at pp2 m8) runs without hooks.
 
 Schedules: GPipe and 1F1B with ``PP`` stages, Interleaved 1F1B with ``2 PP`` (vpp 2),
 ``MICRO`` micro-batches each. The model: 8 pre-norm residual MLP blocks with a 4x hidden
@@ -61,8 +63,9 @@ saved tensor's storage (parameters and buffers excluded) until autograd drops th
 handle (after that micro-batch's backward), by storage, with the same rule; torch's
 micro-batches are views of the whole batch, so a saved view of the batch counts by its
 own extent, as ppswap's micro-batch (a copy) does. The
-prediction is the planner's (``ppswap.scheduler.simulate.memory_table``): the peak
-resident chunks per rank without and with swap, converted to bytes with ppswap's measured
+prediction is the planner's (``simulate.memory_profile`` of the policy's orders, for the
+gap plan ``simulate.memory_table``): the peak resident chunks per rank without and with
+swap, converted to bytes with ppswap's measured
 bytes per chunk (no-swap peak / no-swap peak chunks), as ``bench_memory.py`` does.
 
 Where ppswap's step goes: per contender, the compute threads' time by job kind (forward,
@@ -93,7 +96,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ppswap.scheduler.config import ScheduleName
+from ppswap.scheduler.config import ScheduleConfig, ScheduleName
+from ppswap.scheduler.cost import SwapPolicy
 from ppswap.swap.manager import SWAP_MIN_BYTES
 
 if TYPE_CHECKING:
@@ -378,7 +382,6 @@ async def _measure_schedule(
 
     from ppswap import PipelineStage, run_schedule
     from ppswap.scheduler.config import ScheduleConfig
-    from ppswap.scheduler.simulate import memory_table
     from ppswap.swap import EmulatedDevice
 
     rank, pp = transport.rank, transport.world_size
@@ -406,6 +409,7 @@ async def _measure_schedule(
             swap=swap,
             count_saved_bytes=count_saved_bytes,
             swap_min_bytes=args.swap_min_bytes,
+            swap_policy=args.swap_policy,
             device=engines[contender],
             transport=transport,
             step_timeout=300,
@@ -472,8 +476,8 @@ async def _measure_schedule(
     }
     every: list[dict[str, Any]] = [{} for _ in range(pp)]
     dist.all_gather_object(every, mine)
-    config = ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=model.micro)
-    table = memory_table(config)
+    config = ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=model.micro, swap=True)
+    table = predicted_chunks(config, args.swap_policy)
     ranks = []
     for got_rank, prediction in zip(every, table, strict=True):
         chunks_no_swap = prediction["peak_chunks_no_swap"]
@@ -514,6 +518,25 @@ async def _measure_schedule(
         "swap_bit_identical": last["ppswap"] == last["ppswap+swap"],
         "ranks": ranks,
     }
+
+
+def predicted_chunks(config: ScheduleConfig, swap_policy: SwapPolicy) -> list[dict[str, int]]:
+    """``simulate.memory_table``'s rows for the orders of ``swap_policy`` (the gap rule's
+    are ``memory_table`` itself): per rank the chunks swapped and the peak resident chunks
+    without and with swap."""
+    from ppswap.scheduler.cost import build_orders
+    from ppswap.scheduler.simulate import memory_profile
+    from ppswap.scheduler.swap_plan import eligible_chunks
+
+    return [
+        {
+            "rank": rank,
+            "peak_chunks_no_swap": max(memory_profile(order, with_swap=False), default=0),
+            "peak_chunks_swap": max(memory_profile(order), default=0),
+            "eligible": len(eligible_chunks(order)),
+        }
+        for rank, order in enumerate(build_orders(config, swap_policy))
+    ]
 
 
 # -- the driver: launch, collect, report ---------------------------------------------------------
@@ -636,14 +659,15 @@ def markdown(report: dict[str, Any]) -> str:
     model, rows, results = report["model"], report["summary"], report["results"]
     params_per_block = 2 * model["dim"] * 4 * model["dim"] + 7 * model["dim"]
     kept = report.get("swap_min_bytes", SWAP_MIN_BYTES)
-    min_bytes = "" if kept == SWAP_MIN_BYTES else f" but swap_min_bytes={kept}"
+    policy = report.get("swap_policy", "gap")
+    min_bytes = "" if kept == SWAP_MIN_BYTES else f", swap_min_bytes={kept}"
     lines = [
         f"pp{report['pp']}, one process per rank, gloo; {model['blocks']} blocks of width "
         f"{model['dim']} (hidden {4 * model['dim']}, {params_per_block * 4 / 2**20:.2f} MiB "
         f"of parameters each) split evenly over the stages; {model['micro']} micro-batches "
         f"of {model['micro_batch']} x {model['seq']} tokens; ppswap with its default "
-        f"options (p2p plain, the gap plan){min_bytes}; warm-up rounds: {report['warmup']}, "
-        f"measured rounds: {report['rounds']}, "
+        f'options but where named (p2p plain, swap_policy "{policy}"{min_bytes}); '
+        f"warm-up rounds: {report['warmup']}, measured rounds: {report['rounds']}, "
         f"the contenders alternating; torch {report['torch']}; ppswap {report['ppswap']}.",
         "",
         f"Load average (1, 5, 15 min) before: {report['load_before']}; after: "
@@ -762,7 +786,8 @@ def headline(report: dict[str, Any]) -> str:
     ]
     return (
         f"Against torch.distributed.pipelining (pp{report['pp']}, gloo, "
-        f"{report['model_name']} model: width {report['model']['dim']}, median step time, "
+        f"{report['model_name']} model: width {report['model']['dim']}, "
+        f"swap_policy {report.get('swap_policy', 'gap')}, median step time, "
         f"ppswap without / with swap over torch; targets 1.10x / 1.15x; load average "
         f"{report['load_before'].split(',')[0]} on {report['cores']} cores): "
         f"{', '.join(parts)}."
@@ -784,6 +809,13 @@ def main(argv: list[str] | None = None) -> int:
         default=SWAP_MIN_BYTES,
         help=f"ppswap's swap_min_bytes ({SWAP_MIN_BYTES}, its default): smaller storages "
         "stay on device",
+    )
+    parser.add_argument(
+        "--swap-policy",
+        choices=("gap", "peak"),
+        default="gap",
+        help='ppswap\'s swap_policy ("gap", its default: every chunk the gap rule admits; '
+        '"peak": the fewest of those that give the same peak)',
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument(
@@ -814,6 +846,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_args = ["--model-json", json.dumps(asdict(model))]
         worker_args += ["--rounds", str(args.rounds), "--warmup", str(args.warmup)]
         worker_args += ["--swap-min-bytes", str(args.swap_min_bytes)]
+        worker_args += ["--swap-policy", args.swap_policy]
         launch(Path(__file__).resolve(), worker_args, args.pp, args.timeout_s, out)
         results = json.loads(out.read_text())
     from importlib import metadata
@@ -826,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "quick": args.quick,
         "swap_min_bytes": args.swap_min_bytes,
+        "swap_policy": args.swap_policy,
         "torch": metadata.version("torch"),
         "cores": os.cpu_count(),
         "ppswap": ppswap_source(),

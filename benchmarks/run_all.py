@@ -204,6 +204,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         json_out=True,
     ),
     Benchmark(
+        "torch-peer-peak",
+        "bench_torch_peer.py",
+        'Against torch.distributed.pipelining, swap_policy="peak" (the small model)',
+        "The first comparison with ppswap's peak policy: per rank the fewest of the gap "
+        "plan's chunks that give the gap plan's peak (GPipe pp2 m8: 6 of 8 per rank, "
+        "Interleaved: 8 of 14 on rank 0), so the same predicted cut with fewer copies.",
+        args=("--swap-policy", "peak"),
+        quick_args=("--quick", "--swap-policy", "peak"),
+        limit_s=420.0,
+        json_out=True,
+    ),
+    Benchmark(
         "torch-overhead",
         "bench_torch_overhead.py",
         "Against torch.distributed.pipelining without compute: per micro-batch and per step",

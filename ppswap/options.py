@@ -77,8 +77,10 @@ class RunOptions:
     (default ``stage_num``; required for interleaved, where ``vpp = stage_num // pp``;
     under a distributed transport its world size); ``swap``: inject the four swap steps;
     ``split_dw``, ``overlap_b_f``, ``p2p``: the schedule's variants; ``min_swap_gap``:
-    the gap rule; ``swap_policy`` / ``cost_model``: which chunks move
-    (``ppswap.scheduler.cost``); ``swap_check``: how in-place modification of a saved
+    the gap rule; ``swap_policy`` / ``cost_model``: which chunks move (``"gap"``, the
+    default: every chunk the gap rule admits; ``"peak"``: the fewest of those that give
+    the same peak, ``ppswap.scheduler.peak``; ``"cost"``: a subset whose copies fit a
+    budget, ``ppswap.scheduler.cost``); ``swap_check``: how in-place modification of a saved
     tensor is checked (``"sampled"`` digests, ``"full"`` digests; docs/swap.md);
     ``swap_min_bytes``: a saved tensor whose storage is smaller stays on device (counted,
     never moved; default 0: every marked tensor may move; 4096 keeps what is not worth

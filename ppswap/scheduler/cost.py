@@ -89,6 +89,7 @@ from ppswap.scheduler.cost_model import (
     simulate_run,
 )
 from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.peak import build_peak_orders
 from ppswap.scheduler.steps import Order
 from ppswap.scheduler.swap_plan import inject_swap_steps
 
@@ -107,7 +108,7 @@ __all__ = [
     "simulate_run",
 ]
 
-SwapPolicy = Literal["gap", "cost"]
+SwapPolicy = Literal["gap", "cost", "peak"]
 SWAP_POLICIES: tuple[str, ...] = get_args(SwapPolicy)
 _TOLERANCE_S = 1e-12
 Chunk = tuple[int, int]
@@ -117,8 +118,8 @@ Selection = tuple[frozenset[Chunk], ...]
 def check_swap_policy(swap_policy: object, cost_model: object) -> None:
     """Refuse a bad ``swap_policy`` / ``cost_model`` pair (TypeError or ValueError).
 
-    ``"gap"`` takes no cost model; ``"cost"`` needs a :class:`CostModel`. The policy only
-    matters when swap is on: with ``swap=False`` nothing is swapped either way.
+    ``"gap"`` and ``"peak"`` take no cost model; ``"cost"`` needs a :class:`CostModel`. The
+    policy only matters when swap is on: with ``swap=False`` nothing is swapped either way.
     """
     if swap_policy not in SWAP_POLICIES:
         raise ValueError(
@@ -129,10 +130,10 @@ def check_swap_policy(swap_policy: object, cost_model: object) -> None:
             "swap_policy='cost' needs cost_model=CostModel(...) (chunk bytes, copy "
             f"bandwidths, compute time per leaf), got {cost_model!r}"
         )
-    if swap_policy == "gap" and cost_model is not None:
+    if swap_policy != "cost" and cost_model is not None:
         raise ValueError(
-            "cost_model is only used with swap_policy='cost'; got swap_policy='gap' and "
-            f"cost_model={cost_model!r}"
+            f"cost_model is only used with swap_policy='cost'; got swap_policy={swap_policy!r} "
+            f"and cost_model={cost_model!r}"
         )
 
 
@@ -408,9 +409,12 @@ def build_orders(
     config: ScheduleConfig, swap_policy: SwapPolicy = "gap", cost_model: CostModel | None = None
 ) -> tuple[Order, ...]:
     """Every rank's finalized order under a swap policy: ``"gap"`` is
-    ``lowering.build_all_orders``, ``"cost"`` is :func:`build_cost_aware_orders`."""
+    ``lowering.build_all_orders``, ``"cost"`` is :func:`build_cost_aware_orders`, ``"peak"``
+    is ``peak.build_peak_orders``."""
     check_swap_policy(swap_policy, cost_model)
     if swap_policy == "cost":
         assert cost_model is not None
         return build_cost_aware_orders(config, cost_model)
+    if swap_policy == "peak":
+        return build_peak_orders(config)
     return build_all_orders(config)

@@ -362,11 +362,12 @@ def test_planner_refuses_bad_arguments() -> None:
 @pytest.mark.parametrize(
     ("policy", "cost", "error", "match"),
     [
-        ("fast", None, ValueError, "swap_policy must be one of gap, cost, got 'fast'"),
+        ("fast", None, ValueError, "swap_policy must be one of gap, cost, peak, got 'fast'"),
         (None, None, ValueError, "swap_policy must be one of"),
         ("cost", None, TypeError, "swap_policy='cost' needs cost_model=CostModel"),
         ("cost", {"leaf_s": 1}, TypeError, "needs cost_model"),
         ("gap", CostModel(**GOOD), ValueError, "cost_model is only used with swap_policy='cost'"),
+        ("peak", CostModel(**GOOD), ValueError, "got swap_policy='peak' and cost_model="),
     ],
 )
 def test_swap_policy_pairs_are_checked(
@@ -378,6 +379,7 @@ def test_swap_policy_pairs_are_checked(
 
 def test_good_policy_pairs_pass() -> None:
     check_swap_policy("gap", None)
+    check_swap_policy("peak", None)
     check_swap_policy("cost", CostModel(**GOOD))
 
 

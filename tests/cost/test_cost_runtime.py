@@ -78,7 +78,7 @@ async def test_bad_policies_are_refused_before_anything_runs() -> None:
             swap=True,
             swap_policy="cost",
         )
-    with pytest.raises(ValueError, match="swap_policy must be one of gap, cost, got 'fast'"):
+    with pytest.raises(ValueError, match="swap_policy must be one of gap, cost, peak, got 'fast'"):
         ScheduleGPipe(stages, MICRO, loss_fn=mse_loss, swap=True, swap_policy="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cost_model is only used with swap_policy='cost'"):
         ScheduleGPipe(stages, MICRO, loss_fn=mse_loss, swap=True, cost_model=TIGHT)

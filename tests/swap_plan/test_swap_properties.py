@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders, unshard_index_for
+from ppswap.scheduler.peak import peak_chunks
+from ppswap.scheduler.planning import planned_orders
 from ppswap.scheduler.simulate import build_timeline, memory_profile
 from ppswap.scheduler.steps import MetaStep, Order, StepKind, iter_leaves
 from ppswap.scheduler.swap_plan import (
@@ -182,3 +184,23 @@ def test_bwd_weight_never_loads_or_releases(config: ScheduleConfig) -> None:
         for index, step in enumerate(order):
             if step.kind is StepKind.BWD_WEIGHT and index > 0:
                 assert not (order[index - 1].is_swap and order[index - 1].chunk == step.chunk)
+
+
+@settings(max_examples=80, deadline=None)
+@given(config=swap_configs())
+def test_the_peak_policy_keeps_each_ranks_peak_with_needed_chunks_only(
+    config: ScheduleConfig,
+) -> None:
+    """``swap_policy="peak"``: a subset of the gap rule's chunks per rank, each needed for
+    the gap rule's peak (``simulate.memory_profile`` of the built orders, not the windows
+    the policy computes with); the orders validate and strip to the plain ones."""
+    plain = build_all_orders(replace(config, swap=False))
+    gap = build_all_orders(config)
+    peak = planned_orders(config, "peak")  # validated
+    assert tuple(strip_swap_steps(order) for order in peak) == plain
+    for rank, chosen in enumerate(peak_chunks(config, plain)):
+        assert eligible_chunks(peak[rank]) == chosen <= eligible_chunks(gap[rank])
+        assert max(memory_profile(peak[rank])) == max(memory_profile(gap[rank]))
+        for chunk in chosen:  # each one holds the peak down
+            without = inject_swap_steps(plain[rank], config, rank, chunks=chosen - {chunk})
+            assert max(memory_profile(without)) > max(memory_profile(peak[rank]))

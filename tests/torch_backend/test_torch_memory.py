@@ -212,3 +212,32 @@ async def test_storages_under_swap_min_bytes_stay_on_device_and_still_count() ->
     assert [r.offloaded_bytes for r in above.ranks] == [0, 0]
     assert [r.loaded_bytes for r in above.ranks] == [0, 0]
     assert [r.peak_saved_bytes for r in above.ranks] == [r.peak_saved_bytes for r in off.ranks]
+
+
+@pytest.mark.asyncio
+async def test_the_peak_policy_measures_the_gap_rules_peak_with_fewer_bytes_moved() -> None:
+    """``swap_policy="peak"`` on GPipe pp4 m8 (flat stages) and 1F1B pp4 m8 (attention +
+    MLP): every rank's measured peak of saved bytes is the gap rule's to the byte, with
+    fewer bytes moved, and 1F1B's rank 1, whose peak no swap lowers, moves none."""
+    x, y = make_flat_data(2 * MICRO)
+    flat = {"micro_batch_num": MICRO, "inputs": x, "targets": y, "loss_fn": mse_loss}
+    gpipe = {
+        policy: await run_schedule(
+            build_flat_stages(PP), "gpipe", swap=True, swap_policy=policy, **flat
+        )
+        for policy in ("gap", "peak")
+    }
+    case = Case("1f1b", pp=PP, stage_num=PP, micro=MICRO)
+    one_f_one_b = {
+        policy: await run_case(build_stages(PP), case, swap=True, swap_policy=policy)
+        for policy in ("gap", "peak")
+    }
+    for runs in (gpipe, one_f_one_b):
+        gap, peak = runs["gap"], runs["peak"]
+        assert peak.losses == gap.losses
+        assert [r.peak_saved_bytes for r in peak.ranks] == [r.peak_saved_bytes for r in gap.ranks]
+        assert sum(r.offloaded_bytes for r in peak.ranks) < sum(
+            r.offloaded_bytes for r in gap.ranks
+        )
+    assert one_f_one_b["gap"].ranks[1].offloaded_bytes > 0
+    assert one_f_one_b["peak"].ranks[1].offloaded_bytes == 0
