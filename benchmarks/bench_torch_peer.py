@@ -63,9 +63,8 @@ saved tensor's storage (parameters and buffers excluded) until autograd drops th
 handle (after that micro-batch's backward), by storage, with the same rule; torch's
 micro-batches are views of the whole batch, so a saved view of the batch counts by its
 own extent, as ppswap's micro-batch (a copy) does. The
-prediction is the planner's (``simulate.memory_profile`` of the policy's orders, for the
-gap plan ``simulate.memory_table``): the peak resident chunks per rank without and with
-swap, converted to bytes with ppswap's measured
+prediction is the planner's (``simulate.memory_rows`` of the policy's orders): the peak
+resident chunks per rank without and with swap, converted to bytes with ppswap's measured
 bytes per chunk (no-swap peak / no-swap peak chunks), as ``bench_memory.py`` does.
 
 Where ppswap's step goes: per contender, the compute threads' time by job kind (forward,
@@ -96,8 +95,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ppswap.scheduler.config import ScheduleConfig, ScheduleName
-from ppswap.scheduler.cost import SwapPolicy
+from ppswap.scheduler.config import ScheduleName
+from ppswap.scheduler.cost import build_orders
+from ppswap.scheduler.simulate import memory_rows
 from ppswap.swap.manager import SWAP_MIN_BYTES
 
 if TYPE_CHECKING:
@@ -477,7 +477,7 @@ async def _measure_schedule(
     every: list[dict[str, Any]] = [{} for _ in range(pp)]
     dist.all_gather_object(every, mine)
     config = ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=model.micro, swap=True)
-    table = predicted_chunks(config, args.swap_policy)
+    table = memory_rows(build_orders(config, args.swap_policy))
     ranks = []
     for got_rank, prediction in zip(every, table, strict=True):
         chunks_no_swap = prediction["peak_chunks_no_swap"]
@@ -518,25 +518,6 @@ async def _measure_schedule(
         "swap_bit_identical": last["ppswap"] == last["ppswap+swap"],
         "ranks": ranks,
     }
-
-
-def predicted_chunks(config: ScheduleConfig, swap_policy: SwapPolicy) -> list[dict[str, int]]:
-    """``simulate.memory_table``'s rows for the orders of ``swap_policy`` (the gap rule's
-    are ``memory_table`` itself): per rank the chunks swapped and the peak resident chunks
-    without and with swap."""
-    from ppswap.scheduler.cost import build_orders
-    from ppswap.scheduler.simulate import memory_profile
-    from ppswap.scheduler.swap_plan import eligible_chunks
-
-    return [
-        {
-            "rank": rank,
-            "peak_chunks_no_swap": max(memory_profile(order, with_swap=False), default=0),
-            "peak_chunks_swap": max(memory_profile(order), default=0),
-            "eligible": len(eligible_chunks(order)),
-        }
-        for rank, order in enumerate(build_orders(config, swap_policy))
-    ]
 
 
 # -- the driver: launch, collect, report ---------------------------------------------------------

@@ -2,13 +2,16 @@
 
 ``ppswap plan --schedule {gpipe,1f1b,interleaved_1f1b} --pp N [--vpp V] --micro M
 [--split-dw] [--overlap-b-f] [--p2p plain|batch|boundary] [--fsdp] [--swap]
-[--min-swap-gap N] [--compute-only] [--format text|json] [--width N]`` prints every rank's
-order: the finalized order (compute -> FSDP -> P2P -> swap), or with ``--compute-only``
-the compute slots alone. The orders are validated (per-rank invariants, P2P pairing and the
+[--min-swap-gap N] [--swap-policy gap|peak] [--compute-only] [--format text|json]
+[--width N]`` prints every rank's order: the finalized order (compute -> FSDP -> P2P ->
+swap, the swapped chunks those of ``--swap-policy``), or with ``--compute-only`` the
+compute slots alone. The orders are validated (per-rank invariants, P2P pairing and the
 cross-rank progress simulation) before anything is printed. JSON is
 ``{"schedule", "pp", "vpp", "micro", "ranks": [{"rank": r, "steps": [MetaStep.to_dict(),
-...]}]}``; text is a per-rank grid (``MetaStep.short()`` cells) folded into blocks of at
-most ``--width`` columns, then a legend of every step code in it.
+...]}]}``, with ``--swap`` also ``"swap_policy"`` and ``"memory"`` (the memory model's
+rows per rank, ``simulate.memory_rows``); text is a per-rank grid (``MetaStep.short()``
+cells) folded into blocks of at most ``--width`` columns, then a legend of every step code
+in it and, with ``--swap``, the memory model's table.
 
 ``ppswap plot`` takes the same schedule options and draws the diagram, with the swap plan
 only with ``--swap`` (as ``plan``). ``--vpp`` defaults to 2 for ``interleaved_1f1b`` (which
@@ -43,11 +46,11 @@ from ppswap.scheduler.config import (
     SCHEDULE_NAMES,
     ScheduleConfig,
 )
+from ppswap.scheduler.cost import SwapPolicy, build_orders
 from ppswap.scheduler.diagram import load_plotter
-from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.render import format_grid, step_legend
 from ppswap.scheduler.schedules import compute_order
-from ppswap.scheduler.simulate import memory_table
+from ppswap.scheduler.simulate import memory_rows
 from ppswap.scheduler.steps import Order
 from ppswap.scheduler.validate import validate_all, validate_order
 
@@ -85,21 +88,26 @@ def format_json(value: Any, indent: int = 0) -> str:
     return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
 
 
-def plan_orders(config: ScheduleConfig, *, compute_only: bool = False) -> tuple[Order, ...]:
-    """Every rank's validated order: finalized, or the compute slots alone."""
+def plan_orders(
+    config: ScheduleConfig, *, compute_only: bool = False, swap_policy: SwapPolicy = "gap"
+) -> tuple[Order, ...]:
+    """Every rank's validated order: finalized (its swapped chunks ``swap_policy``'s), or
+    the compute slots alone."""
     if compute_only:
         orders = tuple(compute_order(config, rank) for rank in range(config.pp))
         for rank, order in enumerate(orders):
             validate_order(config, rank, order, lowered=False)
         return orders
-    orders = build_all_orders(config)
+    orders = build_orders(config, swap_policy)
     validate_all(config, orders)
     return orders
 
 
-def plan_payload(config: ScheduleConfig, *, compute_only: bool = False) -> dict[str, Any]:
-    """The JSON document of ``ppswap plan``; extend it here (e.g. a swap memory table)."""
-    orders = plan_orders(config, compute_only=compute_only)
+def plan_payload(
+    config: ScheduleConfig, *, compute_only: bool = False, swap_policy: SwapPolicy = "gap"
+) -> dict[str, Any]:
+    """The JSON document of ``ppswap plan``; extend it here."""
+    orders = plan_orders(config, compute_only=compute_only, swap_policy=swap_policy)
     payload: dict[str, Any] = {
         "schedule": config.schedule,
         "pp": config.pp,
@@ -111,15 +119,18 @@ def plan_payload(config: ScheduleConfig, *, compute_only: bool = False) -> dict[
         ],
     }
     if config.swap:
-        payload["memory"] = memory_table(config)
+        payload["swap_policy"] = swap_policy
+        planned = orders if not compute_only else plan_orders(config, swap_policy=swap_policy)
+        payload["memory"] = memory_rows(planned)
     return payload
 
 
-def _memory_text(config: ScheduleConfig, width: int) -> str:
-    """The swap memory model per rank, as a table; its title wrapped at ``width``."""
-    rows = memory_table(config)
+def _memory_text(config: ScheduleConfig, orders: Sequence[Order], width: int) -> str:
+    """The swap memory model of ``orders`` per rank, as a table; its title wrapped at
+    ``width``."""
+    rows = memory_rows(orders)
     title = f"swap memory model (resident activation chunks, min_swap_gap={config.min_swap_gap}):"
-    lines = [*textwrap.wrap(title, width), "rank | eligible | peak no swap | peak swap"]
+    lines = [*textwrap.wrap(title, width), "rank |  swapped | peak no swap | peak swap"]
     lines += [
         f"{r['rank']:>4} | {r['eligible']:>8} | {r['peak_chunks_no_swap']:>12} | "
         f"{r['peak_chunks_swap']:>9}"
@@ -129,7 +140,11 @@ def _memory_text(config: ScheduleConfig, width: int) -> str:
 
 
 def _plan_text(
-    config: ScheduleConfig, orders: Sequence[Order], compute_only: bool, width: int | None
+    config: ScheduleConfig,
+    orders: Sequence[Order],
+    compute_only: bool,
+    width: int | None,
+    swap_policy: SwapPolicy,
 ) -> str:
     """The header, the grid (folded at ``width``; ``None``: one line per rank), the legend."""
     options = [
@@ -147,7 +162,7 @@ def _plan_text(
         f"p2p={config.p2p} options={','.join(options) or 'none'}"
     )
     if config.swap:
-        header += f" min_swap_gap={config.min_swap_gap}"
+        header += f" min_swap_gap={config.min_swap_gap} swap_policy={swap_policy}"
     view = "compute slots only" if compute_only else "finalized orders"
     title = f"{header} ({view})"
     lines = textwrap.wrap(title, width, subsequent_indent="  ") if width else [title]
@@ -182,15 +197,16 @@ def run_plan(args: argparse.Namespace) -> int:
             )
     except (TypeError, ValueError) as exc:
         return fail(str(exc))
+    policy: SwapPolicy = args.swap_policy
     if args.format == "json":
-        payload = plan_payload(config, compute_only=args.compute_only)
+        payload = plan_payload(config, compute_only=args.compute_only, swap_policy=policy)
         print(format_json(payload))
     else:
-        orders = plan_orders(config, compute_only=args.compute_only)
-        print(_plan_text(config, orders, args.compute_only, args.width or None))
+        orders = plan_orders(config, compute_only=args.compute_only, swap_policy=policy)
+        print(_plan_text(config, orders, args.compute_only, args.width or None, policy))
         if config.swap and not args.compute_only:
             print()
-            print(_memory_text(config, args.width or TEXT_WIDTH))
+            print(_memory_text(config, orders, args.width or TEXT_WIDTH))
     return 0
 
 
@@ -238,6 +254,13 @@ def _add_plan_parser(subparsers: Any) -> None:
         description="Build, validate and print every rank's order of a pipeline schedule.",
     )
     _add_schedule_arguments(plan)
+    plan.add_argument(
+        "--swap-policy",
+        choices=("gap", "peak"),
+        default="gap",
+        help="with --swap, which chunks move: gap, every chunk the gap rule admits (the "
+        "default); peak, the fewest of those that give the same peak (docs/swap.md)",
+    )
     plan.add_argument(
         "--compute-only", action="store_true", help="only the compute slots, no lowering"
     )

@@ -47,6 +47,7 @@ __all__ = [
     "build_timeline",
     "copy_windows",
     "memory_profile",
+    "memory_rows",
     "memory_table",
     "resident_by_column",
     "step_columns",
@@ -268,7 +269,13 @@ def memory_table(config: ScheduleConfig) -> list[dict[str, int]]:
     """
     if not isinstance(config, ScheduleConfig):
         raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
-    orders = build_all_orders(replace(config, swap=True))
+    return memory_rows(build_all_orders(replace(config, swap=True)))
+
+
+def memory_rows(orders: Sequence[Order]) -> list[dict[str, int]]:
+    """:func:`memory_table`'s rows for any finalized orders (one per rank), such as those of
+    another swap policy (``cost.build_orders``); ``eligible`` counts the chunks the orders
+    swap."""
     return [
         {
             "rank": rank,

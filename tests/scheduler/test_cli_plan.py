@@ -189,3 +189,37 @@ def test_interleaved_vpp_defaults_to_2(capsys: pytest.CaptureFixture[str]) -> No
         "--vpp", "1",
     )  # fmt: skip
     assert status == 2 and "vpp must be >= 2 for interleaved_1f1b, got 1" in err
+
+
+def test_swap_policy_peak_prints_its_orders_and_memory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """1F1B pp4 m16: the gap rule swaps 16 and 14 chunks of ranks 0 and 1, the peak policy
+    8 and none, for the same peaks; the JSON carries the policy's orders and rows."""
+    base = ("plan", "--schedule", "1f1b", "--pp", "4", "--micro", "16", "--swap")
+    status, out, err = run(capsys, *base, "--swap-policy", "peak", "--format", "json")
+    assert status == 0 and err == ""
+    document = json.loads(out)
+    config = ScheduleConfig(schedule="1f1b", pp=4, micro=16, swap=True)
+    assert document == plan_payload(config, swap_policy="peak")
+    assert document["swap_policy"] == "peak"
+    rows = {
+        policy: plan_payload(config, swap_policy=policy)["memory"] for policy in ("gap", "peak")
+    }
+    assert [r["eligible"] for r in rows["gap"]] == [16, 14, 0, 0]
+    assert [r["eligible"] for r in rows["peak"]] == [8, 0, 0, 0]
+    peaks = {p: [r["peak_chunks_swap"] for r in rows[p]] for p in rows}
+    assert peaks["gap"] == peaks["peak"] == [3, 3, 2, 1]
+    offloads = [
+        sum(step["kind"] == "SWAP_LAUNCH_OFFLOAD" for step in rank["steps"])
+        for rank in document["ranks"]
+    ]
+    assert offloads == [8, 0, 0, 0]
+    status, text, _ = run(capsys, *base, "--swap-policy", "peak", "--width", "0")
+    assert status == 0
+    assert "min_swap_gap=4 swap_policy=peak" in text.splitlines()[0]
+    assert "   1 |        0 |            3 |         3" in text.splitlines()
+    with pytest.raises(SystemExit) as caught:  # the cost policy needs a CostModel
+        main([*base, "--swap-policy", "cost"])
+    assert caught.value.code == 2
+    assert "invalid choice: 'cost' (choose from 'gap', 'peak')" in capsys.readouterr().err
