@@ -20,7 +20,11 @@ random). The copy jobs run inline here (in a pipeline they run on the copy threa
 "offload" and "load" rows include the copy jobs' Python too.
 
 Reported: microseconds per chunk by phase, medians of ``--repeats`` rounds of
-``--sessions`` sessions; what swap adds per chunk and per storage moved. Repeat runs on
+``--sessions`` sessions; what swap adds per chunk and per storage moved. Beside it, the
+forward under the least a capture must do (``floor_forward``): saved-tensor hooks that
+keep each saved tensor in a list, then per saved tensor its storage's identity and, once
+per storage that is not a parameter, a host byte view of it (the copy's source). What the
+forward adds beyond that is the swap layer's own bookkeeping (docs/swap.md). Repeat runs on
 the 2-core machine agree within about 10% (the no-swap figure moves with them: compare the
 ratio too), against 20% or more for swap's share of a real chunk, so this is the figure
 to compare when changing the swap layer's hot path.
@@ -90,6 +94,32 @@ class Chunks:
             session.close()
         chunks = sessions * MICROS_PER_SESSION
         return {phase: seconds / chunks * 1e6 for phase, seconds in totals.items()}
+
+    def floor_forward(self, micros: int) -> float:
+        """Microseconds per chunk of the forward under the minimal capture (module doc)."""
+        parameters = {TORCH.storage_of(t).ptr for t in self.state}
+        saved: list[list[Any]] = []
+
+        def pack(tensor: torch.Tensor) -> list[Any]:
+            handle = [tensor, tensor._version]
+            saved.append(handle)
+            return handle
+
+        total = 0.0
+        for index in range(micros):
+            x = self.inputs[index % MICROS_PER_SESSION]
+            started = time.thread_time()
+            saved.clear()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda handle: handle[0]):
+                out, record = TORCH.autograd.record(self.module, (x,))
+            sources: dict[int, Any] = {}
+            for tensor, _ in saved:
+                ptr = tensor.untyped_storage().data_ptr()
+                if ptr not in parameters and ptr not in sources:
+                    sources[ptr] = TORCH.host_bytes(tensor, 0, tensor.untyped_storage().nbytes())
+            total += time.thread_time() - started
+            TORCH.autograd.backward(record, torch.ones_like(out), self.params)
+        return total / micros * 1e6
 
     def _chunk(
         self,
@@ -166,12 +196,14 @@ def _measure(sessions: int, repeats: int) -> dict[str, Any]:
     chunks.run(True, 3)  # warm-up: pools, caches, first-call costs
     chunks.run(False, 3)
     rounds: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    floors: list[float] = []
     enabled = gc.isenabled()
     gc.disable()
     try:
         for _ in range(repeats):
             for swap in (False, True):
                 rounds[swap].append(chunks.run(swap, sessions))
+            floors.append(chunks.floor_forward(sessions * MICROS_PER_SESSION))
     finally:
         if enabled:
             gc.enable()
@@ -185,6 +217,7 @@ def _measure(sessions: int, repeats: int) -> dict[str, Any]:
     return {
         "phases": phases,
         "totals": totals,
+        "floor_forward": statistics.median(floors),
         "captured": chunks.captured,
         "storages": chunks.storages,
     }
@@ -230,6 +263,13 @@ def main() -> None:
             if args.contend_us > 0
             else ""
         )
+    )
+    floor = report["floor_forward"] - none["forward"]
+    print(
+        f"\nThe least a capture must do (hooks that keep each saved tensor, then each one's "
+        f"storage and one host byte view per storage): the forward takes "
+        f"{report['floor_forward']:.0f} us, {floor:+.0f} us over no swap, against "
+        f"{swap['forward'] - none['forward']:+.0f} us with swap."
     )
 
 

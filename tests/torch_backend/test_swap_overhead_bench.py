@@ -26,6 +26,8 @@ def test_the_overhead_benchmark_reports_every_phase_beside_a_contending_thread()
     added = re.search(r"23 storages moved; swap adds (\d+) us", result.stdout)
     assert added is not None and int(added.group(1)) > 0, result.stdout
     assert "A thread ran 20 us of Python every 100 us beside them." in result.stdout
+    floor = re.search(r"the forward takes (\d+) us, [+-]\d+ us over no swap", result.stdout)
+    assert floor is not None and int(floor.group(1)) > 0, result.stdout
 
 
 def test_the_contention_options_are_checked_before_any_work() -> None:
