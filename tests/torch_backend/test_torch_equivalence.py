@@ -32,6 +32,8 @@ from torch_support import (
 
 from ppswap import PipelineStage, RunResult, ScheduleGPipe
 from ppswap.fsdp import DeviceMesh, fsdp_state_of, full_parameters
+from ppswap.scheduler.cost import build_orders
+from ppswap.scheduler.swap_plan import eligible_chunks
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -139,11 +141,13 @@ FSDP_CASES = [
 ]
 
 
-async def _fsdp_run(case: Case, swap: bool) -> tuple[list[PipelineStage], RunResult]:
+async def _fsdp_run(
+    case: Case, swap: bool, swap_policy: str = "gap"
+) -> tuple[list[PipelineStage], RunResult]:
     mesh = DeviceMesh(pp=case.pp, dp=DP)
     stages = sharded_stages(case.stage_num, mesh)
     x, y = make_data(DP * case.micro)
-    result = await run_case(stages, case, swap=swap, inputs=x, targets=y)
+    result = await run_case(stages, case, swap=swap, inputs=x, targets=y, swap_policy=swap_policy)
     return stages, result
 
 
@@ -185,6 +189,30 @@ async def test_fsdp_dp2_matches_unsplit_and_swap_is_bit_identical(case: Case) ->
         for g_ref, g_run in zip(stage_ref, stage_run, strict=True):
             assert g_run.shape == tuple(g_ref.shape)
             np.testing.assert_allclose(g_run, g_ref.numpy(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.asyncio
+async def test_fsdp_dp2_with_the_peak_policy_equals_the_gap_rule() -> None:
+    """``swap_policy="peak"`` on the most composed FSDP case (1F1B pp4 dp2 with split_dw
+    and overlap_b_f): the same losses and gradients bit for bit as the gap rule, the same
+    measured peaks, and each replica moves exactly its pipeline rank's chosen chunks."""
+    case = FSDP_CASES[-1]
+    gap_stages, gap = await _fsdp_run(case, swap=True)
+    peak_stages, peak = await _fsdp_run(case, swap=True, swap_policy="peak")
+    assert peak.losses == gap.losses
+    for stage_gap, stage_peak in zip(
+        full_grads_by_stage(gap_stages, case.stage_num),
+        full_grads_by_stage(peak_stages, case.stage_num),
+        strict=True,
+    ):
+        for g0, g1 in zip(stage_gap, stage_peak, strict=True):
+            np.testing.assert_array_equal(g0, g1)
+    assert [r.peak_saved_bytes for r in peak.ranks] == [r.peak_saved_bytes for r in gap.ranks]
+    chosen = [len(eligible_chunks(order)) for order in build_orders(case.config(fsdp=True), "peak")]
+    mesh = DeviceMesh(pp=case.pp, dp=DP)
+    for rank, on in enumerate(peak.ranks):
+        assert on.copies == 2 * chosen[mesh.coords(rank).pp]
+    assert sum(r.offloaded_bytes for r in peak.ranks) < sum(r.offloaded_bytes for r in gap.ranks)
 
 
 # -- repeated runs ----------------------------------------------------------------------------
