@@ -114,9 +114,9 @@ class Chunks:
                 out, record = TORCH.autograd.record(self.module, (x,))
             sources: dict[int, Any] = {}
             for tensor, _ in saved:
-                ptr = tensor.untyped_storage().data_ptr()
+                ptr, nbytes = TORCH.storage_of(tensor)
                 if ptr not in parameters and ptr not in sources:
-                    sources[ptr] = TORCH.host_bytes(tensor, 0, tensor.untyped_storage().nbytes())
+                    sources[ptr] = TORCH.host_bytes(tensor, 0, nbytes)
             total += time.thread_time() - started
             TORCH.autograd.backward(record, torch.ones_like(out), self.params)
         return total / micros * 1e6

@@ -1,5 +1,6 @@
-"""``swap_policy="cost"`` through ``run_schedule`` and the Schedule classes: the run moves
-exactly the chunks the planner chose, and the numbers stay bit-identical to the fixed rule."""
+"""``swap_policy="cost"`` and ``"peak"`` through ``run_schedule`` and the Schedule classes:
+the run moves exactly the chunks the planner chose, and the numbers stay bit-identical to
+the fixed rule."""
 
 from __future__ import annotations
 
@@ -50,6 +51,29 @@ async def test_the_run_moves_the_chosen_chunks_and_matches_the_fixed_rule() -> N
     assert cost.losses == fixed.losses
     for fixed_stage, cost_stage in zip(fixed_grads, cost_grads, strict=True):
         for g0, g1 in zip(fixed_stage, cost_stage, strict=True):
+            np.testing.assert_array_equal(g0, g1)
+
+
+@pytest.mark.asyncio
+async def test_the_peak_policy_matches_the_fixed_rule_with_fewer_copies() -> None:
+    """GPipe pp2 m4: the fixed rule moves all 4 chunks of each rank, the peak policy 2; the
+    losses and gradients are bit-identical and the measured peak of saved bytes is the
+    same on every rank."""
+    x, y = _data()
+    stages = _stages()
+    common = {"micro_batch_num": MICRO, "inputs": x, "targets": y, "loss_fn": mse_loss}
+    fixed = await run_schedule(stages, "gpipe", swap=True, **common)
+    fixed_grads = [[g.asnumpy() for g in s.grads] for s in stages]
+    peak = await run_schedule(stages, "gpipe", swap=True, swap_policy="peak", **common)
+    peak_grads = [[g.asnumpy() for g in s.grads] for s in stages]
+    assert [r.copies for r in fixed.ranks] == [2 * MICRO, 2 * MICRO]
+    assert [r.copies for r in peak.ranks] == [4, 4]
+    assert [r.peak_saved_bytes for r in peak.ranks] == [r.peak_saved_bytes for r in fixed.ranks]
+    for peak_rank, fixed_rank in zip(peak.ranks, fixed.ranks, strict=True):
+        assert 0 < peak_rank.offloaded_bytes < fixed_rank.offloaded_bytes
+    assert peak.losses == fixed.losses
+    for fixed_stage, peak_stage in zip(fixed_grads, peak_grads, strict=True):
+        for g0, g1 in zip(fixed_stage, peak_stage, strict=True):
             np.testing.assert_array_equal(g0, g1)
 
 

@@ -1,14 +1,11 @@
-"""``swap_policy="peak"`` (``ppswap.scheduler.peak``) on hand-checked schedules, and through
-``run_schedule``: the same numbers as the gap rule with fewer bytes moved. The property
-over every schedule family is in tests/swap_plan/test_swap_properties.py."""
+"""``swap_policy="peak"`` (``ppswap.scheduler.peak``) on hand-checked schedules. The property
+over every schedule family is in tests/swap_plan/test_swap_properties.py, runs through
+``run_schedule`` in tests/cost/test_cost_runtime.py (MindSpore) and tests/torch_backend."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from ppswap import PipelineStage, run_schedule
-from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost import build_orders
 from ppswap.scheduler.lowering import build_all_orders
@@ -16,7 +13,6 @@ from ppswap.scheduler.peak import build_peak_orders
 from ppswap.scheduler.simulate import memory_profile
 from ppswap.scheduler.steps import Order
 from ppswap.scheduler.swap_plan import eligible_chunks
-from ppswap.swap import swap_wrapper
 
 
 def _peak(order: Order) -> int:
@@ -48,34 +44,3 @@ def test_without_swap_the_policy_is_the_plain_order() -> None:
     assert build_orders(config, "peak") == build_all_orders(config)
     with pytest.raises(TypeError, match="config must be a ScheduleConfig, got dict"):
         build_peak_orders({"pp": 2})  # type: ignore[arg-type]
-
-
-# -- through the runtime (MindSpore, the default backend) ---------------------------------------
-DIM, MICRO = 8, 4
-
-
-@pytest.mark.asyncio
-async def test_the_run_matches_the_gap_rule_with_fewer_copies() -> None:
-    """GPipe pp2 m4: the gap rule moves all 4 chunks of each rank, the peak policy 2; the
-    losses and gradients are bit-identical and the measured peak of saved bytes is the
-    same on every rank."""
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((MICRO * 2, DIM)).astype(np.float32)
-    y = rng.standard_normal((MICRO * 2, DIM)).astype(np.float32)
-    modules = build_mlp_stages(2, dim=DIM, wrap=swap_wrapper)
-    stages = [PipelineStage(m, i, 2) for i, m in enumerate(modules)]
-    common = {"micro_batch_num": MICRO, "inputs": x, "targets": y, "loss_fn": mse_loss}
-    runs, grads = {}, {}
-    for policy in ("gap", "peak"):
-        runs[policy] = await run_schedule(stages, "gpipe", swap=True, swap_policy=policy, **common)
-        grads[policy] = [[g.asnumpy() for g in s.grads] for s in stages]
-    gap, peak = runs["gap"], runs["peak"]
-    assert [r.copies for r in gap.ranks] == [2 * MICRO, 2 * MICRO]
-    assert [r.copies for r in peak.ranks] == [4, 4]
-    assert [r.peak_saved_bytes for r in peak.ranks] == [r.peak_saved_bytes for r in gap.ranks]
-    for peak_rank, gap_rank in zip(peak.ranks, gap.ranks, strict=True):
-        assert 0 < peak_rank.offloaded_bytes < gap_rank.offloaded_bytes
-    assert peak.losses == gap.losses
-    for gap_stage, peak_stage in zip(grads["gap"], grads["peak"], strict=True):
-        for g0, g1 in zip(gap_stage, peak_stage, strict=True):
-            np.testing.assert_array_equal(g0, g1)
