@@ -45,6 +45,7 @@ import numpy as np
 from ppswap.actors.p2p import InProcessTransport
 from ppswap.backends import type_name
 from ppswap.backends.base import Backend
+from ppswap.core.dtypes import is_bfloat16, is_floating
 from ppswap.core.faults import FaultPlan
 from ppswap.core.messages import HostArray
 from ppswap.core.transport import MultiProcessTransport, Transport, is_multi_process
@@ -373,7 +374,7 @@ def _check_batch(backend: Backend, name: str, value: Any, micro: int, dp: int) -
     if len(shape) == 0:
         raise PipelineInputError(f"{name} must have a batch dimension, got a scalar")
     dtype = backend.numpy_dtype(value)
-    if dtype is not None and dtype.kind not in _NUMERIC_KINDS:
+    if dtype is not None and dtype.kind not in _NUMERIC_KINDS and not is_bfloat16(dtype):
         raise PipelineInputError(
             f"{name} must hold numbers (bool, int or float), got dtype {dtype} (shape {shape})"
         )
@@ -392,10 +393,10 @@ def _check_float_dtype(name: str, value: Any, stage: PipelineStage, which: str) 
     (single) floating dtype of that stage's parameters (frameworks do not promote)."""
     backend = stage.backend
     dtype = backend.numpy_dtype(value)
-    if dtype is None or dtype.kind != "f":
+    if dtype is None or not is_floating(dtype):
         return
     param_dtypes = {backend.numpy_dtype(p) for p in stage.parameters}
-    floating = {d for d in param_dtypes if d is not None and d.kind == "f"}
+    floating = {d for d in param_dtypes if d is not None and is_floating(d)}
     if len(floating) == 1 and dtype not in floating:
         (expected,) = floating
         raise PipelineInputError(

@@ -3,9 +3,11 @@ one): message headers, payload encoding, receive pool.
 
 Pure numpy and the standard library (no MPI or framework import), so it is testable and
 readable on its own, and both transports share it. A message is a header (magic, epoch,
-identity, byte count, ``dtype.str``, shape) followed, for payloads up to the transport's
-inline limit (``INLINE_MAX_BYTES`` for ``MPITransport``), by the payload itself; larger
-payloads travel as a second message (see ``ppswap.actors.mpi``).
+identity, byte count, dtype, shape) followed, for payloads up to the transport's inline
+limit (``INLINE_MAX_BYTES`` for ``MPITransport``), by the payload itself; larger payloads
+travel as a second message (see ``ppswap.actors.mpi``). The dtype is ``dtype.str``, or
+``bfloat16`` for ``ml_dtypes``' bfloat16, which ``dtype.str`` does not name
+(``ppswap.core.dtypes``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING
 from ppswap.core.messages import MessageKey
 from ppswap.core.transport import RecvDone, SendDone, TransportStats
 
@@ -173,9 +176,15 @@ def p2p_identity(key: MessageKey) -> int:
     return (key.stage << 32) | (key.micro << 1) | (key.direction == "B")
 
 
+_BFLOAT16_NAME = b"bfloat16"
+
+
 @functools.lru_cache(maxsize=256)
 def wire_dtype(dtype: np.dtype[Any]) -> bytes | None:
-    """``dtype.str`` as bytes when it names ``dtype`` exactly, else None (not sendable)."""
+    """``dtype.str`` as bytes when it names ``dtype`` exactly (``bfloat16`` for
+    ``ml_dtypes``' bfloat16), else None (not sendable)."""
+    if BFLOAT16 is not None and dtype == BFLOAT16 and type(dtype) is type(BFLOAT16):
+        return _BFLOAT16_NAME
     if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
         return None
     encoded = dtype.str.encode("ascii")
@@ -189,7 +198,8 @@ def wire_array(payload: object, name: str) -> Array:
     if wire_dtype(payload.dtype) is None:
         raise TypeError(
             f"{name} has dtype {payload.dtype!r}; allowed: dtypes named by dtype.str "
-            "(numeric, bool, complex, datetime, fixed-width strings), not object/structured"
+            "(numeric, bool, complex, datetime, fixed-width strings) and ml_dtypes' "
+            "bfloat16, not object/structured or other extension dtypes"
         )
     if payload.ndim > MAX_NDIM:
         raise ValueError(f"{name} has ndim {payload.ndim}; at most {MAX_NDIM} allowed")
@@ -237,7 +247,12 @@ def encode_message(
 
 @functools.lru_cache(maxsize=256)
 def parse_dtype(dtype_str: bytes) -> np.dtype[Any]:
-    return np.dtype(dtype_str.rstrip(b"\0").decode("ascii"))
+    name = dtype_str.rstrip(b"\0")
+    if name == _BFLOAT16_NAME:
+        if BFLOAT16 is None:
+            raise RuntimeError(f"a bfloat16 message arrived, but {BFLOAT16_MISSING}")
+        return BFLOAT16
+    return np.dtype(name.decode("ascii"))
 
 
 def describe(what_parts: tuple[object, ...]) -> str:

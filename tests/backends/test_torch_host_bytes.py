@@ -23,7 +23,7 @@ from ppswap.swap.spans import span_layout  # noqa: E402
 DTYPES = [
     torch.float32,
     torch.float16,
-    torch.bfloat16,  # numpy has no such dtype: always the set_ path
+    torch.bfloat16,  # numpy has no such dtype: ml_dtypes' bfloat16 (through int16)
     torch.float64,
     torch.int64,
     torch.uint8,

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ppswap.actors.distributed import gather_results
 from ppswap.actors.mpi import MPITransport
+from ppswap.core.dtypes import BFLOAT16
 from ppswap.core.messages import MessageKey
 from ppswap.core.wire import PAGE_BYTES, POOL_MIN_BYTES, RecvBufferPool
 from ppswap.results import RankStats
@@ -67,6 +68,9 @@ PAYLOADS = {
     "inline-limit": np.arange(16 * 1024, dtype=np.uint8),  # largest inline payload
     "above-inline": np.arange(16 * 1024 + 1, dtype=np.uint8),  # header + body messages
     "large": np.arange(1 << 19, dtype=np.float64),  # 4 MiB: pooled receive buffer
+    # ml_dtypes' bfloat16 (dtype.str "<V2" does not name it: the header says "bfloat16")
+    "bfloat16": np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4).astype(BFLOAT16),
+    "bfloat16 above-inline": np.linspace(-1, 1, 8 * 1024 + 1).astype(BFLOAT16),
 }
 
 

@@ -29,6 +29,7 @@ from ppswap.actors.distributed import AbortingTransport, gather_results, is_dist
 from ppswap.backends.torch.distributed import P2P_TAGS, TorchDistTransport
 from ppswap.backends.torch.distributed_io import DEFAULT_INLINE_MAX_BYTES, MessageIO
 from ppswap.backends.torch.distributed_wait import Waiters, WorkError, host_tensor
+from ppswap.core.dtypes import BFLOAT16
 from ppswap.core.messages import MessageKey
 from ppswap.core.transport import CollectiveTransport, DistributedTransport, Transport
 from ppswap.core.wire import HEADER_MAX_BYTES, INLINE_MAX_BYTES, decode_header, encode_message
@@ -50,6 +51,11 @@ PAYLOADS = {
     "above the torch inline limit": np.linspace(
         -1, 1, DEFAULT_INLINE_MAX_BYTES // 4 + 1, dtype=np.float32
     ),
+    # ml_dtypes' bfloat16, which a bfloat16 model's activations travel as
+    "bfloat16 not contiguous": np.linspace(-3, 3, 40).reshape(5, 8)[:, ::3].astype(BFLOAT16),
+    "bfloat16 above the torch inline limit": np.linspace(
+        -1, 1, DEFAULT_INLINE_MAX_BYTES // 2 + 1
+    ).astype(BFLOAT16),
 }
 
 

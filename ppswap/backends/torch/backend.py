@@ -25,7 +25,10 @@ Facts this relies on (torch 2.11-2.14):
   as with ``torch.autograd.graph.save_on_cpu``.
 - A CPU tensor's ``numpy()`` is a view of its memory (any strides) and ``from_numpy``
   shares memory the other way: the CPU copy engine serves CPU tensors. CUDA tensors go
-  through the CUDA engine (``ppswap.backends.torch.cuda_engine``).
+  through the CUDA engine (``ppswap.backends.torch.cuda_engine``). numpy has no
+  bfloat16, and neither call takes one: a bfloat16 tensor's host array is the tensor
+  viewed as ``int16`` (the same 2-byte elements, any strides), then as ``ml_dtypes``'
+  bfloat16 (``ppswap.core.dtypes``), and back the same way; no copy either way.
 - A graph keeps views of the tensors it saved, parameters' included, whatever later
   becomes of ``param.data``: :meth:`TorchBackend.set_parameter_data` (FSDP's unshard /
   reshard) therefore refills one kept storage per unsharded shape and frees it by
@@ -62,6 +65,7 @@ from ppswap.backends.base import (
 from ppswap.backends.cpu_engine import EmulatedDevice, contiguous_strides
 from ppswap.backends.torch.autograd import TorchAutograd
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine
+from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING, is_bfloat16
 
 __all__ = ["SavedTensorModifiedError", "SwapWrapperModule", "TorchBackend"]
 
@@ -134,10 +138,13 @@ class SwapWrapperModule(nn.Module):
 
 @functools.lru_cache(maxsize=64)
 def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
-    """numpy's dtype for ``dtype`` (None where numpy has none), found once per dtype."""
+    """The host array dtype of ``dtype`` (bfloat16: ``ml_dtypes``'; None where numpy
+    has none), found once per dtype."""
+    if dtype is torch.bfloat16:
+        return BFLOAT16
     try:
         found: np.dtype[Any] = torch.empty(0, dtype=dtype).numpy().dtype
-    except TypeError:  # bfloat16 and other dtypes numpy lacks
+    except TypeError:  # dtypes numpy lacks (the float8 ones, ...)
         return None
     return found
 
@@ -163,7 +170,15 @@ def _dtype_named(name: str) -> torch.dtype:
 
 
 def _numpy_of(tensor: torch.Tensor) -> HostArray:
-    """A CPU tensor's numpy view; a TypeError naming the dtype where numpy has none."""
+    """A CPU tensor's numpy view (bfloat16: through ``int16``, module docstring); a
+    TypeError naming the dtype where numpy has none."""
+    if tensor.dtype is torch.bfloat16:
+        if BFLOAT16 is None:
+            raise TypeError(
+                f"a torch.bfloat16 tensor cannot be read as a numpy array: {BFLOAT16_MISSING}"
+            )
+        bits: HostArray = tensor.view(torch.int16).numpy()
+        return bits.view(BFLOAT16)
     try:
         array: HostArray = tensor.numpy()
     except TypeError as exc:
@@ -171,10 +186,18 @@ def _numpy_of(tensor: torch.Tensor) -> HostArray:
             f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)} cannot be read as a "
             "numpy array (numpy has no such dtype): the torch backend moves micro-batches, "
             "losses, P2P messages between processes and swapped CPU activations through "
-            "numpy arrays, so it runs float32, float16 and float64 models, not "
+            "numpy arrays, so it runs float32, float16, bfloat16 and float64 models, not "
             f"{tensor.dtype} ones"
         ) from exc
     return array
+
+
+def _tensor_of(array: HostArray) -> torch.Tensor:
+    """The tensor sharing ``array``'s memory (a numpy bfloat16 array, ``ml_dtypes``' or
+    MindSpore's: a ``torch.bfloat16`` one, through ``int16``)."""
+    if is_bfloat16(array.dtype):
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 class TorchBackend:
@@ -234,7 +257,7 @@ class TorchBackend:
         torch's own FSDP does). A storage torch will not resize (a numpy array was made
         from it) is left to the graph as before, never an error.
         """
-        source = torch.from_numpy(data if data.flags.writeable else data.copy())
+        source = _tensor_of(data if data.flags.writeable else data.copy())
         slots: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] | None = getattr(
             param, _SLOTS_ATTR, None
         )
@@ -313,7 +336,7 @@ class TorchBackend:
             and _numpy_dtype_of(tensor.dtype) is not None
             and not self.is_lazy_view(tensor)
         ):
-            elements: HostArray = tensor.detach().numpy()
+            elements = _numpy_of(tensor.detach())
             if elements.flags.c_contiguous:  # so reshape(-1) is a view, never a copy
                 dense: HostArray = elements.reshape(-1).view(np.uint8)
                 return dense
@@ -334,7 +357,7 @@ class TorchBackend:
                 and math.prod(key.shape) * key.itemsize == block.nbytes
                 and _c_strides(key.shape) == key.strides
             ):
-                return [torch.from_numpy(block.view(dtype).reshape(key.shape))]
+                return [_tensor_of(block.view(dtype).reshape(key.shape))]
         return self.views_of(torch.from_numpy(block), places)
 
     def views_of(
@@ -376,7 +399,7 @@ class TorchBackend:
         return _numpy_of(data.clone() if copy else data)
 
     def from_host(self, array: HostArray, like: torch.Tensor | None = None) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
+        tensor = _tensor_of(array)
         if like is not None and like.device.type != "cpu":
             return tensor.to(like.device)
         return tensor

@@ -1,0 +1,42 @@
+"""bfloat16 on the host: the numpy dtype numpy itself lacks.
+
+Batches, P2P payloads between processes, losses and FSDP shards travel as numpy arrays,
+and numpy has no bfloat16. ``ml_dtypes`` (a dependency of ``ppswap[torch]``) registers
+one: :data:`BFLOAT16` is that dtype, or None where ``ml_dtypes`` is not installed (then
+the torch backend refuses a bfloat16 tensor it must move through numpy, naming the
+package). MindSpore registers a numpy bfloat16 of its own, a different type under the
+same name: :func:`is_bfloat16` recognizes either (by name and size), and the wire format
+names only :data:`BFLOAT16` (``wire_dtype``), so what crosses a process boundary arrives
+as that one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BFLOAT16", "BFLOAT16_MISSING", "is_bfloat16", "is_floating"]
+
+BFLOAT16: np.dtype[Any] | None
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes comes with ppswap[torch]
+    BFLOAT16 = None
+else:
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+BFLOAT16_MISSING = (
+    "numpy has no bfloat16 and the ml_dtypes package, which adds it, is not installed "
+    "(pip install 'ppswap[torch]' installs it)"
+)
+
+
+def is_bfloat16(dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` is a numpy bfloat16 (``ml_dtypes``', or MindSpore's own)."""
+    return dtype.name == "bfloat16" and dtype.itemsize == 2 and dtype.kind == "V"
+
+
+def is_floating(dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` holds floating-point numbers (numpy's own, or bfloat16)."""
+    return dtype.kind == "f" or is_bfloat16(dtype)
