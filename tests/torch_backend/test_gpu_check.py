@@ -111,12 +111,11 @@ MACHINE_KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
-    """One CPU-mode run as a subprocess: (the JSON, the markdown file, stdout)."""
-    out = tmp_path_factory.mktemp("gpu_check")
+def run_cpu_mode(out: Path, *options: str) -> tuple[dict[str, Any], str, str]:
+    """One CPU-mode run as a subprocess (it sets torch's thread count): (the JSON, the
+    markdown file, stdout)."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu", "--steps", "1", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--cpu", "--steps", "1", "--out", str(out), *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -127,6 +126,11 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], s
     report = json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))
     markdown = (out / "gpu_check.md").read_text(encoding="utf-8")
     return report, markdown, done.stdout
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
+    return run_cpu_mode(tmp_path_factory.mktemp("gpu_check"))
 
 
 def test_cpu_mode_writes_every_field(cpu_run: tuple[dict[str, Any], str, str]) -> None:
@@ -284,10 +288,18 @@ def test_targets_and_markdown_on_device_figures(cpu_run: tuple[dict[str, Any], s
         assert text in markdown, text
 
 
-def test_bfloat16_needs_cuda() -> None:
-    with pytest.raises(SystemExit) as raised:
-        gpu_check.main(["--cpu", "--dtype", "bfloat16"])
-    assert raised.value.code == 2
+def test_cpu_mode_runs_a_bfloat16_model(tmp_path: Path) -> None:
+    """``--dtype bfloat16`` on CPU: swap keeps the losses and cuts the ledger as planned,
+    on half the bytes of the float32 run."""
+    report, _, _ = run_cpu_mode(tmp_path, "--dtype", "bfloat16")
+    (entry,) = report["models"]
+    assert entry["dtype"] == "bfloat16" and entry["errors"] == []
+    assert entry["pipeline"]["losses_identical"] is True
+    assert entry["pipeline"]["grad_norm_max_rel_diff"] == 0.0
+    memory = entry["memory"]
+    assert memory["peak_swap"] < memory["peak_no_swap"]
+    planned = memory["predicted_peak_swap"]
+    assert abs(memory["peak_swap"] - planned) <= 0.1 * (memory["peak_no_swap"] - planned)
 
 
 def test_cuda_engine_carries_bfloat16_as_int16() -> None:
