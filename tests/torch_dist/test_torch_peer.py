@@ -6,6 +6,7 @@ torch.distributed.pipelining (``PipelineStage`` with ``ScheduleGPipe``, ``Schedu
 ``ScheduleInterleaved1F1B`` at vpp 2) and under ppswap over ``TorchDistTransport``. Without
 swap ppswap's per-micro-batch losses equal torch's (rtol 1e-6) and so do the gradients of
 every stage on every rank (rtol 1e-5); with swap they are bit-identical to ppswap without.
+The same in bfloat16 (the modules and the batch; below one bfloat16 ulp, so bit for bit).
 The launch runs in its own process group with a deadline and is killed whole on timeout.
 
 ``benchmarks/bench_torch_peer.py --quick`` (the same comparison timed, in ``make bench``)
@@ -32,21 +33,22 @@ from launch import REPO, launch
 pytestmark = pytest.mark.slow
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CASES = (*SCHEDULES, *(f"{schedule}-bf16" for schedule in SCHEDULES))
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_losses_and_gradients_equal_torch_pipelining(ranks: int) -> None:
-    result = launch(ranks, "peer_pipelining.py", *SCHEDULES, timeout_s=170)
+    result = launch(ranks, "peer_pipelining.py", *CASES, timeout_s=170)
     assert result.returncode == 0, result.output
     assert "MISMATCH" not in result.output, result.output
-    for schedule in SCHEDULES:
-        stage_num = 2 * ranks if schedule == "interleaved_1f1b" else ranks
+    for case in CASES:
+        stage_num = 2 * ranks if case.startswith("interleaved_1f1b") else ranks
         grads = 6 * 2 * stage_num // ranks  # 2 blocks of 6 parameter tensors per stage
         for rank in range(ranks):
             losses = "8 losses (bit-identical|equal)" if rank == ranks - 1 else "losses not held"
             pattern = (
-                rf"rank {rank} OK: {schedule} pp{ranks} stages {stage_num}: {losses}[^,]*, "
+                rf"rank {rank} OK: {case} pp{ranks} stages {stage_num}: {losses}[^,]*, "
                 rf"{grads} gradients equal .*?, swap on = off"
             )
             assert re.search(pattern, result.output), (pattern, result.output)

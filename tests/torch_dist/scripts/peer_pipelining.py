@@ -1,8 +1,9 @@
 """Run under ``torchrun --nproc_per_node N`` (N >= 2): ppswap against torch.distributed.pipelining.
 
-    torchrun --standalone --nproc_per_node N peer_pipelining.py [SCHEDULE ...]
+    torchrun --standalone --nproc_per_node N peer_pipelining.py [SCHEDULE[-bf16] ...]
 
-For each schedule (default: gpipe 1f1b interleaved_1f1b) every rank builds the same
+For each schedule (default: gpipe 1f1b interleaved_1f1b; ``-bf16``: the modules and the
+batch in bfloat16, given to ppswap as torch tensors) every rank builds the same
 seeded stage modules (``STAGE_NUM = N`` stages, ``2 N`` for interleaved: vpp 2, stage
 ``s`` on rank ``s % N``) twice: one copy runs one training step of
 ``torch.distributed.pipelining`` (``PipelineStage`` and ``ScheduleGPipe`` /
@@ -18,8 +19,10 @@ with ``scale_grads=True`` (the default) sum the micro-batches' gradients and div
 
 Checked on every rank: the last stage's per-micro-batch losses equal (rtol 1e-6; the
 script also reports whether they are bit-identical), every gradient of this rank's stages
-equal (rtol 1e-5, atol 1e-5 of the tensor's largest magnitude: the two add the micro-batch
-gradients in different orders), and swap on equal to swap off bit for bit. A rank prints
+equal (rtol 1e-5, atol 1e-5 of the tensor's largest magnitude: the two scale the
+micro-batch gradients at different points; in bfloat16 that tolerance is below one ulp,
+and the two are bit-identical: both add the micro-batches in order, and 1 / 8 is exact),
+and swap on equal to swap off bit for bit. A rank prints
 ``rank R OK: SCHEDULE ...`` per schedule, or the mismatch, and exits non-zero at the end
 if anything failed.
 """
@@ -75,13 +78,14 @@ class Block(nn.Module):
         return out
 
 
-def build_modules(stage_num: int, *, wrap: bool) -> list[nn.Sequential]:
+def build_modules(stage_num: int, *, wrap: bool, dtype: torch.dtype) -> list[nn.Sequential]:
     """``stage_num`` stage modules of ``BLOCKS_PER_STAGE`` blocks each, from seed 0 (every
-    rank and both contenders build the same weights); ``wrap``: each block swap-wrapped."""
+    rank and both contenders build the same weights), in ``dtype``; ``wrap``: each block
+    swap-wrapped."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
         modules = [
-            nn.Sequential(*(Block(DIM, HIDDEN) for _ in range(BLOCKS_PER_STAGE)))
+            nn.Sequential(*(Block(DIM, HIDDEN) for _ in range(BLOCKS_PER_STAGE))).to(dtype)
             for _ in range(stage_num)
         ]
     if wrap:
@@ -91,11 +95,11 @@ def build_modules(stage_num: int, *, wrap: bool) -> list[nn.Sequential]:
     return modules
 
 
-def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(MICRO * MICRO_BATCH, SEQ, DIM, generator=generator)
     y = torch.randn(MICRO * MICRO_BATCH, SEQ, DIM, generator=generator)
-    return x, y
+    return x.to(dtype), y.to(dtype)
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -107,7 +111,7 @@ def run_peer(
 ) -> tuple[list[float], dict[int, list[torch.Tensor]]]:
     """One step of torch.distributed.pipelining: the last stage's losses (empty elsewhere)
     and this rank's gradients per stage index."""
-    modules = build_modules(stage_num, wrap=False)
+    modules = build_modules(stage_num, wrap=False, dtype=x.dtype)
     mine = [s for s in range(stage_num) if s % pp == rank]
     cpu = torch.device("cpu")
     stages = [TorchStage(modules[s], s, stage_num, cpu) for s in mine]
@@ -142,7 +146,7 @@ async def run_ppswap(
     *,
     swap: bool,
 ) -> tuple[RunResult, dict[int, list[torch.Tensor]]]:
-    modules = build_modules(stage_num, wrap=True)
+    modules = build_modules(stage_num, wrap=True, dtype=x.dtype)
     stages = [
         PipelineStage(m, s, stage_num)
         for s, m in enumerate(modules)
@@ -152,8 +156,9 @@ async def run_ppswap(
         stages,
         schedule,
         micro_batch_num=MICRO,
-        inputs=x.numpy(),
-        targets=y.numpy(),
+        # float32 as numpy arrays, bfloat16 (numpy has none) as the tensors
+        inputs=x.numpy() if x.dtype is torch.float32 else x,
+        targets=y.numpy() if y.dtype is torch.float32 else y,
         loss_fn=mse,
         swap=swap,
         transport=transport,
@@ -178,8 +183,8 @@ def compare_grads(
             if scale == 0.0 or not torch.isfinite(a).all():
                 problems.append(f"stage {stage} grad {index}: torch's is zero or not finite")
                 continue
-            diff = (a - b).abs()
-            rel = float((diff / a.abs().clamp_min(1e-30)).max())
+            diff = (a - b).abs().float()
+            rel = float((diff / a.abs().float().clamp_min(1e-30)).max())
             worst = max(worst, min(rel, float(diff.max()) / max(scale, 1e-30)))
             if not torch.allclose(b, a, rtol=GRAD_RTOL, atol=GRAD_ATOL_SHARE * scale):
                 problems.append(
@@ -197,10 +202,14 @@ def compare_losses(want: Sequence[float], got: Sequence[float]) -> list[str]:
     return []
 
 
-async def check(schedule: str, transport: TorchDistTransport) -> list[str]:
+async def check(name: str, transport: TorchDistTransport) -> list[str]:
     rank, pp = transport.rank, transport.world_size
+    schedule = name.removesuffix("-bf16")
+    dtype = torch.bfloat16 if name.endswith("-bf16") else torch.float32
+    if schedule not in SCHEDULES:
+        raise SystemExit(f"bad case {name!r}: expected one of {SCHEDULES}, -bf16 optional")
     stage_num = 2 * pp if schedule == "interleaved_1f1b" else pp
-    x, y = make_data()
+    x, y = make_data(dtype)
     started = time.perf_counter()
     peer_losses, peer_grads = run_peer(schedule, rank, pp, stage_num, x, y)
     dist.barrier()
@@ -220,12 +229,12 @@ async def check(schedule: str, transport: TorchDistTransport) -> list[str]:
     offloaded = on.ranks[rank].offloaded_bytes
     if problems:
         for problem in problems:
-            print(f"rank {rank} MISMATCH {schedule}: {problem}", flush=True)
+            print(f"rank {rank} MISMATCH {name}: {problem}", flush=True)
     else:
         exact = "bit-identical" if last and peer_losses == off.losses else "equal"
         losses = f"{len(off.losses)} losses {exact}" if last else "losses not held here"
         print(
-            f"rank {rank} OK: {schedule} pp{pp} stages {stage_num}: {losses}, "
+            f"rank {rank} OK: {name} pp{pp} stages {stage_num}: {losses}, "
             f"{sum(len(g) for g in off_grads.values())} gradients equal (worst relative "
             f"difference {worst:.1e}), swap on = off (offloaded {offloaded} B) "
             f"in {time.perf_counter() - started:.1f} s",
