@@ -3,7 +3,7 @@
     python benchmarks/bench_torch_peer.py [--pp 2] [--model small|wide] [--rounds 15]
                                           [--warmup 2] [--quick] [--json PATH]
                                           [--swap-policy gap|peak] [--swap-min-bytes N]
-                                          [--timeout-s 360]
+                                          [--dtype float32|bfloat16] [--timeout-s 360]
 
 The same per-stage torch model, batch, micro-batches and loss run one training step
 (forward and backward of every micro-batch, no optimizer) per round under three
@@ -34,6 +34,9 @@ two widths (``--model``):
   its largest share of a step here.
 - ``wide`` (width 256): the same saved tensors, twice their bytes (40 MiB per rank under
   GPipe, against 8 MiB of parameters), four times the compute (about 250 ms per step).
+
+``--dtype bfloat16``: the modules and the batch in bfloat16 (half the saved bytes; given
+to ppswap as torch tensors, numpy has no bfloat16).
 
 Every process uses one intra-op thread.
 
@@ -91,7 +94,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -117,13 +120,15 @@ LOSS_RTOL = 1e-6
 @dataclass(frozen=True)
 class Model:
     """The model and batch: ``blocks`` blocks of width ``dim`` split over the stages;
-    ``micro`` micro-batches of ``micro_batch`` sequences of ``seq`` tokens."""
+    ``micro`` micro-batches of ``micro_batch`` sequences of ``seq`` tokens; weights and
+    batch in ``dtype`` (a torch dtype's name)."""
 
     dim: int
     blocks: int
     micro: int
     micro_batch: int
     seq: int
+    dtype: str = "float32"
 
     @property
     def hidden(self) -> int:
@@ -286,10 +291,13 @@ def build_modules(model: Model, stage_num: int, *, wrap: bool) -> list[Any]:
             return out
 
     per_stage = model.blocks // stage_num
+    dtype = getattr(torch, model.dtype)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return [
-            nn.Sequential(*(swap_wrapper(Block()) if wrap else Block() for _ in range(per_stage)))
+            nn.Sequential(
+                *(swap_wrapper(Block()) if wrap else Block() for _ in range(per_stage))
+            ).to(dtype)
             for _ in range(stage_num)
         ]
 
@@ -305,7 +313,9 @@ def model_data(model: Model) -> tuple[Any, Any]:
 
     generator = torch.Generator().manual_seed(1)
     shape = (model.micro * model.micro_batch, model.seq, model.dim)
-    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    dtype = getattr(torch, model.dtype)
+    x, y = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    return x.to(dtype), y.to(dtype)
 
 
 class PeerRunner:
@@ -395,7 +405,8 @@ async def _measure_schedule(
         if s % pp == rank
     ]
     engines = {"ppswap": EmulatedDevice(), "ppswap+swap": EmulatedDevice()}
-    inputs, targets = x.numpy(), y.numpy()
+    # float32 as numpy arrays; bfloat16 as the tensors (numpy has no bfloat16)
+    inputs, targets = (x.numpy(), y.numpy()) if model.dtype == "float32" else (x, y)
 
     async def run_ppswap(contender: str, count_saved_bytes: bool = False) -> RunResult:
         swap = contender == "ppswap+swap"
@@ -639,13 +650,16 @@ def _verdict(ratio: float, target: float) -> str:
 def markdown(report: dict[str, Any]) -> str:
     model, rows, results = report["model"], report["summary"], report["results"]
     params_per_block = 2 * model["dim"] * 4 * model["dim"] + 7 * model["dim"]
+    dtype = model.get("dtype", "float32")
+    itemsize = 2 if dtype == "bfloat16" else 4
     kept = report.get("swap_min_bytes", SWAP_MIN_BYTES)
     policy = report.get("swap_policy", "gap")
     min_bytes = "" if kept == SWAP_MIN_BYTES else f", swap_min_bytes={kept}"
     lines = [
         f"pp{report['pp']}, one process per rank, gloo; {model['blocks']} blocks of width "
-        f"{model['dim']} (hidden {4 * model['dim']}, {params_per_block * 4 / 2**20:.2f} MiB "
-        f"of parameters each) split evenly over the stages; {model['micro']} micro-batches "
+        f"{model['dim']} (hidden {4 * model['dim']}, "
+        f"{params_per_block * itemsize / 2**20:.2f} MiB of parameters each) in {dtype}, "
+        f"split evenly over the stages; {model['micro']} micro-batches "
         f"of {model['micro_batch']} x {model['seq']} tokens; ppswap with its default "
         f'options but where named (p2p plain, swap_policy "{policy}"{min_bytes}); '
         f"warm-up rounds: {report['warmup']}, measured rounds: {report['rounds']}, "
@@ -768,6 +782,7 @@ def headline(report: dict[str, Any]) -> str:
     return (
         f"Against torch.distributed.pipelining (pp{report['pp']}, gloo, "
         f"{report['model_name']} model: width {report['model']['dim']}, "
+        f"{report['model'].get('dtype', 'float32')}, "
         f"swap_policy {report.get('swap_policy', 'gap')}, median step time, "
         f"ppswap without / with swap over torch; targets 1.10x / 1.15x; load average "
         f"{report['load_before'].split(',')[0]} on {report['cores']} cores): "
@@ -798,6 +813,12 @@ def main(argv: list[str] | None = None) -> int:
         help='ppswap\'s swap_policy ("gap", its default: every chunk the gap rule admits; '
         '"peak": the fewest of those that give the same peak)',
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the modules' and the batch's dtype (float32)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument(
         "--timeout-s",
@@ -815,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--swap-min-bytes must be >= 0, got {args.swap_min_bytes}")
     if args.pp < 2:
         parser.error(f"--pp must be >= 2, got {args.pp}")
-    model = QUICK if args.quick else MODELS[args.model]
+    model = replace(QUICK if args.quick else MODELS[args.model], dtype=args.dtype)
     if model.blocks % (2 * args.pp):
         parser.error(f"--pp {args.pp}: {model.blocks} blocks do not split over {2 * args.pp}")
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 15)
