@@ -216,6 +216,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         json_out=True,
     ),
     Benchmark(
+        "torch-peer-bf16",
+        "bench_torch_peer.py",
+        "Against torch.distributed.pipelining in bfloat16 (the small model)",
+        "The first comparison with the modules and the batch in bfloat16: half the saved "
+        "bytes, the same saved tensors per chunk (so the same Python per chunk for swap), "
+        "and torch's bfloat16 kernels on this CPU.",
+        args=("--dtype", "bfloat16"),
+        quick_args=("--quick", "--dtype", "bfloat16"),
+        limit_s=420.0,
+        json_out=True,
+    ),
+    Benchmark(
         "torch-overhead",
         "bench_torch_overhead.py",
         "Against torch.distributed.pipelining without compute: per micro-batch and per step",
