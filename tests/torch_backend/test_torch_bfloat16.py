@@ -6,8 +6,9 @@ processes and FSDP shards through numpy: the torch backend carries a bfloat16 te
 here: that carrier (round trips, shared memory, MindSpore's own numpy bfloat16 accepted),
 the wire format (``ml_dtypes``' bfloat16 named, any other refused), whole runs of every
 schedule family in process with swap on bit-identical to swap off and close to a float32
-model on the same bfloat16 weights and batch, FSDP dp=2, and the error where ``ml_dtypes``
-is missing. Across processes: ``tests/torch_dist`` (the ``-bf16`` cases).
+model on the same bfloat16 weights and batch, FSDP dp=2, float32 weights under
+``torch.autocast`` to bfloat16, and the error where ``ml_dtypes`` is missing. Across
+processes: ``tests/torch_dist`` (the ``-bf16`` cases).
 
 The float32 reference: the gradients of a bfloat16 pipeline differ from it by rounding
 (measured: at most 1.2% of a gradient's largest element on these models); a bfloat16
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from torch_support import (
     Case,
     build_modules,
@@ -199,6 +201,43 @@ async def test_fsdp_dp2_in_bfloat16_swaps_bit_identically_and_matches_float32() 
     ref_loss, ref_grads = float32_reference(case.stage_num, x, y)
     assert base.loss == pytest.approx(ref_loss, rel=LOSS_RTOL)
     assert_close_to([[BACKEND.from_host(g) for g in s] for s in base_full], ref_grads)
+
+
+class Autocast(nn.Module):
+    """Mixed precision: float32 weights, the forward under ``torch.autocast`` in bfloat16
+    (the stage's own forward enters it: autocast is per thread, and stages run on the
+    runtime's compute thread), a float32 output."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out: torch.Tensor = self.inner(x)
+        return out.float()
+
+
+@pytest.mark.asyncio
+async def test_autocast_to_bfloat16_swaps_bit_identically() -> None:
+    """The saved tensors are bfloat16 activations and the bfloat16 casts of the float32
+    weights (autocast's own tensors, not parameters: they move too)."""
+    case = CASES[3]  # Interleaved pp2, batched P2P
+    x, y = make_data(8)
+    runs = []
+    for swap in (False, True):
+        stages = [
+            PipelineStage(Autocast(module), index, case.stage_num)
+            for index, module in enumerate(build_modules(case.stage_num))
+        ]
+        runs.append((stages, await run_case(stages, case, swap=swap, inputs=x, targets=y)))
+    (base_stages, base), (swap_stages, swapped) = runs
+    assert swapped.losses == base.losses
+    for stage_base, stage_swap in zip(grads_of(base_stages), grads_of(swap_stages), strict=True):
+        for g0, g1 in zip(stage_base, stage_swap, strict=True):
+            assert g0.dtype == torch.float32 and torch.equal(g0, g1)
+    assert sum(r.offloaded_bytes for r in swapped.ranks) > 0
+    assert all(r.loaded_bytes == r.offloaded_bytes for r in swapped.ranks)
 
 
 # -- refusals -------------------------------------------------------------------------------
