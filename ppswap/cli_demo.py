@@ -48,7 +48,7 @@ The key is also the framework's top-level package."""
 DEMO_MODULE = "ppswap.demo.run"
 """The demo's module, imported by name when a demo runs."""
 FSDP_DEMO_MODULE = "ppswap.demo.fsdp_demo"
-"""The FSDP demo's module (``--fsdp``, MindSpore only), imported by name when it runs."""
+"""The FSDP demo's module (``--fsdp``), imported by name when it runs."""
 
 
 def _make_out_dir(out: str) -> None:
@@ -98,11 +98,6 @@ def demo_config(args: argparse.Namespace) -> ScheduleConfig:
         raise ValueError(
             f"transport must be 'inprocess' with --fsdp (the FSDP demo runs its ranks in one "
             f"process), got {args.transport!r}"
-        )
-    if args.fsdp and args.backend != "mindspore":
-        raise ValueError(
-            f"backend must be 'mindspore' with --fsdp (the FSDP demo's LM is MindSpore's), "
-            f"got {args.backend!r}"
         )
     _make_out_dir(args.out)
     return config
@@ -228,7 +223,7 @@ def add_demo_parser(subparsers: Any) -> None:
     demo.add_argument(
         "--backend",
         default=defaults["backend"],
-        help=f"tensor framework of the LM: {' or '.join(DEMO_BACKENDS)}; --fsdp needs "
-        f"mindspore (default {defaults['backend']})",
+        help=f"tensor framework of the LM: {' or '.join(DEMO_BACKENDS)} "
+        f"(default {defaults['backend']})",
     )
     demo.set_defaults(handler=run_demo_command)

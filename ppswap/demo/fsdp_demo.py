@@ -1,6 +1,7 @@
 """``ppswap demo --fsdp``: the LM demo over a DP x PP mesh, parameter and activation savings.
 
-Every (stage, dp replica) holds its own copy of the stage, built from the same seed, its
+The LM is ``opts.backend``'s (MindSpore or torch, ``load_demo_model``). Every (stage, dp
+replica) holds its own copy of the stage, built from the same seed, its
 layers wrapped with ``swap_wrapper`` and the stage ``fully_shard()``-ed with its dp rank
 (RFC 5.2.3). The demo trains ``steps`` steps with swap off and with swap on, their steps
 taken in turn (same weights, same batches: the losses must agree bit for bit), each step
@@ -21,18 +22,18 @@ import sys
 import time
 from dataclasses import dataclass
 
-import mindspore as ms
-
 from ppswap.core.messages import HostArray
-from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
 from ppswap.demo.report import step_time_line
 from ppswap.demo.run import (
     DEMO_LM_SIZES,
     SCHEDULE_CLASSES,
+    DemoModel,
     DemoOptions,
+    LMShape,
     TrainingPass,
     lm_batches,
     load_corpus,
+    load_demo_model,
     train_in_turn,
 )
 from ppswap.fsdp import DeviceMesh, fully_shard
@@ -57,10 +58,12 @@ class FsdpDemoReport:
     step_times_swap: list[float]
 
 
-def _sharded_lm(cfg: LMConfig, stage_num: int, mesh: DeviceMesh) -> list[PipelineStage]:
+def _sharded_lm(
+    model: DemoModel, cfg: LMShape, stage_num: int, mesh: DeviceMesh
+) -> list[PipelineStage]:
     stages: list[PipelineStage] = []
     for dp_rank in range(mesh.dp):
-        for index, module in enumerate(build_lm_stages(cfg, stage_num)):
+        for index, module in enumerate(model.build_stages(cfg, stage_num)):
             for layer_index, layer in enumerate(module.layers):
                 module.layers[layer_index] = swap_wrapper(layer)
             fully_shard(module, mesh=mesh, dp_rank=dp_rank)
@@ -70,18 +73,19 @@ def _sharded_lm(cfg: LMConfig, stage_num: int, mesh: DeviceMesh) -> list[Pipelin
 
 def _train(
     opts: DemoOptions,
-    cfg: LMConfig,
+    model: DemoModel,
+    cfg: LMShape,
     mesh: DeviceMesh,
     data: list[tuple[HostArray, HostArray]],
 ) -> tuple[TrainingPass, TrainingPass]:
     """Both trainings, step by step in turn, as the main demo's (``train_in_turn``)."""
     passes = []
     for swap in (False, True):
-        stages = _sharded_lm(cfg, opts.pp * opts.vpp, mesh)
+        stages = _sharded_lm(model, cfg, opts.pp * opts.vpp, mesh)
         schedule = SCHEDULE_CLASSES[opts.schedule](
             stages,
             opts.micro,
-            loss_fn=cross_entropy_loss,
+            loss_fn=model.loss_fn,
             swap=swap,
             pp=opts.pp,
             device=EmulatedDevice(),
@@ -89,8 +93,7 @@ def _train(
         passes.append(TrainingPass(swap, stages, schedule))
 
     def sgd_on_shards(stage: PipelineStage) -> None:  # with the shard gradients
-        for param, grad in zip(stage.parameters, stage.grads, strict=True):
-            param.set_data(param - opts.lr * grad)
+        model.sgd_step(stage.parameters, stage.grads, opts.lr)
 
     def report(done: int) -> None:
         times = ", ".join(f"{run.label} {run.step_times[-1]:.2f}s" for run in passes)
@@ -125,20 +128,20 @@ def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
             f"batch must be divisible by micro * dp = {opts.micro * dp} (the batch is split "
             f"across dp={dp} replicas, then into micro-batches), got batch={opts.batch}"
         )
-    if ms.get_context("device_target") != "CPU":  # set_device raises once a kernel ran
-        ms.set_device("CPU")  # (set_context(device_target=...) logs a deprecation warning)
-    ms.set_context(mode=ms.PYNATIVE_MODE)
+    model = load_demo_model(opts.backend)
+    model.prepare()
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()
-    cfg = LMConfig(vocab=len(set(text)), **DEMO_LM_SIZES)
+    cfg = model.config(vocab=len(set(text)), **DEMO_LM_SIZES)
     data = lm_batches(text, cfg, opts.batch, opts.steps)
     mesh = DeviceMesh(pp=opts.pp, dp=dp)
     print(
         f"ppswap demo --fsdp: {opts.schedule} pp={opts.pp} vpp={opts.vpp} dp={dp} "
-        f"micro={opts.micro} ({mesh.world_size} ranks), char LM, {opts.steps} steps",
+        f"micro={opts.micro} ({mesh.world_size} ranks), {opts.backend} char LM, "
+        f"{opts.steps} steps",
         file=sys.stderr,
     )
-    off, on = _train(opts, cfg, mesh, data)
+    off, on = _train(opts, model, cfg, mesh, data)
     assert off.result is not None and on.result is not None
     return FsdpDemoReport(
         dp, opts.pp, off.losses, on.losses, off.result, on.result, off.step_times, on.step_times

@@ -193,11 +193,6 @@ class DemoOptions:
             raise ValueError(
                 f"backend must be one of {', '.join(DEMO_MODELS)}, got {self.backend!r}"
             )
-        if self.fsdp and self.backend != "mindspore":
-            raise ValueError(
-                f"backend must be 'mindspore' with fsdp (the FSDP demo's LM is MindSpore's), "
-                f"got {self.backend!r}"
-            )
         if self.schedule not in SCHEDULE_CLASSES:
             raise ValueError(
                 f"schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {self.schedule!r}"

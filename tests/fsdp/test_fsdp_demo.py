@@ -1,4 +1,5 @@
-"""``run_fsdp_demo``: swap on/off bit-identical, parameter and activation savings reported."""
+"""``run_fsdp_demo``: swap on/off bit-identical, parameter and activation savings reported,
+for the LM of either backend."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from ppswap.demo.fsdp_demo import format_fsdp_report, run_fsdp_demo
 from ppswap.demo.run import DEMO_LM_SIZES, DemoOptions
 
 
+@pytest.mark.parametrize("backend", ["mindspore", "torch"])
 def test_fsdp_demo_reports_parameter_and_activation_savings(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: str
 ) -> None:
-    opts = DemoOptions(schedule="gpipe", pp=2, micro=1, batch=2, steps=2, out_dir=tmp_path)
+    pytest.importorskip(backend)
+    opts = DemoOptions(
+        schedule="gpipe", pp=2, micro=1, batch=2, steps=2, out_dir=tmp_path, backend=backend
+    )
     report = run_fsdp_demo(opts, dp=2)
     assert report.losses_no_swap == report.losses_swap
     assert len(report.step_times_no_swap) == len(report.step_times_swap) == 2
@@ -22,6 +27,7 @@ def test_fsdp_demo_reports_parameter_and_activation_savings(
     for step in (1, 2):  # the two trainings take their steps in turn: both times each step
         both = rf"fsdp step {step}/2 loss [0-9.]+ \(swap off [0-9.]+s, swap on [0-9.]+s\)"
         assert re.search(both, progress), progress
+    assert f"{backend} char LM" in progress
     assert len(report.last_swap.ranks) == 4
     # The first stage's positional table is (1, seq, dim): one row, padded to dp rows, so
     # each replica's shard holds all of it, half of it over an even split.

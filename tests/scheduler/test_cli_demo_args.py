@@ -38,9 +38,6 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
         (("--fsdp", "--transport", "mpi"), "transport must be 'inprocess' with --fsdp"),
         (("--backend", "jax"), "backend must be one of mindspore, torch, got 'jax'"),
         (("--backend", "Torch"), "backend must be one of mindspore, torch, got 'Torch'"),
-        (("--fsdp", "--micro", "4", "--batch", "16", "--backend", "torch"),
-         "backend must be 'mindspore' with --fsdp (the FSDP demo's LM is MindSpore's), "
-         "got 'torch'"),
     ],
 )  # fmt: skip
 def test_bad_demo_config_is_one_line_and_exit_2(
@@ -109,8 +106,6 @@ def test_cli_defaults_are_the_demo_options_defaults() -> None:
 def test_demo_options_refuse_a_bad_backend(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="backend must be one of mindspore, torch, got 'jax'"):
         DemoOptions(backend="jax", out_dir=tmp_path)
-    with pytest.raises(ValueError, match="backend must be 'mindspore' with fsdp"):
-        DemoOptions(backend="torch", fsdp=True, out_dir=tmp_path)
 
 
 _NO_MINDSPORE = "import sys\nsys.modules['mindspore'] = None  # importing it now fails\n"
@@ -189,7 +184,7 @@ def test_demo_help_gives_every_default(capsys: pytest.CaptureFixture[str]) -> No
         "skip the diagram (default: draw it)",
         "(default: off)",
         "(default inprocess)",
-        "mindspore or torch; --fsdp needs mindspore (default mindspore)",
+        "mindspore or torch (default mindspore)",
     ):
         assert expected in text
 
