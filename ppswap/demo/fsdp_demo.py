@@ -1,11 +1,11 @@
 """``ppswap demo --fsdp``: the LM demo over a DP x PP mesh, parameter and activation savings.
 
 The LM is ``opts.backend``'s (MindSpore or torch, ``load_demo_model``). Every (stage, dp
-replica) holds its own copy of the stage, built from the same seed, its
-layers wrapped with ``swap_wrapper`` and the stage ``fully_shard()``-ed with its dp rank
-(RFC 5.2.3). The demo trains ``steps`` steps with swap off and with swap on, their steps
-taken in turn (same weights, same batches: the losses must agree bit for bit), each step
-updating the *shards* with plain SGD on the shard gradients, and reports per world rank:
+replica) holds its own copy of the stage, built from the same seed, its layers wrapped
+with ``swap_wrapper`` and the stage ``fully_shard()``-ed with its dp rank (RFC 5.2.3).
+The demo trains ``steps`` steps with swap off and with swap on, their steps taken in turn
+(same weights, same batches: the losses must agree bit for bit), each step updating the
+*shards* with plain SGD on the shard gradients, and reports per world rank:
 
 - parameter bytes, measured from the storages: the unsharded stage (what a pp-only rank
   holds all the time), the shard kept between uses and the peak during a use;
