@@ -445,6 +445,12 @@ class Backend(Protocol):
         self, pack: PackHook, unpack: UnpackHook
     ) -> AbstractContextManager[None]: ...
 
+    def foreign_saved_tensors_hooks(self) -> bool:
+        """Whether saved-tensor hooks other than ppswap's are the innermost active ones now
+        (activation checkpointing's, a user's): a ``swap_wrapper`` region then leaves its
+        saved tensors to them. False where the framework does not say."""
+        ...
+
     # -- the run ------------------------------------------------------------------------
     def check_runnable(self) -> None:
         """Raise ValueError if the framework is configured so a pipeline cannot run."""

@@ -112,6 +112,11 @@ class SwapCapture:
         collection = current_collection()
         if collection is None or collection.group is None:
             return call()
+        if collection.backend.foreign_saved_tensors_hooks():
+            # Hooks entered around this region (activation checkpointing's, which keeps
+            # nothing and recomputes; save_on_cpu) take its saved tensors: swap's, being
+            # innermost, would otherwise override them and keep what they drop.
+            return call()
 
         pack = collection.pack_hook(
             capture=True, policy_fn=self.policy_fn, group_swap=self.group_swap, label=self.label

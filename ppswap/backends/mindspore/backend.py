@@ -297,6 +297,9 @@ class MindSporeBackend:
         hooks: AbstractContextManager[None] = ms.saved_tensors_hooks(pack, unpack)
         return hooks
 
+    def foreign_saved_tensors_hooks(self) -> bool:
+        return False  # MindSpore 2.10 shows no active hooks to Python
+
     # -- the run ------------------------------------------------------------------------
     def check_runnable(self) -> None:
         if ms.get_context("mode") != ms.PYNATIVE_MODE:

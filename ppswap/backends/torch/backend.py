@@ -92,19 +92,26 @@ class _Saved:
         self.version = version
 
 
-def _version_checked(pack: PackHook, unpack: UnpackHook) -> tuple[PackHook, UnpackHook]:
-    """``pack`` / ``unpack`` with torch's saved-tensor version check (module docstring)."""
+class _CheckedHooks:
+    """The swap layer's ``pack`` / ``unpack`` with torch's saved-tensor version check
+    (module docstring); hooks that are this class's methods are ppswap's own
+    (:meth:`TorchBackend.foreign_saved_tensors_hooks`)."""
 
-    def pack_checked(tensor: torch.Tensor) -> _Saved:
+    __slots__ = ("_pack", "_unpack")
+
+    def __init__(self, pack: PackHook, unpack: UnpackHook) -> None:
+        self._pack, self._unpack = pack, unpack
+
+    def pack(self, tensor: torch.Tensor) -> _Saved:
         version: int = tensor._version
         try:
             origin: weakref.ref[torch.Tensor] | None = weakref.ref(tensor)
         except TypeError:  # a tensor type without weak references: not checked
             origin = None
-        return _Saved(pack(tensor), origin, version)
+        return _Saved(self._pack(tensor), origin, version)
 
-    def unpack_checked(saved: _Saved) -> torch.Tensor:
-        tensor: torch.Tensor = unpack(saved.packed)
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        tensor: torch.Tensor = self._unpack(saved.packed)
         origin = saved.origin
         if origin is not None and tensor is origin() and int(tensor._version) != saved.version:
             tag = getattr(saved.packed, "tag", None)
@@ -119,7 +126,11 @@ def _version_checked(pack: PackHook, unpack: UnpackHook) -> tuple[PackHook, Unpa
             )
         return tensor
 
-    return pack_checked, unpack_checked
+
+# torch 2.11-2.14: the innermost saved-tensor hooks active now, or None (no public API)
+_top_saved_tensors_hooks: Callable[[bool], tuple[Any, Any] | None] | None = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", None
+)
 
 
 class SwapWrapperModule(nn.Module):
@@ -444,11 +455,19 @@ class TorchBackend:
         """Torch's saved-tensor hooks around ``pack`` / ``unpack``, with torch's own check
         that a saved tensor was not modified in place before its backward (module
         docstring)."""
-        pack_checked, unpack_checked = _version_checked(pack, unpack)
+        checked = _CheckedHooks(pack, unpack)
         hooks: AbstractContextManager[None] = torch.autograd.graph.saved_tensors_hooks(
-            pack_checked, unpack_checked
+            checked.pack, checked.unpack
         )
         return hooks
+
+    def foreign_saved_tensors_hooks(self) -> bool:
+        """Whether the innermost saved-tensor hooks active now are not ppswap's: those of
+        ``torch.utils.checkpoint`` (non-reentrant), ``save_on_cpu`` or the user's own."""
+        if _top_saved_tensors_hooks is None:
+            return False
+        top = _top_saved_tensors_hooks(False)
+        return top is not None and not isinstance(getattr(top[0], "__self__", None), _CheckedHooks)
 
     # -- the run ------------------------------------------------------------------------
     def check_runnable(self) -> None:
