@@ -24,7 +24,9 @@ them.
 The loss: on the last stage ``loss_fn(output, target)`` must return a scalar tensor. A
 loss_fn that raises, returns something else or a tensor with a shape is reported as a
 ``PipelineInputError`` naming ``loss_fn`` (at the first FWD of the last stage, before
-any backward runs).
+any backward runs). Between stages travels one tensor: a stage's module takes one and
+(but on the last stage) returns one; anything else (a tuple, a dict) is reported as a
+``PipelineInputError`` naming the stage, at its first FWD.
 """
 
 from __future__ import annotations
@@ -201,8 +203,17 @@ class PipelineStage:
 
             return stage_with_loss
 
+        is_tensor, index = self.backend.is_tensor, self.stage_index
+
         def stage_forward(x: Tensor) -> Tensor:
             out: Tensor = module(x)
+            if not is_tensor(out):
+                raise PipelineInputError(
+                    f"stage {index}'s module must return one {tensor_name} (the activation "
+                    f"the next stage receives), got {_described(out)}: a stage passes one "
+                    "tensor to the next, so combine several into one tensor or keep "
+                    "what the next stage also needs inside one stage"
+                )
             return out
 
         return stage_forward

@@ -261,6 +261,29 @@ async def test_a_bad_loss_fn_is_named_at_the_first_forward(
     assert_same_grads(expected_grads, grads_of(stages))
 
 
+class _Pair(nn.Cell):
+    """Returns its inner cell's output and its input: two tensors, where one must go."""
+
+    def __init__(self, inner: nn.Cell) -> None:
+        super().__init__(auto_prefix=False)
+        self.inner = inner
+
+    def construct(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.inner(x), x
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+async def test_a_stage_that_returns_a_tuple_is_named_at_its_first_forward() -> None:
+    stages = make_stages(2)
+    paired = [PipelineStage(_Pair(stages[0].module), 0, 2), stages[1]]
+    failure = await failure_of(run_case(paired, GPIPE))
+    assert (failure.rank, failure.actor, failure.step) == (0, "compute", "F0.0")
+    assert failure.cause_type is PipelineInputError
+    assert "stage 0's module must return one mindspore.Tensor" in failure.cause_message
+    assert "got tuple" in failure.cause_message
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.asyncio
 async def test_a_feature_shape_the_model_rejects_fails_at_the_first_forward() -> None:

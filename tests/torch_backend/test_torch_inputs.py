@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+from torch import nn
 from torch_support import GPIPE_CASE, build_stages, make_data, mse_loss, run_case
 
 from ppswap import PipelineError, PipelineInputError, PipelineStage, run_schedule
@@ -106,4 +107,30 @@ async def test_a_loss_fn_that_returns_no_scalar_tensor_is_named(
     assert isinstance(cause, PipelineInputError)
     assert f"loss_fn {loss_fn.__qualname__} must return a scalar torch.Tensor (shape ())" in message
     assert got in message + "\n"
+    assert all(s.live_chunks == 0 for s in stages)
+
+
+class _Pair(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner(x), x
+
+
+@pytest.mark.asyncio
+async def test_a_stage_that_returns_a_tuple_is_named() -> None:
+    """One tensor travels between stages: a module that returns a tuple is reported at its
+    first forward, naming the stage, not as torch's "'tuple' object has no attribute"."""
+    stages = build_stages(2)
+    paired = [PipelineStage(_Pair(stages[0].module), 0, 2), stages[1]]
+    with pytest.raises(PipelineError) as caught:
+        await run_case(paired, GPIPE_CASE, swap=True)
+    assert (caught.value.rank, caught.value.step) == (0, "F0.0")
+    cause = caught.value.__cause__
+    assert isinstance(cause, PipelineInputError)
+    assert "stage 0's module must return one torch.Tensor" in str(cause)
+    assert "got tuple" in str(cause)
+    del caught
     assert all(s.live_chunks == 0 for s in stages)
