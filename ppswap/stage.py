@@ -21,6 +21,11 @@ forward-only run (``begin_run(forward_only=True)``, ``forward(record=False)``: e
 records no graph, keeps no chunk and leaves the gradients as the last training run left
 them.
 
+Random numbers (dropout): each forward draws from the stage's own stream for the run
+(``Backend.rng_scope``; torch: ``backends/torch/rng.py``), so a stage's draws do not depend
+on what other stages ran on the compute thread before it: the same with swap on and off,
+in one process or one per rank.
+
 The loss: on the last stage ``loss_fn(output, target)`` must return a scalar tensor. A
 loss_fn that raises, returns something else or a tensor with a shape is reported as a
 ``PipelineInputError`` naming ``loss_fn`` (at the first FWD of the last stage, before
@@ -41,6 +46,7 @@ from ppswap.backends.base import (
     CopyEngine,
     ForwardRecord,
     Module,
+    RngStream,
     Tensor,
     WeightGrads,
 )
@@ -106,6 +112,8 @@ class PipelineStage:
         self._forward_fn: Callable[..., Tensor] | None = None
         self._module_state: tuple[Tensor, ...] = ()
         self._copy_engine: tuple[str, CopyEngine] | None = None
+        self._rng = RngStream(stage_index)
+        self._device = "cpu"
 
     def __repr__(self) -> str:
         return f"PipelineStage({type(self.module).__name__}, {self.stage_index}/{self.stage_num})"
@@ -159,7 +167,11 @@ class PipelineStage:
         loss_fn: LossFn | None,
         generation: int,
         forward_only: bool = False,
+        rng_seed: int = 0,
     ) -> None:
+        """Ready the stage for a run: gradients reset (unless ``forward_only``), the
+        forward made, and the stage's random-number stream for the run seeded from
+        ``rng_seed`` (``Backend.run_seed``, the same for every stage of the run)."""
         if not forward_only:
             self._params = self.backend.trainable_parameters(self.module)
             self._grads = [None] * len(self._params)
@@ -167,6 +179,8 @@ class PipelineStage:
         # Parameters, buffers and plain tensor attributes (a shared mask, a rotary table):
         # module state that swap must never move.
         self._module_state = tuple(self.backend.module_state(self.module))
+        self._device = self.backend.device_of(self.module)
+        self._rng = RngStream(self.stage_index, rng_seed)
         self._chunks.clear()
         self._pending_dw.clear()
         self._loss_fn = loss_fn
@@ -263,10 +277,15 @@ class PipelineStage:
             raise RuntimeError(f"stage {self.stage_index}: begin_run() was not called")
         inputs_for_graph = (inputs,) if target is None else (inputs, target)
         autograd = self.backend.autograd
+        rng = self.backend.rng_scope(self._rng, self._device)
         if not record:
-            return autograd.run_without_graph(self._forward_fn, inputs_for_graph)
-        with collector.collection_context(
-            self.stage_index, micro, protected=inputs_for_graph, parameters=self._module_state
+            with rng:
+                return autograd.run_without_graph(self._forward_fn, inputs_for_graph)
+        with (
+            rng,
+            collector.collection_context(
+                self.stage_index, micro, protected=inputs_for_graph, parameters=self._module_state
+            ),
         ):
             # dx only for a previous stage: the first stage's input and the target need none
             grad_inputs = (not self.is_first,) + (False,) * (len(inputs_for_graph) - 1)

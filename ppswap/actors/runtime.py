@@ -225,14 +225,16 @@ async def _run_ranks(compute: DedicatedThread, ranks: list[RankRuntime]) -> None
 
 def _begin_stages(plan: RunPlan, generation: int) -> Batches:
     """Compute thread, one job: the batch split into micro-batches, and every stage ready
-    for the run (gradients reset unless forward-only)."""
+    for the run (gradients reset unless forward-only, its random-number stream seeded)."""
     batches = split_batches(plan)
+    rng_seed = plan.backend.run_seed()  # one draw per run, whatever stages run here
     for stage in plan.stages:
         stage.begin_run(
             micro_count=plan.config.micro,
             loss_fn=plan.loss_fn if stage.is_last else None,
             generation=generation,
             forward_only=plan.config.forward_only,
+            rng_seed=rng_seed,
         )
     return batches
 

@@ -50,6 +50,7 @@ __all__ = [
     "HostArray",
     "Module",
     "PackHook",
+    "RngStream",
     "StorageRef",
     "Tensor",
     "UnpackHook",
@@ -112,6 +113,17 @@ class ViewKey(NamedTuple):
             else:
                 low += (n - 1) * stride
         return low * self.itemsize, (high + 1) * self.itemsize
+
+
+@dataclass(eq=False, slots=True)
+class RngStream:
+    """A stage's own random-number stream for one run (``Backend.rng_scope``): made from
+    ``seed`` (the run's, ``Backend.run_seed``) and ``stage_index``; ``state`` holds the
+    backend's generator state between the stage's forwards (None before the first)."""
+
+    stage_index: int
+    seed: int = 0
+    state: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,6 +456,18 @@ class Backend(Protocol):
     def saved_tensors_hooks(
         self, pack: PackHook, unpack: UnpackHook
     ) -> AbstractContextManager[None]: ...
+
+    def run_seed(self) -> int:
+        """The seed of a run's stage streams: one draw from the framework's default
+        generator, once per run (0, drawing nothing, where ``rng_scope`` is a no-op)."""
+        ...
+
+    def rng_scope(self, stream: RngStream, device: str) -> AbstractContextManager[None]:
+        """Run the block (a stage's forward on ``device``) drawing its random numbers from
+        ``stream`` instead of the process's generators, and keep what it drew there; the
+        process's generators are as they were after it. A no-op where the framework's
+        random ops do not depend on the order of other forwards."""
+        ...
 
     def foreign_saved_tensors_hooks(self) -> bool:
         """Whether saved-tensor hooks other than ppswap's are the innermost active ones now

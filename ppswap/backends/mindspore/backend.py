@@ -34,7 +34,7 @@ Facts this relies on (measured on mindspore 2.10, CPU):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import mindspore as ms
@@ -51,6 +51,7 @@ from ppswap.backends.base import (
     HostArray,
     Module,
     PackHook,
+    RngStream,
     StorageRef,
     UnpackHook,
     ViewKey,
@@ -299,6 +300,14 @@ class MindSporeBackend:
 
     def foreign_saved_tensors_hooks(self) -> bool:
         return False  # MindSpore 2.10 shows no active hooks to Python
+
+    def run_seed(self) -> int:
+        return 0
+
+    def rng_scope(self, stream: RngStream, device: str) -> AbstractContextManager[None]:
+        # MindSpore's dropout ops draw from states of their own (measured: in one process,
+        # pp4 with dropout, the same losses in every run and schedule, swap on and off).
+        return nullcontext()
 
     # -- the run ------------------------------------------------------------------------
     def check_runnable(self) -> None:

@@ -58,6 +58,7 @@ from ppswap.backends.base import (
     HostArray,
     Module,
     PackHook,
+    RngStream,
     StorageRef,
     UnpackHook,
     ViewKey,
@@ -65,6 +66,7 @@ from ppswap.backends.base import (
 from ppswap.backends.cpu_engine import EmulatedDevice, contiguous_strides
 from ppswap.backends.torch.autograd import TorchAutograd
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine
+from ppswap.backends.torch.rng import rng_scope, run_seed
 from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING, is_bfloat16
 
 __all__ = ["SavedTensorModifiedError", "SwapWrapperModule", "TorchBackend"]
@@ -460,6 +462,13 @@ class TorchBackend:
             checked.pack, checked.unpack
         )
         return hooks
+
+    def run_seed(self) -> int:
+        return run_seed()
+
+    def rng_scope(self, stream: RngStream, device: str) -> AbstractContextManager[None]:
+        """The stage's own generator states around its forward (``backends/torch/rng.py``)."""
+        return rng_scope(stream, torch.device(device))
 
     def foreign_saved_tensors_hooks(self) -> bool:
         """Whether the innermost saved-tensor hooks active now are not ppswap's: those of
