@@ -9,8 +9,9 @@ At 2 processes every case: GPipe, 1F1B and Interleaved (vpp 2) in every P2P mode
 with ``split_dw``, and 1F1B and Interleaved with ``overlap_b_f`` with and without
 ``split_dw``. At 4 processes every family in every P2P mode, and each variant of each
 family once (the P2P mode rotating). Both also run three cases with activations above the
-16 KiB inline limit the script gives its transport (one per P2P mode), and three cases
-in bfloat16 (one per family and per P2P mode). A last launch
+16 KiB inline limit the script gives its transport (one per P2P mode), three cases in
+bfloat16 and three with dropout after every stage (one per family and per P2P mode each).
+A last launch
 perturbs two cases' results on purpose and must fail, naming them, so the checks cannot
 pass vacuously.
 """
@@ -45,9 +46,15 @@ FOUR_RANK_CASES = [f"{f}-{p2p}" for f in VARIANTS for p2p in P2P_MODES] + [
 BIG_CASES = ["gpipe-boundary-big", "1f1b-plain-overlap-big", "interleaved-batch-dw-overlap-big"]
 # A bfloat16 model and batch: every family, every P2P mode once.
 BF16_CASES = ["gpipe-plain-bf16", "1f1b-boundary-dw-bf16", "interleaved-batch-dw-overlap-bf16"]
+# Dropout after every stage: the masks must not depend on the process layout.
+DROPOUT_CASES = [
+    "gpipe-plain-dropout",
+    "1f1b-boundary-dw-overlap-dropout",
+    "interleaved-batch-dropout",
+]
 CASES_BY_RANKS = {
-    2: EVERY_CASE + BIG_CASES + BF16_CASES,
-    4: FOUR_RANK_CASES + BIG_CASES + BF16_CASES,
+    2: EVERY_CASE + BIG_CASES + BF16_CASES + DROPOUT_CASES,
+    4: FOUR_RANK_CASES + BIG_CASES + BF16_CASES + DROPOUT_CASES,
 }
 
 

@@ -2,14 +2,17 @@
 
     pipeline.py [--perturb CASE=swap|unsplit ...] CASE [CASE ...]
 
-A case is ``SCHEDULE-P2P[-dw][-overlap][-big][-bf16]``: SCHEDULE ``gpipe``, ``1f1b`` or
+A case is ``SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout]``: SCHEDULE ``gpipe``, ``1f1b`` or
 ``interleaved`` (vpp 2), P2P ``plain``, ``batch`` or ``boundary``, ``-dw`` for
 ``split_dw``, ``-overlap`` for ``overlap_b_f``. The run has pp = N ranks, N * vpp stages
 and 2 * N micro-batches of 2 samples (``-big``: 160 samples, so every activation and
 gradient between ranks is 20 KiB, above the 16 KiB inline limit this script gives its
 transport (``INLINE_MAX_BYTES``), and travels as a header and a body), ``min_swap_gap=2``
 (so 1F1B at pp 2 swaps too). ``-bf16``: the model and the batch in bfloat16 (activations
-and gradients cross the process boundary as ``ml_dtypes``' bfloat16).
+and gradients cross the process boundary as ``ml_dtypes``' bfloat16). ``-dropout``: each
+stage ends with dropout (p 0.2), torch seeded alike before every run: the masks come from
+each stage's own stream (``ppswap/backends/torch/rng.py``), so they are the same in every
+process layout; such a case is not compared with the unsplit model (check 2).
 
 Every process builds all stages from one seed (the attention + MLP stage model of
 ``tests/torch_backend/torch_support.py``, both blocks swap-wrapped), keeps its own
@@ -81,7 +84,9 @@ BF16_LOSS_RTOL = 1e-2
 BF16_GRAD_TOLERANCE = 0.03  # of a gradient's largest magnitude (module docstring)
 CASE_NAME = re.compile(
     r"(gpipe|1f1b|interleaved)-(plain|batch|boundary)(-dw)?(-overlap)?(-big)?(-bf16)?"
+    r"(-dropout)?"
 )
+DROPOUT_SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -93,20 +98,28 @@ class Case:
     overlap_b_f: bool
     samples: int  # per micro-batch
     dtype: torch.dtype
+    dropout: bool = False
 
     @classmethod
     def parse(cls, name: str) -> Case:
         match = CASE_NAME.fullmatch(name)
         if match is None:
             raise SystemExit(
-                f"bad case {name!r}: expected SCHEDULE-P2P[-dw][-overlap][-big][-bf16]"
+                f"bad case {name!r}: expected SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout]"
             )
-        schedule, p2p, dw, overlap, big, bf16 = match.groups()
+        schedule, p2p, dw, overlap, big, bf16, dropout = match.groups()
         mode = cast(P2PMode, p2p)
         samples = 160 if big else 2
         dtype = torch.bfloat16 if bf16 else torch.float32
         return cls(
-            name, SCHEDULES[schedule], mode, dw is not None, overlap is not None, samples, dtype
+            name,
+            SCHEDULES[schedule],
+            mode,
+            dw is not None,
+            overlap is not None,
+            samples,
+            dtype,
+            dropout is not None,
         )
 
     def data(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +129,10 @@ class Case:
         return torch.from_numpy(x).to(self.dtype), torch.from_numpy(y).to(self.dtype)
 
     def modules(self, stage_num: int, *, wrap: bool = True) -> list[nn.Module]:
-        return [m.to(self.dtype) for m in build_modules(stage_num, wrap=wrap)]
+        modules = [m.to(self.dtype) for m in build_modules(stage_num, wrap=wrap)]
+        if self.dropout:
+            return [nn.Sequential(m, nn.Dropout(0.2)) for m in modules]
+        return modules
 
     def sizes(self, world: int) -> tuple[int, int, int]:
         """(vpp, stage_num, micro) for a run of ``world`` ranks."""
@@ -142,6 +158,8 @@ async def run(
         for i, m in enumerate(case.modules(stage_num))
         if transport is None or i % world == transport.rank
     ]
+    if case.dropout:
+        torch.manual_seed(DROPOUT_SEED)
     x, y = case.data(micro)
     result = await run_schedule(
         stages,
@@ -318,8 +336,11 @@ async def main(transport: TorchDistTransport, cases: list[Case], perturbed: dict
                 perturb(off, kind)
         ref_losses, ref_grads = unsplit(case, world)
         found = [f"swap on != swap off: {d}" for d in bit_differences(off, on)]
-        found += [f"swap off: {d}" for d in unsplit_differences(case, off, ref_losses, ref_grads)]
-        found += [f"swap on: {d}" for d in unsplit_differences(case, on, ref_losses, ref_grads)]
+        if not case.dropout:
+            found += [
+                f"swap off: {d}" for d in unsplit_differences(case, off, ref_losses, ref_grads)
+            ]
+            found += [f"swap on: {d}" for d in unsplit_differences(case, on, ref_losses, ref_grads)]
         found += swap_differences(case, world, off, on)
         found += [
             f"distributed != in-process: {d}"
