@@ -17,6 +17,11 @@ that seeded torch alike gives each stage the same stream, whatever stages it run
 process or one per rank); seeding before a run repeats it; consecutive runs draw new
 numbers; and stages draw distinct ones (their seeds differ), as Megatron-LM offsets each
 pipeline rank's seed. The process's generator moves by that one draw per run.
+
+The default generators are the process's, so the swap is too (as with
+``torch.random.fork_rng``): a number another thread draws while a stage's forward runs
+comes from, and moves, that stage's stream, and the process's generator does not keep
+that draw. The runtime's own threads draw nothing.
 """
 
 from __future__ import annotations
