@@ -29,9 +29,9 @@ in one process or one per rank.
 The loss: on the last stage ``loss_fn(output, target)`` must return a scalar tensor. A
 loss_fn that raises, returns something else or a tensor with a shape is reported as a
 ``PipelineInputError`` naming ``loss_fn`` (at the first FWD of the last stage, before
-any backward runs). Between stages travels one tensor: a stage's module takes one and
-(but on the last stage) returns one; anything else (a tuple, a dict) is reported as a
-``PipelineInputError`` naming the stage, at its first FWD.
+any backward runs). One tensor travels between stages: a stage's module takes one and,
+on every stage but the last, returns one; anything else (a tuple, a dict) is reported as
+a ``PipelineInputError`` naming the stage, at its first FWD.
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ Facts this relies on (torch 2.11-2.14):
   resizing it to 0 bytes, so resharding really frees the full parameters.
 - Autograd is thread-safe, but the runtime still runs every stage on its one compute
   thread (one order of work per process, as on MindSpore).
+- Only the innermost saved-tensor hooks apply. ``torch._C._autograd.
+  _top_saved_tensors_default_hooks`` (private; absent: every region installs its own)
+  names them, so :meth:`TorchBackend.foreign_saved_tensors_hooks` can tell a checkpoint's
+  or the user's from ppswap's (``_CheckedHooks`` methods).
 """
 
 from __future__ import annotations
