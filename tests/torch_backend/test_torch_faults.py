@@ -23,7 +23,7 @@ from torch_support import (
 )
 
 from ppswap import PipelineError, PipelineStage, StepKind
-from ppswap.backends.torch.backend import SavedTensorModifiedError
+from ppswap.backends.torch.hooks import SavedTensorModifiedError
 from ppswap.core.faults import FaultPlan, FaultRule, InjectedFault, call_at, fail_compute, fail_copy
 from ppswap.swap import EmulatedDevice, SwapError, swap_wrapper
 

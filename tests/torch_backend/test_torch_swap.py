@@ -22,7 +22,7 @@ from ppswap.backends.base import ForwardRecord
 from ppswap.backends.cpu_engine import contiguous_strides
 from ppswap.backends.torch import BACKEND as TORCH
 from ppswap.backends.torch import SwapWrapperModule
-from ppswap.backends.torch.backend import SavedTensorModifiedError
+from ppswap.backends.torch.hooks import SavedTensorModifiedError
 from ppswap.swap import (
     EmulatedDevice,
     PipelineSwapSession,

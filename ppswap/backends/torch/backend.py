@@ -14,15 +14,9 @@ Facts this relies on (torch 2.11-2.14):
   the swap layer compares it before the copy and before the device tensor is dropped, so
   no content digest is needed.
 - With saved-tensor hooks installed torch no longer checks a saved tensor's version at
-  unpack ("one of the variables needed for gradient computation has been modified by an
-  inplace operation"), and every pipeline forward runs under the swap layer's hooks. So
-  :meth:`TorchBackend.saved_tensors_hooks` makes that check itself: pack records the
-  tensor's version and a weak reference to it; when unpack hands back that same tensor
-  (it stayed on device) and its version moved, :class:`SavedTensorModifiedError` is
-  raised instead of a backward on modified values. A tensor the swap layer restored
-  from its host copy holds the values the forward saved (checked before the copy and
-  before the device tensor was dropped): a later write to the original cannot reach it,
-  as with ``torch.autograd.graph.save_on_cpu``.
+  unpack, and every pipeline forward runs under the swap layer's hooks: so
+  :meth:`TorchBackend.saved_tensors_hooks` makes that check itself
+  (``ppswap.backends.torch.hooks``).
 - A CPU tensor's ``numpy()`` is a view of its memory (any strides) and ``from_numpy``
   shares memory the other way: the CPU copy engine serves CPU tensors. CUDA tensors go
   through the CUDA engine (``ppswap.backends.torch.cuda_engine``). numpy has no
@@ -35,17 +29,15 @@ Facts this relies on (torch 2.11-2.14):
   resizing it to 0 bytes, so resharding really frees the full parameters.
 - Autograd is thread-safe, but the runtime still runs every stage on its one compute
   thread (one order of work per process, as on MindSpore).
-- Only the innermost saved-tensor hooks apply. ``torch._C._autograd.
-  _top_saved_tensors_default_hooks`` (private; absent: every region installs its own)
-  names them, so :meth:`TorchBackend.foreign_saved_tensors_hooks` can tell a checkpoint's
-  or the user's from ppswap's (``_CheckedHooks`` methods).
+- Only the innermost saved-tensor hooks apply; torch names them only through a private
+  function (``hooks.top_saved_tensors_hooks``; absent: every region installs its own),
+  which :meth:`TorchBackend.foreign_saved_tensors_hooks` reads.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -70,73 +62,15 @@ from ppswap.backends.base import (
 from ppswap.backends.cpu_engine import EmulatedDevice, contiguous_strides
 from ppswap.backends.torch.autograd import TorchAutograd
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine
+from ppswap.backends.torch.hooks import CheckedHooks, top_saved_tensors_hooks
 from ppswap.backends.torch.rng import rng_scope, run_seed
 from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING, is_bfloat16
 
-__all__ = ["SavedTensorModifiedError", "SwapWrapperModule", "TorchBackend"]
+__all__ = ["SwapWrapperModule", "TorchBackend"]
 
 _SLOTS_ATTR = "_ppswap_data_slots"
 _VIEW_DTYPES: dict[torch.dtype, tuple[str, int]] = {}
 """dtype -> (its name, its element size): what a ViewKey records."""
-
-
-class SavedTensorModifiedError(RuntimeError):
-    """A tensor saved for backward was modified in place before the backward read it
-    (what torch itself refuses when no saved-tensor hooks are installed)."""
-
-
-class _Saved:
-    """What the graph keeps for one saved tensor: the swap layer's packed value, the
-    tensor's version when it was saved and a weak reference to the tensor itself (to
-    recognise it when unpack returns it; a weak one, so a swapped tensor is still freed)."""
-
-    __slots__ = ("origin", "packed", "version")
-
-    def __init__(self, packed: Any, origin: weakref.ref[torch.Tensor] | None, version: int):
-        self.packed = packed
-        self.origin = origin
-        self.version = version
-
-
-class _CheckedHooks:
-    """The swap layer's ``pack`` / ``unpack`` with torch's saved-tensor version check
-    (module docstring); hooks that are this class's methods are ppswap's own
-    (:meth:`TorchBackend.foreign_saved_tensors_hooks`)."""
-
-    __slots__ = ("_pack", "_unpack")
-
-    def __init__(self, pack: PackHook, unpack: UnpackHook) -> None:
-        self._pack, self._unpack = pack, unpack
-
-    def pack(self, tensor: torch.Tensor) -> _Saved:
-        version: int = tensor._version
-        try:
-            origin: weakref.ref[torch.Tensor] | None = weakref.ref(tensor)
-        except TypeError:  # a tensor type without weak references: not checked
-            origin = None
-        return _Saved(self._pack(tensor), origin, version)
-
-    def unpack(self, saved: _Saved) -> torch.Tensor:
-        tensor: torch.Tensor = self._unpack(saved.packed)
-        origin = saved.origin
-        if origin is not None and tensor is origin() and int(tensor._version) != saved.version:
-            tag = getattr(saved.packed, "tag", None)
-            named = f" {tag!r}" if isinstance(tag, str) else ""
-            raise SavedTensorModifiedError(
-                f"a tensor saved for backward{named} (shape {tuple(tensor.shape)}, "
-                f"{tensor.dtype}) was modified in place after its forward saved it (version "
-                f"{saved.version} -> {int(tensor._version)}): its backward would read the "
-                "modified values (torch refuses this too: 'one of the variables needed for "
-                "gradient computation has been modified by an inplace operation'); modify a "
-                ".clone() instead, or use the out-of-place operation"
-            )
-        return tensor
-
-
-# torch 2.11-2.14: the innermost saved-tensor hooks active now, or None (no public API)
-_top_saved_tensors_hooks: Callable[[bool], tuple[Any, Any] | None] | None = getattr(
-    torch._C._autograd, "_top_saved_tensors_default_hooks", None
-)
 
 
 class SwapWrapperModule(nn.Module):
@@ -461,7 +395,7 @@ class TorchBackend:
         """Torch's saved-tensor hooks around ``pack`` / ``unpack``, with torch's own check
         that a saved tensor was not modified in place before its backward (module
         docstring)."""
-        checked = _CheckedHooks(pack, unpack)
+        checked = CheckedHooks(pack, unpack)
         hooks: AbstractContextManager[None] = torch.autograd.graph.saved_tensors_hooks(
             checked.pack, checked.unpack
         )
@@ -477,10 +411,10 @@ class TorchBackend:
     def foreign_saved_tensors_hooks(self) -> bool:
         """Whether the innermost saved-tensor hooks active now are not ppswap's: those of
         ``torch.utils.checkpoint`` (non-reentrant), ``save_on_cpu`` or the user's own."""
-        if _top_saved_tensors_hooks is None:
+        if top_saved_tensors_hooks is None:
             return False
-        top = _top_saved_tensors_hooks(False)
-        return top is not None and not isinstance(getattr(top[0], "__self__", None), _CheckedHooks)
+        top = top_saved_tensors_hooks(False)
+        return top is not None and not isinstance(getattr(top[0], "__self__", None), CheckedHooks)
 
     # -- the run ------------------------------------------------------------------------
     def check_runnable(self) -> None:
