@@ -1,13 +1,14 @@
 """bfloat16 on the host: the numpy dtype numpy itself lacks.
 
-Batches, P2P payloads between processes, losses and FSDP shards travel as numpy arrays,
-and numpy has no bfloat16. ``ml_dtypes`` (a dependency of ``ppswap[torch]``) registers
-one: :data:`BFLOAT16` is that dtype, or None where ``ml_dtypes`` is not installed (then
-the torch backend refuses a bfloat16 tensor it must move through numpy, naming the
-package). MindSpore registers a numpy bfloat16 of its own, a different type under the
-same name: :func:`is_bfloat16` recognizes either (by name and size), and the wire format
-names only :data:`BFLOAT16` (``wire_dtype``), so what crosses a process boundary arrives
-as that one.
+Batches, P2P payloads between processes, losses and FSDP shards travel as numpy arrays, and
+numpy has no bfloat16. ``ml_dtypes`` (with ``ppswap[torch]`` and ``ppswap[mindspore]``)
+adds one: :data:`BFLOAT16` is that dtype, or None where ``ml_dtypes`` is not installed
+(then the torch backend refuses a bfloat16 tensor it must move through numpy, naming the
+package, and the wire refuses bfloat16). MindSpore registers a numpy bfloat16 of its own, a
+different type under the same name: :func:`is_bfloat16` recognizes either (by name and
+size), and the wire format sends either as :data:`BFLOAT16` (``wire_array``), so what
+crosses a process boundary arrives as that one (both frameworks read it: torch through
+``int16``, MindSpore's ``Tensor.from_numpy`` as it is).
 """
 
 from __future__ import annotations

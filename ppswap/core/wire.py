@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING
+from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING, is_bfloat16
 from ppswap.core.messages import MessageKey
 from ppswap.core.transport import RecvDone, SendDone, TransportStats
 
@@ -192,14 +192,17 @@ def wire_dtype(dtype: np.dtype[Any]) -> bytes | None:
 
 
 def wire_array(payload: object, name: str) -> Array:
-    """``payload`` as a C-contiguous array whose dtype survives the header, or raise."""
+    """``payload`` as a C-contiguous array whose dtype survives the header, or raise. Any
+    other numpy bfloat16 (MindSpore's) goes as ``ml_dtypes``' (the same bytes)."""
     if not isinstance(payload, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(payload).__name__}")
+    if BFLOAT16 is not None and is_bfloat16(payload.dtype):
+        payload = payload.view(BFLOAT16)
     if wire_dtype(payload.dtype) is None:
         raise TypeError(
             f"{name} has dtype {payload.dtype!r}; allowed: dtypes named by dtype.str "
-            "(numeric, bool, complex, datetime, fixed-width strings) and ml_dtypes' "
-            "bfloat16, not object/structured or other extension dtypes"
+            "(numeric, bool, complex, datetime, fixed-width strings) and bfloat16 (with "
+            "ml_dtypes installed), not object/structured or other extension dtypes"
         )
     if payload.ndim > MAX_NDIM:
         raise ValueError(f"{name} has ndim {payload.ndim}; at most {MAX_NDIM} allowed")

@@ -88,6 +88,20 @@ def test_round_trip_is_bit_exact(transport: MPITransport, name: str) -> None:
     assert stats.bytes_sent == payload.nbytes
 
 
+def test_mindspores_numpy_bfloat16_arrives_as_ml_dtypes_bfloat16(transport: MPITransport) -> None:
+    """MindSpore's numpy bfloat16 (a type of its own, which the header cannot name) is sent
+    as ml_dtypes' (the same bytes); MindSpore's ``Tensor.from_numpy`` reads that one."""
+    ms = pytest.importorskip("mindspore")
+    values = np.linspace(-3, 3, 4 * 1024 + 1, dtype=np.float32)  # above the inline limit
+    theirs = ms.Tensor(values).astype(ms.bfloat16).asnumpy()
+    assert theirs.dtype != BFLOAT16
+    got = run(self_exchange, transport, MessageKey("F", 1, 2), theirs)
+    assert got.dtype == BFLOAT16 and got.tobytes() == theirs.tobytes()
+    back = ms.Tensor.from_numpy(got)
+    assert back.dtype == ms.bfloat16
+    assert np.array_equal(back.astype(ms.float32).asnumpy(), got.astype(np.float32))
+
+
 def test_messages_with_distinct_keys_are_never_confused(transport: MPITransport) -> None:
     keys = [MessageKey(d, s, m) for d in "FB" for s in range(4) for m in range(8)]
 

@@ -4,7 +4,7 @@ numpy has no bfloat16, and the runtime moves batches, losses, P2P payloads betwe
 processes and FSDP shards through numpy: the torch backend carries a bfloat16 tensor as
 ``ml_dtypes``' bfloat16 array (the same bytes, no copy; ``ppswap.core.dtypes``). Checked
 here: that carrier (round trips, shared memory, MindSpore's own numpy bfloat16 accepted),
-the wire format (``ml_dtypes``' bfloat16 named, any other refused), whole runs of every
+the wire format (``ml_dtypes``' bfloat16 named, MindSpore's sent as it), whole runs of every
 schedule family in process with swap on bit-identical to swap off and close to a float32
 model on the same bfloat16 weights and batch, FSDP dp=2, float32 weights under
 ``torch.autocast`` to bfloat16, and the error where ``ml_dtypes`` is missing. Across
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mindspore as ms
 import numpy as np
 import pytest
 import torch
@@ -122,20 +123,18 @@ def test_a_bfloat16_tensor_and_its_host_array_share_memory_and_bits(tensor: torc
     assert BACKEND.numpy_dtype(tensor) == BFLOAT16
 
 
-def test_mindspores_numpy_bfloat16_is_read_as_torch_bfloat16_and_not_sent() -> None:
+def test_mindspores_numpy_bfloat16_is_read_as_torch_bfloat16_and_sent_as_ml_dtypes() -> None:
     """MindSpore registers a numpy bfloat16 of its own: the torch backend reads it by
-    name and size; the wire names only ml_dtypes' (the receiver decodes that one)."""
-    ms = pytest.importorskip("mindspore")
-    from mindspore import ops
-
-    values = ops.arange(0, 6, dtype=ms.float32).reshape(2, 3) / 4 - 0.5
+    name and size; the wire sends it as ml_dtypes' (the same bytes), which the header
+    names."""
+    values = ms.ops.arange(0, 6, dtype=ms.float32).reshape(2, 3) / 4 - 0.5
     theirs = values.astype(ms.bfloat16).asnumpy()
     assert theirs.dtype != BFLOAT16 and is_bfloat16(theirs.dtype) and is_floating(theirs.dtype)
     tensor = BACKEND.from_host(theirs)
     assert tensor.dtype == torch.bfloat16
     np.testing.assert_array_equal(tensor.float().numpy(), values.asnumpy())
-    with pytest.raises(TypeError, match=r"ml_dtypes' bfloat16, not object/structured or other"):
-        wire_array(theirs, "payload")
+    sent = wire_array(theirs, "payload")
+    assert sent.dtype == BFLOAT16 and sent.tobytes() == theirs.tobytes()
 
 
 def test_the_wire_names_bfloat16_and_decodes_it_bit_exact() -> None:
