@@ -1,10 +1,11 @@
 """One rank of a pipeline run over MPITransport; writes what it computed for the test.
 
-    mpiexec -n N python run_pipeline.py OUT_DIR SCHEDULE STAGE_NUM MICRO OVERLAP SWAP [FAIL]
+    mpiexec -n N python run_pipeline.py OUT_DIR SCHEDULE STAGE_NUM MICRO OVERLAP SWAP [FAIL [DTYPE]]
 
 Every process builds all stage modules from the same seed (as the in-process reference
 does) and runs only its own stages. Rank r writes OUT_DIR/rank{r}.npz with the losses it
 got back and the gradients of its stages. FAIL=1 makes rank 1's FWD of micro 1 raise.
+DTYPE=bfloat16 runs ``pipeline_data``'s bfloat16 model instead of the float32 MLP.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ppswap.scheduler.steps import StepKind
 from ppswap.swap import swap_wrapper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_data import DIM, data
+from pipeline_data import DIM, bf16_data, bf16_loss, bf16_stages, data
 
 
 async def main() -> None:
@@ -31,11 +32,15 @@ async def main() -> None:
     schedule, stage_num, micro = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     overlap, swap = sys.argv[5] == "1", sys.argv[6] == "1"
     fail = len(sys.argv) > 7 and sys.argv[7] == "1"
+    bf16 = len(sys.argv) > 8 and sys.argv[8] == "bfloat16"
     transport = MPITransport()
     rank, world = transport.rank, transport.world_size
-    modules = build_mlp_stages(stage_num, dim=DIM, wrap=swap_wrapper)
+    if bf16:
+        modules, (x, y), loss_fn = bf16_stages(stage_num, micro), bf16_data(), bf16_loss
+    else:
+        modules = build_mlp_stages(stage_num, dim=DIM, wrap=swap_wrapper)
+        (x, y), loss_fn = data(), mse_loss
     stages = [PipelineStage(m, i, stage_num) for i, m in enumerate(modules) if i % world == rank]
-    x, y = data()
     faults = FaultPlan(rules=(fail_compute(StepKind.FWD, rank=1, micro=1),)) if fail else None
     result = await run_schedule(
         stages,
@@ -43,15 +48,17 @@ async def main() -> None:
         micro_batch_num=micro,
         inputs=x,
         targets=y,
-        loss_fn=mse_loss,
+        loss_fn=loss_fn,
         swap=swap,
         overlap_b_f=overlap,
         transport=transport,
         step_timeout=60,
         faults=faults,
     )
-    grads = {
-        f"grad_s{s.stage_index}_{k}": g.asnumpy() for s in stages for k, g in enumerate(s.grads)
+    grads = {  # bfloat16 as its bits (np.savez cannot store the extension dtype)
+        f"grad_s{s.stage_index}_{k}": g.asnumpy().view(np.uint16) if bf16 else g.asnumpy()
+        for s in stages
+        for k, g in enumerate(s.grads)
     }
     np.savez(
         out_dir / f"rank{rank}.npz",
