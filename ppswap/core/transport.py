@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeAlias, TypeGuard, runtime_checkable
 
+from ppswap.core.dtypes import BFLOAT16, is_bfloat16
 from ppswap.core.messages import HostArray, MessageKey
 from ppswap.core.protocols import conforms
 
@@ -261,7 +262,14 @@ def sum_contributions(
     """``reduce_scatter_sum``'s result for ``rank`` from every member's contribution to it
     (``parts[j]`` from ``group[j]``): a left fold in group order (``p_0 + p_1 + ...``, in a
     new array), so that every transport gives the same bits on every run. A contribution
-    whose shape or dtype differs from this rank's own is a ValueError naming its sender."""
+    whose shape or dtype differs from this rank's own is a ValueError naming its sender.
+
+    bfloat16 parts are summed as ``ml_dtypes``' whatever numpy type carries them (the wire
+    delivers that one; MindSpore's own is another): the result is this rank's type."""
+    own = parts[group.index(rank)].dtype
+    carried = BFLOAT16 is not None and is_bfloat16(own)
+    if carried:
+        parts = [p.view(BFLOAT16) if is_bfloat16(p.dtype) else p for p in parts]
     mine = parts[group.index(rank)]
     for member, part in zip(group, parts, strict=True):
         if part.shape != mine.shape or part.dtype != mine.dtype:
@@ -272,7 +280,7 @@ def sum_contributions(
     total = parts[0].copy()
     for part in parts[1:]:
         total += part
-    return total
+    return total.view(own) if carried else total
 
 
 # -- the checks, answered once per class (``ppswap.core.protocols``) ----------------------

@@ -9,6 +9,7 @@ import pytest
 from mindspore import Tensor, nn
 
 from ppswap.actors.p2p import InProcessTransport
+from ppswap.core.dtypes import BFLOAT16
 from ppswap.core.transport import CollectiveTransport, sum_contributions
 from ppswap.fsdp import DeviceMesh, fsdp_state_of, full_parameters, fully_shard
 from ppswap.fsdp.mesh import order_for_world_rank
@@ -257,3 +258,19 @@ def test_contributions_sum_left_to_right_and_a_mismatch_names_its_sender() -> No
     bad = [*parts[:2], np.zeros(2, np.float32)]
     with pytest.raises(ValueError, match=r"'k': rank 7 sent \(2,\) float32, rank 2 expects"):
         sum_contributions("k", (4, 2, 7), 2, bad)
+
+
+def test_bfloat16_contributions_of_either_numpy_type_sum_alike() -> None:
+    """MindSpore's own numpy bfloat16 (this rank's part) and ml_dtypes' (what the wire
+    delivers) sum as ml_dtypes', rounded to bfloat16 at each step, into this rank's type."""
+    assert BFLOAT16 is not None
+    values = [np.array([1.0, 3.0, -2.5]), np.array([0.00390625, 1.0, 2.5]), np.array([1.0] * 3)]
+    carried = [v.astype(np.float32).astype(BFLOAT16) for v in values]
+    theirs = ms.Tensor(values[1].astype(np.float32)).astype(ms.bfloat16).asnumpy()
+    assert theirs.dtype != BFLOAT16
+    mixed = [carried[0], theirs, carried[2]]
+    total = sum_contributions("k", (4, 2, 7), 2, mixed)
+    assert total.dtype == theirs.dtype
+    expected = (carried[0] + carried[1]) + carried[2]  # 1 + 2**-8 rounds to 1 in bfloat16
+    assert total.view(np.uint16).tolist() == expected.view(np.uint16).tolist()
+    assert sum_contributions("k", (4, 2, 7), 4, carried).dtype == BFLOAT16
