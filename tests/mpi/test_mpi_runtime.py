@@ -100,7 +100,7 @@ def test_a_bfloat16_run_across_processes_equals_in_process_bit_for_bit(tmp_path:
     args = [str(tmp_path), "gpipe", "2", "4", "0", "1", "0", "bfloat16"]
     run = launch(2, str(SCRIPTS / "run_pipeline.py"), *args, timeout_s=180)
     assert run.returncode == 0, run.output[-3000:]
-    stages = [PipelineStage(m, i, 2) for i, m in enumerate(bf16_stages(2, 4))]
+    stages = [PipelineStage(m, i, 2) for i, m in enumerate(bf16_stages(2, rows=2))]
     x, y = bf16_data()
 
     async def in_process():

@@ -38,9 +38,9 @@ class _Scale(nn.Cell):
         return x * self.w * x + x
 
 
-def bf16_stages(stage_num: int, micro: int) -> list[nn.Cell]:
-    """``stage_num`` stages of two swap-wrapped ``_Scale`` blocks, a seed per block."""
-    rows = BATCH // micro
+def bf16_stages(stage_num: int, rows: int) -> list[nn.Cell]:
+    """``stage_num`` stages of two swap-wrapped ``_Scale`` blocks for micro-batches of
+    ``rows`` rows, a seed per block."""
     return [
         nn.SequentialCell(
             [swap_wrapper(_Scale(2 * i, rows)), swap_wrapper(_Scale(2 * i + 1, rows))]

@@ -24,7 +24,7 @@ from ppswap.scheduler.steps import StepKind
 from ppswap.swap import swap_wrapper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_data import DIM, bf16_data, bf16_loss, bf16_stages, data
+from pipeline_data import BATCH, DIM, bf16_data, bf16_loss, bf16_stages, data
 
 
 async def main() -> None:
@@ -36,7 +36,7 @@ async def main() -> None:
     transport = MPITransport()
     rank, world = transport.rank, transport.world_size
     if bf16:
-        modules, (x, y), loss_fn = bf16_stages(stage_num, micro), bf16_data(), bf16_loss
+        modules, (x, y), loss_fn = bf16_stages(stage_num, BATCH // micro), bf16_data(), bf16_loss
     else:
         modules = build_mlp_stages(stage_num, dim=DIM, wrap=swap_wrapper)
         (x, y), loss_fn = data(), mse_loss
