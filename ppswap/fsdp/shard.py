@@ -264,7 +264,7 @@ class FsdpState:
                 spec = self.spec_of(params[index])
                 size = math.prod(spec.shard_shape)
                 part = total[offset : offset + size].reshape(spec.shard_shape)
-                grad = part / part.dtype.type(dp)  # in its own dtype (bfloat16 too)
+                grad = np.divide(part, part.dtype.type(dp))  # in its dtype (bfloat16 too)
                 out[index] = self.backend.from_host(grad, like=params[index])
                 offset += size
         missing = [self.backend.parameter_name(params[i]) for i, g in enumerate(out) if g is None]
