@@ -14,6 +14,8 @@ backward, naming the fix).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -67,6 +69,15 @@ def assert_same(a: Run, b: Run) -> None:
         assert all(torch.equal(x, y) for x, y in zip(stage_a, stage_b, strict=True))
 
 
+async def off_and_on(make: Callable[[], list[nn.Module]]) -> tuple[Run, Run]:
+    """``make()``'s stages run swap off and on: each bit-identical to the other and to the
+    same model without checkpointing."""
+    off, on = await run(make(), swap=False), await run(make(), swap=True)
+    assert_same(off, on)
+    assert_same(off, await run(build_modules(CASE.stage_num), swap=False))
+    return off, on
+
+
 def test_hooks_other_than_ppswaps_are_told_apart() -> None:
     seen: list[bool] = []
 
@@ -88,10 +99,7 @@ def test_hooks_other_than_ppswaps_are_told_apart() -> None:
 
 @pytest.mark.asyncio
 async def test_checkpointing_around_swap_wrapped_blocks_keeps_its_memory() -> None:
-    off = await run(checkpointed_stages(), swap=False)
-    on = await run(checkpointed_stages(), swap=True)
-    assert_same(off, on)
-    assert_same(off, await run(build_modules(CASE.stage_num), swap=False))
+    off, on = await off_and_on(checkpointed_stages)
     for rank_off, rank_on in zip(off[0].ranks, on[0].ranks, strict=True):
         assert rank_on.offloaded_bytes == 0  # the checkpoint keeps nothing to move
         assert rank_on.peak_saved_bytes == rank_off.peak_saved_bytes
@@ -99,10 +107,7 @@ async def test_checkpointing_around_swap_wrapped_blocks_keeps_its_memory() -> No
 
 @pytest.mark.asyncio
 async def test_swap_wrapped_checkpointed_blocks_move_what_the_checkpoint_keeps() -> None:
-    off = await run(checkpointed_blocks(), swap=False)
-    on = await run(checkpointed_blocks(), swap=True)
-    assert_same(off, on)
-    assert_same(off, await run(build_modules(CASE.stage_num), swap=False))
+    off, on = await off_and_on(checkpointed_blocks)
     assert sum(r.offloaded_bytes for r in on[0].ranks) > 0
     assert all(r.loaded_bytes == r.offloaded_bytes for r in on[0].ranks)
     assert on[0].ranks[0].peak_saved_bytes < off[0].ranks[0].peak_saved_bytes
