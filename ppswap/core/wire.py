@@ -183,7 +183,7 @@ _BFLOAT16_NAME = b"bfloat16"
 def wire_dtype(dtype: np.dtype[Any]) -> bytes | None:
     """``dtype.str`` as bytes when it names ``dtype`` exactly (``bfloat16`` for
     ``ml_dtypes``' bfloat16), else None (not sendable)."""
-    if BFLOAT16 is not None and dtype == BFLOAT16 and type(dtype) is type(BFLOAT16):
+    if BFLOAT16 is not None and type(dtype) is type(BFLOAT16):  # a dtype class per type
         return _BFLOAT16_NAME
     if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
         return None
