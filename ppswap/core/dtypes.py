@@ -35,7 +35,9 @@ BFLOAT16_MISSING = (
 
 def is_bfloat16(dtype: np.dtype[Any]) -> bool:
     """Whether ``dtype`` is a numpy bfloat16 (``ml_dtypes``', or MindSpore's own)."""
-    return dtype.name == "bfloat16" and dtype.itemsize == 2 and dtype.kind == "V"
+    # kind first: numpy computes ``name`` in Python, and this runs for every array the
+    # torch backend wraps (each swapped storage's restored view among them)
+    return dtype.kind == "V" and dtype.itemsize == 2 and dtype.name == "bfloat16"
 
 
 def is_floating(dtype: np.dtype[Any]) -> bool:
