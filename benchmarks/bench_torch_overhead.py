@@ -84,6 +84,8 @@ async def _measure(
             peer.zero_grad()
             peer.step(x, y)
             return
+        for module in modules:  # as an optimizer's zero_grad would: each run sets .grad
+            module.zero_grad(set_to_none=True)
         await run_schedule(
             stages,
             "1f1b",

@@ -437,6 +437,8 @@ async def _measure_schedule(
         shift = round_index % len(CONTENDERS)
         for contender in CONTENDERS[shift:] + CONTENDERS[:shift]:
             peer.zero_grad()
+            for stage in stages:  # as an optimizer's zero_grad would: each run sets .grad
+                stage.module.zero_grad(set_to_none=True)
             dist.barrier()
             started, cpu_started = time.perf_counter(), time.process_time()
             main_started = time.thread_time()

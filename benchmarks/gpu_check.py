@@ -510,6 +510,8 @@ class Pipeline:
         self.tokens, self.targets = make_batch(size)
 
     def run(self, *, swap: bool, engine: CopyEngine) -> RunResult:
+        for module in self.modules:  # as an optimizer's zero_grad would: a run sets .grad
+            module.zero_grad(set_to_none=True)
         call = partial(
             run_schedule,
             self.stages,

@@ -5,8 +5,9 @@ python examples/torch_pipeline.py
 One small torch network (an input projection, eight residual MLP blocks, a head) is cut
 into four pipeline stages, one per rank; every block is wrapped with ``swap_wrapper`` (its
 saved activations may move to host memory). It trains a few GPipe steps with swap off,
-then again from the same weights with swap on, updating the weights with plain SGD on
-``stage.grads``. Swap moves activations to the host and back; it changes no number, so
+then again from the same weights with swap on, updating the weights with
+``torch.optim.SGD`` (a run leaves its gradients in each parameter's ``.grad``, as
+``loss.backward()`` does). Swap moves activations to the host and back; it changes no number, so
 the losses must agree bit for bit (exit status 1 if they do not). Printed: the loss of
 every step with swap off and on, then per rank the measured peak of the bytes autograd
 saved for backward without and with swap, and how many bytes swap offloaded.
@@ -93,6 +94,7 @@ async def train(swap: bool) -> tuple[list[float], RunResult]:
     torch.manual_seed(0)
     modules = cut_into_stages(Net(), PP)
     stages = [PipelineStage(module, index, PP) for index, module in enumerate(modules)]
+    optimizer = torch.optim.SGD([p for stage in stages for p in stage.parameters], lr=LR)
     x, y = make_data()
     losses: list[float] = []
     result: RunResult | None = None
@@ -107,10 +109,8 @@ async def train(swap: bool) -> tuple[list[float], RunResult]:
             swap=swap,
         )
         losses.append(result.loss)
-        with torch.no_grad():  # SGD on the mean loss's gradients
-            for stage in stages:
-                for param, grad in zip(stage.parameters, stage.grads, strict=True):
-                    param.sub_(LR * grad)
+        optimizer.step()  # the run left the mean loss's gradients in each .grad
+        optimizer.zero_grad()
     assert result is not None
     return losses, result
 

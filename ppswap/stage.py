@@ -330,6 +330,11 @@ class PipelineStage:
             )
         self._accumulate(pending())
 
+    def give_grads(self) -> None:
+        """After a training run: the run's gradients where the framework's optimizers read
+        them (``Backend.give_grads``; torch: added into each parameter's ``.grad``)."""
+        self.backend.give_grads(self._params, self._grads)
+
     def replace_grads(self, grads: Sequence[Tensor]) -> None:
         """Replace the accumulated gradients, aligned with ``parameters`` (FSDP installs the
         reduce-scattered shard gradients here after the stage's last backward)."""

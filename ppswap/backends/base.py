@@ -442,6 +442,13 @@ class Backend(Protocol):
 
     def zeros_like(self, tensor: Tensor) -> Tensor: ...
 
+    def give_grads(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+        """After a training run: each gradient (None: the parameter got none) where the
+        framework's optimizers read it, as its own backward leaves it (torch: added into
+        ``param.grad``, set where that is None). A no-op where optimizers take the
+        gradients as an argument (MindSpore: ``stage.grads``)."""
+        ...
+
     def add_into(self, total: Tensor, addend: Tensor) -> Tensor:
         """``total + addend``. ``total`` is a sum the caller made and nothing else refers
         to, so a backend may add in place and return it (torch); the result must be

@@ -137,7 +137,9 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 def sgd_step(parameters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: float) -> None:
     """Plain SGD in place: ``p -= lr * g`` for each parameter and its gradient (aligned,
-    as ``PipelineStage.parameters`` and ``.grads``)."""
+    as ``PipelineStage.parameters`` and ``.grads``), then ``p.grad`` back to None (as an
+    optimizer's ``zero_grad``: a run adds into a ``.grad`` it finds)."""
     with torch.no_grad():
         for param, grad in zip(parameters, grads, strict=True):
             param.sub_(lr * grad)
+            param.grad = None

@@ -274,6 +274,11 @@ class MindSporeBackend:
     def zeros_like(self, tensor: Tensor) -> Tensor:
         return ms.ops.zeros_like(tensor)
 
+    def give_grads(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+        # MindSpore's optimizers take the gradients as their argument (stage.grads), and
+        # a Parameter has no gradient attribute to fill.
+        return None
+
     def add_into(self, total: Tensor, addend: Tensor) -> Tensor:
         # Not Tensor.add_: on mindspore 2.10 CPU it is ten times slower than ``+`` and not
         # bit-identical to it (measured).

@@ -372,6 +372,20 @@ class TorchBackend:
     def zeros_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(tensor)
 
+    def give_grads(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+    ) -> None:
+        # As AccumulateGrad: the run's gradient becomes .grad where that is None (the same
+        # tensor, no copy), else it is added into it in place.
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                if grad is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+
     def add_into(self, total: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
         return total.add_(addend)
 

@@ -164,7 +164,10 @@ async def run_ppswap(
         transport=transport,
         step_timeout=120,
     )
-    grads = {s.stage_index: [g.detach().clone() for g in s.grads] for s in stages}
+    # read from .grad, as torch's are: the run leaves them there (the same tensors)
+    if any(p.grad is not g for s in stages for p, g in zip(s.parameters, s.grads, strict=True)):
+        raise AssertionError("a parameter's .grad is not the run's gradient")
+    grads = {s.stage_index: [p.grad.detach().clone() for p in s.parameters] for s in stages}
     return result, grads
 
 
