@@ -7,7 +7,8 @@ identity, byte count, dtype, shape) followed, for payloads up to the transport's
 limit (``INLINE_MAX_BYTES`` for ``MPITransport``), by the payload itself; larger payloads
 travel as a second message (see ``ppswap.actors.mpi``). The dtype is ``dtype.str``, or
 ``bfloat16`` for ``ml_dtypes``' bfloat16, which ``dtype.str`` does not name
-(``ppswap.core.dtypes``).
+(``ppswap.core.dtypes``), or ``ppswap.tuple`` for several arrays packed into one
+(``ppswap.core.packed``: a stage's tuple of activations).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy.typing as npt
 
 from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING, is_bfloat16
 from ppswap.core.messages import MessageKey
+from ppswap.core.packed import PACKED, PACKED_NAME, pack
 from ppswap.core.transport import RecvDone, SendDone, TransportStats
 
 __all__ = [
@@ -182,9 +184,12 @@ _BFLOAT16_NAME = b"bfloat16"
 @functools.lru_cache(maxsize=256)
 def wire_dtype(dtype: np.dtype[Any]) -> bytes | None:
     """``dtype.str`` as bytes when it names ``dtype`` exactly (``bfloat16`` for
-    ``ml_dtypes``' bfloat16), else None (not sendable)."""
+    ``ml_dtypes``' bfloat16, ``ppswap.tuple`` for a packed array), else None (not
+    sendable)."""
     if BFLOAT16 is not None and type(dtype) is type(BFLOAT16):  # a dtype class per type
         return _BFLOAT16_NAME
+    if dtype == PACKED:
+        return PACKED_NAME
     if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
         return None
     encoded = dtype.str.encode("ascii")
@@ -193,7 +198,13 @@ def wire_dtype(dtype: np.dtype[Any]) -> bytes | None:
 
 def wire_array(payload: object, name: str) -> Array:
     """``payload`` as a C-contiguous array whose dtype survives the header, or raise. Any
-    other numpy bfloat16 (MindSpore's) goes as ``ml_dtypes``' (the same bytes)."""
+    other numpy bfloat16 (MindSpore's) goes as ``ml_dtypes``' (the same bytes); a tuple of
+    arrays (and None) as one packed array (``ppswap.core.packed``)."""
+    if isinstance(payload, tuple):
+        try:
+            return pack(payload)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{name} is a tuple: {exc}") from exc
     if not isinstance(payload, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(payload).__name__}")
     if BFLOAT16 is not None and is_bfloat16(payload.dtype):
@@ -251,6 +262,8 @@ def encode_message(
 @functools.lru_cache(maxsize=256)
 def parse_dtype(dtype_str: bytes) -> np.dtype[Any]:
     name = dtype_str.rstrip(b"\0")
+    if name == PACKED_NAME:
+        return PACKED
     if name == _BFLOAT16_NAME:
         if BFLOAT16 is None:
             raise RuntimeError(f"a bfloat16 message arrived, but {BFLOAT16_MISSING}")

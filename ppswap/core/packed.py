@@ -1,0 +1,141 @@
+"""Several arrays as one: a stage's tuple of activations (or of their gradients) on the wire.
+
+The multi-process transports move one array per message. A stage that passes several
+tensors to the next (``(hidden, mask)``) hands them over as a tuple; on its way between
+processes that tuple travels as one ``uint8`` array of the dtype :data:`PACKED`, which the
+wire header names ``ppswap.tuple``:
+
+- a table: the element count, then per element its dtype (``wire_dtype``'s name, empty for
+  a missing element: a gradient nobody computed, as for an integer mask), ndim, shape and
+  the offset of its bytes;
+- the elements' bytes, each at a 64-byte boundary.
+
+:func:`pack` copies each element in once; :func:`unpack` returns views of the packed
+array (no copy), each aligned for its dtype. Pure numpy and the standard library.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ppswap.core.dtypes import BFLOAT16, is_bfloat16
+
+__all__ = ["MAX_ELEMENTS", "PACKED", "PACKED_NAME", "is_packed", "pack", "unpack"]
+
+Array = npt.NDArray[Any]
+
+PACKED: np.dtype[Any] = np.dtype([("ppswap_tuple", np.uint8)])
+"""The dtype of a packed array (one byte per item): the mark the receiver unpacks by."""
+PACKED_NAME = b"ppswap.tuple"
+"""How the wire header names :data:`PACKED`."""
+MAX_ELEMENTS = 64
+_MAX_NDIM = 32
+_ALIGN = 64
+_COUNT = struct.Struct("<8sq")  # magic, element count
+_MAGIC = b"ppswtup1"
+_ELEMENT = struct.Struct("<32sqq")  # dtype name, ndim, offset; then ndim int64 dims
+
+
+def is_packed(value: object) -> bool:
+    """Whether ``value`` is a packed array (:func:`pack`'s result, or one received)."""
+    return isinstance(value, np.ndarray) and value.dtype == PACKED
+
+
+def _dtype_name(array: Array, position: int) -> bytes:
+    dtype = array.dtype
+    if BFLOAT16 is not None and is_bfloat16(dtype):
+        return b"bfloat16"
+    if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
+        raise TypeError(
+            f"element {position} has dtype {dtype!r}; allowed: numeric, bool and bfloat16"
+        )
+    return dtype.str.encode("ascii")
+
+
+def _dtype_of(name: bytes) -> np.dtype[Any]:
+    if name == b"bfloat16":
+        if BFLOAT16 is None:
+            raise RuntimeError("a packed bfloat16 element arrived, but ml_dtypes is missing")
+        return BFLOAT16
+    return np.dtype(name.decode("ascii"))
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+def pack(elements: Sequence[Array | None]) -> Array:
+    """One :data:`PACKED` array holding ``elements`` (None: a missing element)."""
+    if not 0 < len(elements) <= MAX_ELEMENTS:
+        raise ValueError(f"can pack 1 to {MAX_ELEMENTS} elements, got {len(elements)}")
+    table = bytearray(_COUNT.pack(_MAGIC, len(elements)))
+    places: list[tuple[Array, int]] = []
+    offsets: list[int] = []
+    for position, element in enumerate(elements):
+        if element is None:
+            table += _ELEMENT.pack(b"", 0, 0)
+            offsets.append(-1)
+            continue
+        if not isinstance(element, np.ndarray):
+            raise TypeError(
+                f"element {position} must be a numpy.ndarray or None, got {type(element).__name__}"
+            )
+        if element.ndim > _MAX_NDIM:
+            raise ValueError(f"element {position} has ndim {element.ndim}; at most {_MAX_NDIM}")
+        table += _ELEMENT.pack(_dtype_name(element, position), element.ndim, 0)
+        table += struct.pack(f"<{element.ndim}q", *element.shape)
+        offsets.append(len(places))
+        places.append((element, 0))
+    start = _aligned(len(table))
+    laid_out: list[tuple[Array, int]] = []
+    for element, _ in places:
+        laid_out.append((element, start))
+        start = _aligned(start + element.nbytes)
+    packed = np.zeros(start, dtype=np.uint8)
+    cursor = _COUNT.size
+    for index in offsets:
+        if index >= 0:
+            element, offset = laid_out[index]
+            struct.pack_into("<q", table, cursor + 40, offset)
+            target = packed[offset : offset + element.nbytes].view(element.dtype)
+            np.copyto(target.reshape(element.shape), element, casting="no")
+            cursor += _ELEMENT.size + 8 * element.ndim
+        else:
+            cursor += _ELEMENT.size
+    packed[: len(table)] = np.frombuffer(bytes(table), dtype=np.uint8)
+    return packed.view(PACKED)
+
+
+def unpack(packed: Array) -> tuple[Array | None, ...]:
+    """The elements of a packed array: views of it (no copy), None where one is missing."""
+    raw = packed.view(np.uint8).reshape(-1)
+    buffer = bytes(raw[: _COUNT.size])
+    magic, count = _COUNT.unpack(buffer) if len(buffer) == _COUNT.size else (b"", 0)
+    if magic != _MAGIC or not 0 < count <= MAX_ELEMENTS:
+        raise ValueError("not a packed array (bad magic or element count)")
+    header = bytes(raw[: min(raw.size, _COUNT.size + count * (_ELEMENT.size + 8 * _MAX_NDIM))])
+    cursor = _COUNT.size
+    elements: list[Array | None] = []
+    for _ in range(count):
+        name, ndim, offset = _ELEMENT.unpack_from(header, cursor)
+        cursor += _ELEMENT.size
+        name = name.rstrip(b"\0")
+        if not name:
+            elements.append(None)
+            continue
+        shape = struct.unpack_from(f"<{ndim}q", header, cursor)
+        cursor += 8 * ndim
+        dtype = _dtype_of(name)
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if offset < cursor or offset + nbytes > raw.size:
+            raise ValueError(f"corrupt packed array: element at {offset} of {nbytes} bytes")
+        element = raw[offset : offset + nbytes].view(dtype).reshape(shape)
+        # a received array may start anywhere in its buffer: a view off its dtype's
+        # alignment is copied (frameworks may refuse or slow down on one)
+        elements.append(element if element.flags.aligned else element.copy())
+    return tuple(elements)
