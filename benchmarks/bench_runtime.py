@@ -173,6 +173,7 @@ class SyncExecutor:
             )
             target = Tensor.from_numpy(batches.targets[step.micro]) if stage.is_last else None
             out = stage.forward(step.micro, Tensor.from_numpy(payload), target, session)
+            assert not isinstance(out, tuple)  # one tensor between these stages
             if not stage.is_last:
                 outbox[("F", step.stage + 1, step.micro)] = out.asnumpy().copy()
         elif kind is StepKind.BWD:
@@ -182,6 +183,7 @@ class SyncExecutor:
                 step.micro, None if grad is None else Tensor.from_numpy(grad), split=False
             )
             session.release_chunk(step.stage, step.micro)
+            assert not isinstance(dx, tuple)
             if dx is not None:
                 outbox[("B", step.stage - 1, step.micro)] = dx.asnumpy().copy()
         elif kind in (StepKind.SEND_F, StepKind.SEND_B):

@@ -31,7 +31,7 @@ _AUTOGRAD = MindSporeAutograd()
 
 def _record(fn: Callable[..., Any], inputs: Sequence[Any]) -> MindSporeRecord:
     # The executor finds a record by (fn, inputs); the output's shape matters to release.
-    return MindSporeRecord(fn, tuple(inputs), (), None)
+    return MindSporeRecord(fn, tuple(inputs), (((), None),), False)
 
 
 def record_forward(fn: Callable[..., Any], inputs: Sequence[Any]) -> Any:
@@ -55,7 +55,7 @@ def release_record(
     output_dtype: Any,
 ) -> bool:
     """Release an abandoned record (a zero-sensitivity backward); False if that failed."""
-    record = MindSporeRecord(fn, tuple(inputs), tuple(output_shape), output_dtype)
+    record = MindSporeRecord(fn, tuple(inputs), ((tuple(output_shape), output_dtype),), False)
     return _AUTOGRAD.release(record, weights)
 
 

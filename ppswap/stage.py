@@ -29,9 +29,13 @@ in one process or one per rank.
 The loss: on the last stage ``loss_fn(output, target)`` must return a scalar tensor. A
 loss_fn that raises, returns something else or a tensor with a shape is reported as a
 ``PipelineInputError`` naming ``loss_fn`` (at the first FWD of the last stage, before
-any backward runs). One tensor travels between stages: a stage's module takes one and,
-on every stage but the last, returns one; anything else (a tuple, a dict) is reported as
-a ``PipelineInputError`` naming the stage, at its first FWD.
+any backward runs).
+
+Between stages: a stage's module (but the last's) returns one tensor or a tuple (or list)
+of up to 64 tensors, and the next stage's module is called with them as positional
+arguments. Its backward returns one gradient per input, None for an input that gets none
+(an integer mask). Anything else returned (a dict, a tuple holding a non-tensor) is a
+``PipelineInputError`` naming the stage and the element, at its first FWD.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from ppswap.backends.base import (
     Tensor,
     WeightGrads,
 )
+from ppswap.core.packed import MAX_ELEMENTS
 from ppswap.errors import PipelineInputError
 
 __all__ = ["LossFn", "PipelineStage", "StageCollector"]
@@ -76,6 +81,9 @@ class _Chunk:
     record: ForwardRecord
     # Kept only when the send hands it over without a copy, or the loss (last stage).
     output: Tensor | None
+    # The stage's inputs (the target not counted); a tuple of them, or one tensor.
+    input_count: int
+    tupled: bool
 
 
 class PipelineStage:
@@ -191,15 +199,16 @@ class PipelineStage:
     def _make_forward_fn(self, loss_fn: LossFn | None) -> Callable[..., Tensor]:
         """The function whose forward is recorded: the module, plus the loss on the last
         stage (the target is an input of the record, so each micro-batch's is distinct)."""
-        module = self.module
         is_scalar_tensor = self._is_scalar_tensor
         tensor_name = self.backend.tensor_name
+        call = self._module_caller()
         if self.is_last:
             if loss_fn is None:
                 raise ValueError(f"stage {self.stage_index} is the last stage: loss_fn is required")
 
-            def stage_with_loss(x: Tensor, target: Tensor) -> Tensor:
-                output = module(x)
+            def stage_with_loss(*inputs_and_target: Tensor) -> Tensor:
+                *inputs, target = inputs_and_target
+                output = call(inputs)
                 try:
                     loss = loss_fn(output, target)
                 except Exception as exc:
@@ -219,18 +228,46 @@ class PipelineStage:
 
         is_tensor, index = self.backend.is_tensor, self.stage_index
 
-        def stage_forward(x: Tensor) -> Tensor:
-            out: Tensor = module(x)
-            if not is_tensor(out):
+        def stage_forward(*inputs: Tensor) -> Any:
+            out = call(inputs)
+            if is_tensor(out):
+                return out
+            if isinstance(out, tuple | list) and 0 < len(out) <= MAX_ELEMENTS:
+                strays = [i for i, element in enumerate(out) if not is_tensor(element)]
+                if not strays:
+                    return tuple(out)
                 raise PipelineInputError(
-                    f"stage {index}'s module must return one {tensor_name} (the activation "
-                    f"the next stage receives), got {_described(out)}: a stage passes one "
-                    "tensor to the next, so combine several into one tensor or keep "
-                    "what the next stage also needs inside one stage"
+                    f"stage {index}'s module returned a {type(out).__name__} whose element "
+                    f"{strays[0]} is {_described(out[strays[0]])}: every element travels to "
+                    f"the next stage, so each must be a {tensor_name}"
                 )
-            return out
+            raise PipelineInputError(
+                f"stage {index}'s module must return a {tensor_name} or a tuple of 1 to "
+                f"{MAX_ELEMENTS} of them (what the next stage's module is called with), got "
+                f"{_described(out)}"
+            )
 
         return stage_forward
+
+    def _module_caller(self) -> Callable[[Sequence[Tensor]], Any]:
+        """``call(inputs)``: the module on its inputs; a TypeError where it got several
+        (a tuple the previous stage returned) is a PipelineInputError saying so."""
+        module, index = self.module, self.stage_index
+
+        def call(inputs: Sequence[Tensor]) -> Any:
+            if len(inputs) == 1:
+                return module(inputs[0])
+            try:
+                return module(*inputs)
+            except TypeError as exc:
+                shapes = ", ".join(str(_shape_of(x)) for x in inputs)
+                raise PipelineInputError(
+                    f"stage {index}'s module raised TypeError when called with the "
+                    f"{len(inputs)} tensors the previous stage returned (shapes {shapes}): "
+                    f"{exc}"
+                ) from exc
+
+        return call
 
     def _is_scalar_tensor(self, value: object) -> bool:
         return self.backend.is_tensor(value) and self.backend.shape_of(value) == ()
@@ -259,14 +296,15 @@ class PipelineStage:
     def forward(
         self,
         micro: int,
-        inputs: Tensor,
+        inputs: Tensor | tuple[Tensor, ...],
         target: Tensor | None,
         collector: StageCollector,
         *,
         keep_output: bool = False,
         record: bool = True,
-    ) -> Tensor:
-        """FWD of one micro-batch. Returns the stage output, or the loss on the last stage.
+    ) -> Tensor | tuple[Tensor, ...]:
+        """FWD of one micro-batch (``inputs``: a tensor, or a tuple the module is called
+        with). Returns the stage output (a tensor or a tuple), or the loss on the last stage.
 
         ``record=False`` (forward-only runs) runs the forward without recording a graph and
         without the swap collector: nothing is kept for a backward.
@@ -275,7 +313,9 @@ class PipelineStage:
             raise RuntimeError(f"stage {self.stage_index}: FWD of micro {micro} ran twice")
         if self._forward_fn is None:
             raise RuntimeError(f"stage {self.stage_index}: begin_run() was not called")
-        inputs_for_graph = (inputs,) if target is None else (inputs, target)
+        tupled = isinstance(inputs, tuple)
+        stage_inputs = inputs if tupled else (inputs,)
+        inputs_for_graph = stage_inputs if target is None else (*stage_inputs, target)
         autograd = self.backend.autograd
         rng = self.backend.rng_scope(self._rng, self._device)
         if not record:
@@ -287,17 +327,26 @@ class PipelineStage:
                 self.stage_index, micro, protected=inputs_for_graph, parameters=self._module_state
             ),
         ):
-            # dx only for a previous stage: the first stage's input and the target need none
-            grad_inputs = (not self.is_first,) + (False,) * (len(inputs_for_graph) - 1)
+            # dx only for a previous stage: the first stage's inputs and the target need none
+            grad_inputs = (not self.is_first,) * len(stage_inputs) + (False,) * (target is not None)
             out, recorded = autograd.record(self._forward_fn, inputs_for_graph, grad_inputs)
-        collector.protect_aliases(self.stage_index, micro, [out])
-        self._chunks[micro] = _Chunk(recorded, out if keep_output or self.is_last else None)
+        collector.protect_aliases(self.stage_index, micro, out if isinstance(out, tuple) else [out])
+        kept = out if keep_output or self.is_last else None
+        self._chunks[micro] = _Chunk(recorded, kept, len(stage_inputs), tupled)
         return out
 
-    def backward(self, micro: int, grad_output: Tensor | None, *, split: bool) -> Tensor | None:
+    def backward(
+        self,
+        micro: int,
+        grad_output: Tensor | tuple[Tensor | None, ...] | None,
+        *,
+        split: bool,
+    ) -> Tensor | tuple[Tensor | None, ...] | None:
         """BWD (``split=False``) or BWD_INPUT (``split=True``) of one micro-batch.
 
-        Returns the gradient for the previous stage's output (None on the first stage).
+        ``grad_output``: the gradient of the output (a tuple of them, None where an output
+        got none, for a tuple output). Returns the gradient for the previous stage's output
+        (a tuple for a tuple input; None on the first stage).
         """
         chunk = self._chunks.pop(micro, None)
         if chunk is None:
@@ -316,9 +365,10 @@ class PipelineStage:
         else:
             input_grads, weight_grads = autograd.backward(chunk.record, sens, self._params)
             self._accumulate(weight_grads)
-        del chunk
         if self.is_first:
             return None
+        if chunk.tupled:
+            return tuple(input_grads[: chunk.input_count])
         return input_grads[0]
 
     def backward_weight(self, micro: int) -> None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
+from ppswap.actors.payloads import payload_of, tensors_of
 from ppswap.core.arrival import Arrival, ArrivalTimeoutError, FirstOf, ThreadWait
 from ppswap.core.executor import Resume
 from ppswap.core.messages import Payload
@@ -338,7 +339,7 @@ class StepBodies:
     ) -> Payload:
         """FWD: the stage output as a payload (the loss as a host array on the last stage)."""
         backend, like = stage.backend, stage.device_tensor
-        inputs = backend.from_payload(payload, like)
+        inputs = tensors_of(backend, payload, like)
         target_tensor = None if target is None else backend.from_payload(target, like)
         out = stage.forward(
             micro,
@@ -349,7 +350,7 @@ class StepBodies:
             record=self.record,
         )
         host = self.host_payloads or stage.is_last
-        return backend.to_payload(out, copy=not self.zero_copy_sends, host=host)
+        return payload_of(backend, out, copy=not self.zero_copy_sends, host=host)
 
     def backward(
         self, stage: PipelineStage, micro: int, grad: Payload | None, split: bool
@@ -357,13 +358,13 @@ class StepBodies:
         """BWD / BWD_INPUT: dx as a payload (None on the first stage); the chunk is
         released unless the backend defers dw (then BWD_WEIGHT releases it)."""
         backend = stage.backend
-        grad_tensor = None if grad is None else backend.from_payload(grad, stage.device_tensor)
+        grad_tensor = None if grad is None else tensors_of(backend, grad, stage.device_tensor)
         dx = stage.backward(micro, grad_tensor, split=split)
         if not (split and backend.autograd.defers_weight_grads):
             self.session.release_chunk(stage.stage_index, micro)
         if dx is None:
             return None
-        return backend.to_payload(dx, copy=True, host=self.host_payloads)
+        return payload_of(backend, dx, copy=True, host=self.host_payloads)
 
     def backward_weight(self, stage: PipelineStage, micro: int) -> None:
         """BWD_WEIGHT: dw accumulated; a deferred chunk released (its saved tensors were

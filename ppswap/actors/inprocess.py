@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
+from ppswap.actors.payloads import payload_nbytes
 from ppswap.core.messages import HostArray, MessageKey
 from ppswap.core.rank_args import group_index
 from ppswap.core.transport import TransportStats, sum_contributions
@@ -65,7 +66,7 @@ class InProcessTransport:
         if box.arrived:
             raise RuntimeError(f"message {key} from rank {src} to rank {dst} sent twice")
         self._sent += 1
-        self._bytes_sent += payload.nbytes
+        self._bytes_sent += payload_nbytes(payload)
         if box.on_arrival is not None:
             del self._mailboxes[(src, dst, key)]
             self._received += 1

@@ -68,9 +68,10 @@ _JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_inpu
 
 @dataclass(frozen=True, slots=True)
 class RankInputs:
-    """The micro-batches this rank's first/last stages consume (host arrays)."""
+    """The micro-batches this rank's first/last stages consume (host arrays; a tuple of
+    them per micro-batch for inputs given as a tuple)."""
 
-    inputs: Sequence[HostArray]
+    inputs: Sequence[HostArray] | Sequence[tuple[HostArray, ...]]
     targets: Sequence[HostArray] | None
 
 

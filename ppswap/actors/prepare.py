@@ -23,7 +23,10 @@ What is checked (docs/reliability.md lists the tests):
   stages' framework or numpy arrays of a numeric dtype, with a non-empty batch dimension
   divisible by ``micro_batch_num``, of the same batch size; floating inputs have the
   floating dtype of the first stage's parameters (frameworks do not promote: a float64
-  batch into a float32 model fails in the first FWD); integer inputs (token ids) are free;
+  batch into a float32 model fails in the first FWD); integer inputs (token ids) are free.
+  ``inputs`` may also be a tuple of such (not a list: a nested list of numbers is the
+  usual mistake, and is named as one), each split alike: the first stage's module is
+  called with one micro-batch of each (``tokens, mask``);
 - ``loss_fn``: a callable, required when the run has the last stage.
 
 What cannot be checked without running the model is reported at the first FWD, before any
@@ -48,6 +51,7 @@ from ppswap.backends.base import Backend
 from ppswap.core.dtypes import is_bfloat16, is_floating
 from ppswap.core.faults import FaultPlan
 from ppswap.core.messages import HostArray
+from ppswap.core.packed import MAX_ELEMENTS
 from ppswap.core.transport import MultiProcessTransport, Transport, is_multi_process
 from ppswap.errors import PipelineInputError
 from ppswap.fsdp.mesh import DeviceMesh
@@ -131,9 +135,10 @@ class RunPlan:
 
 @dataclass(frozen=True, slots=True)
 class Batches:
-    """The micro-batches, as contiguous host arrays (index = micro-batch)."""
+    """The micro-batches, as contiguous host arrays (index = micro-batch; an input given
+    as a tuple of arrays: a tuple per micro-batch)."""
 
-    inputs: list[HostArray]
+    inputs: list[HostArray] | list[tuple[HostArray, ...]]
     targets: list[HostArray] | None
 
     def of_replica(self, dp_index: int, micro: int) -> Batches:
@@ -344,9 +349,15 @@ def _check_data(
     by_index = {s.stage_index: s for s in stages}
     last_index = stages[0].stage_num - 1
     first, last = by_index.get(0), by_index.get(last_index)
+    named_inputs = _named_parts("inputs", inputs)
     if first is not None:
-        _check_batch(backend, "inputs", inputs, micro, dp)
-        _check_float_dtype("inputs", inputs, first, "first")
+        for name, part in named_inputs:
+            _check_batch(backend, name, part, micro, dp)
+            _check_float_dtype(name, part, first, "first")
+        sizes = {part.shape[0] for _, part in named_inputs}
+        if len(sizes) > 1:
+            found = ", ".join(f"{name} {part.shape[0]}" for name, part in named_inputs)
+            raise PipelineInputError(f"every part of inputs must have one batch size, got {found}")
     if last is not None:
         if loss_fn is None or not callable(loss_fn):
             raise TypeError(
@@ -355,11 +366,23 @@ def _check_data(
             )
         _check_batch(backend, "targets", targets, micro, dp)
         _check_float_dtype("targets", targets, last, "last")
-    if first is not None and last is not None and inputs.shape[0] != targets.shape[0]:
+    batch = named_inputs[0][1].shape[0] if first is not None else None
+    if first is not None and last is not None and batch != targets.shape[0]:
         raise PipelineInputError(
-            f"inputs and targets must have the same batch size, got {inputs.shape[0]} "
-            f"and {targets.shape[0]}"
+            f"inputs and targets must have the same batch size, got {batch} and {targets.shape[0]}"
         )
+
+
+def _named_parts(name: str, value: Any) -> list[tuple[str, Any]]:
+    """A batch given as a tuple of parts: each part with its name (``inputs[1]``); else
+    the batch itself."""
+    if isinstance(value, tuple):
+        if not 0 < len(value) <= MAX_ELEMENTS:
+            raise PipelineInputError(
+                f"{name} as a tuple must hold 1 to {MAX_ELEMENTS} parts, got {len(value)}"
+            )
+        return [(f"{name}[{index}]", part) for index, part in enumerate(value)]
+    return [(name, value)]
 
 
 _NUMERIC_KINDS = "biuf"
@@ -420,6 +443,10 @@ def split_batches(plan: RunPlan) -> Batches:
         host = value if isinstance(value, np.ndarray) else plan.backend.to_host(value, copy=False)
         return [np.array(part, copy=True, order="C") for part in np.split(host, parts, axis=0)]
 
-    inputs = split(plan.inputs) if plan.inputs is not None else []
+    inputs: list[HostArray] | list[tuple[HostArray, ...]] = []
+    if isinstance(plan.inputs, tuple):
+        inputs = list(zip(*(split(part) for part in plan.inputs), strict=True))
+    elif plan.inputs is not None:
+        inputs = split(plan.inputs)
     targets = split(plan.targets) if plan.targets is not None else None
     return Batches(inputs, targets)

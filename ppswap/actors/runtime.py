@@ -100,8 +100,10 @@ async def run_schedule(
 
     ``stages`` lists every stage of the run (all ranks in this process) or, with a
     distributed transport, this process's stages. ``inputs``/``targets`` are the whole
-    batch (a tensor of the stages' framework or a numpy array), split along dim 0 into
-    ``micro_batch_num`` micro-batches. ``schedule`` (default ``"gpipe"``, or the one of
+    batch (a tensor of the stages' framework or a numpy array; ``inputs`` also a tuple of
+    them, the first stage's module then called with one micro-batch of each), split along
+    dim 0 into ``micro_batch_num`` micro-batches. A stage may pass a tuple of tensors to
+    the next (``PipelineStage``). ``schedule`` (default ``"gpipe"``, or the one of
     ``options``) and the other keywords are the fields
     of :class:`~ppswap.options.RunOptions` (``micro_batch_num``, ``swap``, ``pp``,
     ``split_dw``, ``overlap_b_f``, ``p2p``, ``min_swap_gap``, ``swap_policy``,

@@ -166,6 +166,47 @@ def build_mlp_stages(
     return stages
 
 
+class TupleStage(nn.Cell):  # type: ignore[misc]
+    """An MLP stage that passes ``(hidden, mask, scale)`` on (several tensors between
+    stages): the first takes the batch and makes an int32 ``mask`` (no gradient travels
+    back for it) and a float ``scale``; each middle stage uses and changes ``scale``; the
+    last returns one tensor."""
+
+    def __init__(self, block: nn.Cell, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.block, self.first, self.last = block, first, last
+
+    def construct(self, *args: Tensor) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+        if self.first:
+            hidden = self.block(args[0])
+            mask = (args[0][:, :1] > -0.5).astype(ms.int32)
+            return hidden, mask, ops.sigmoid(hidden.mean(-1, keep_dims=True))
+        hidden, mask, scale = args
+        if self.last:
+            out: Tensor = self.block(hidden) * mask.astype(hidden.dtype) + scale
+            return out
+        hidden = self.block(hidden) * scale * mask.astype(hidden.dtype)
+        return hidden, mask, scale * ops.tanh(hidden.mean(-1, keep_dims=True))
+
+
+def build_tuple_stages(
+    stage_num: int,
+    *,
+    dim: int = 16,
+    seed: int = 0,
+    wrap: Callable[[nn.Cell], nn.Cell] | None = None,
+) -> list[nn.Cell]:
+    """``stage_num`` (at least 2) :class:`TupleStage` modules of one ``MLPBlock`` each
+    (``wrap``-ed, as ``build_mlp_stages``), with deterministic weights."""
+    ms.set_seed(seed)
+    np.random.seed(seed)
+    blocks = [MLPBlock(dim) for _ in range(stage_num)]
+    return [
+        TupleStage(block if wrap is None else wrap(block), first=i == 0, last=i == stage_num - 1)
+        for i, block in enumerate(blocks)
+    ]
+
+
 def mse_loss(output: Tensor, target: Tensor) -> Tensor:
     """Mean squared error over the micro-batch."""
     return ops.mean((output - target) ** 2)

@@ -262,7 +262,8 @@ async def test_a_bad_loss_fn_is_named_at_the_first_forward(
 
 
 class _Pair(nn.Cell):
-    """Returns its inner cell's output and its input: two tensors, where one must go."""
+    """Returns its inner cell's output and its input: two tensors, to a stage that takes
+    one."""
 
     def __init__(self, inner: nn.Cell) -> None:
         super().__init__(auto_prefix=False)
@@ -274,14 +275,38 @@ class _Pair(nn.Cell):
 
 @pytest.mark.timeout(120)
 @pytest.mark.asyncio
-async def test_a_stage_that_returns_a_tuple_is_named_at_its_first_forward() -> None:
+async def test_a_tuple_the_next_stage_cannot_take_is_named_at_its_first_forward() -> None:
     stages = make_stages(2)
     paired = [PipelineStage(_Pair(stages[0].module), 0, 2), stages[1]]
     failure = await failure_of(run_case(paired, GPIPE))
+    assert (failure.rank, failure.actor, failure.step) == (1, "compute", "F0.1")
+    assert failure.cause_type is PipelineInputError
+    assert "stage 1's module raised TypeError when called with the 2 tensors" in (
+        failure.cause_message
+    )
+
+
+class _Dict(nn.Cell):
+    """Returns a dict: nothing the next stage could be called with."""
+
+    def __init__(self, inner: nn.Cell) -> None:
+        super().__init__(auto_prefix=False)
+        self.inner = inner
+
+    def construct(self, x: Tensor) -> dict[str, Tensor]:
+        return {"hidden": self.inner(x)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+async def test_a_stage_that_returns_a_dict_is_named_at_its_first_forward() -> None:
+    stages = make_stages(2)
+    keyed = [PipelineStage(_Dict(stages[0].module), 0, 2), stages[1]]
+    failure = await failure_of(run_case(keyed, GPIPE))
     assert (failure.rank, failure.actor, failure.step) == (0, "compute", "F0.0")
     assert failure.cause_type is PipelineInputError
-    assert "stage 0's module must return one mindspore.Tensor" in failure.cause_message
-    assert "got tuple" in failure.cause_message
+    assert "stage 0's module must return a mindspore.Tensor or a tuple" in failure.cause_message
+    assert "got dict" in failure.cause_message
 
 
 @pytest.mark.timeout(120)

@@ -120,17 +120,17 @@ class _Pair(nn.Module):
 
 
 @pytest.mark.asyncio
-async def test_a_stage_that_returns_a_tuple_is_named() -> None:
-    """One tensor travels between stages: a module that returns a tuple is reported at its
-    first forward, naming the stage, not as torch's "'tuple' object has no attribute"."""
+async def test_a_tuple_the_next_stage_cannot_take_is_named() -> None:
+    """A stage returns two tensors to a module that takes one: reported at the receiving
+    stage's first forward, naming it and what it received (``test_torch_tuples.py`` has
+    tuples that work); no chunk is left behind, and the stages run again."""
     stages = build_stages(2)
     paired = [PipelineStage(_Pair(stages[0].module), 0, 2), stages[1]]
     with pytest.raises(PipelineError) as caught:
         await run_case(paired, GPIPE_CASE, swap=True)
-    assert (caught.value.rank, caught.value.step) == (0, "F0.0")
+    assert (caught.value.rank, caught.value.step) == (1, "F0.1")
     cause = caught.value.__cause__
     assert isinstance(cause, PipelineInputError)
-    assert "stage 0's module must return one torch.Tensor" in str(cause)
-    assert "got tuple" in str(cause)
+    assert "stage 1's module raised TypeError when called with the 2 tensors" in str(cause)
     del caught
-    assert all(s.live_chunks == 0 for s in stages)
+    assert all(s.live_chunks == 0 for s in paired)

@@ -58,13 +58,30 @@ Gradients = tuple[tuple[Tensor | None, ...], tuple[Tensor, ...]]
 
 @dataclass(frozen=True, slots=True)
 class MindSporeRecord:
-    """The key of a recorded forward (``fn`` and the input tensors) and its output's
-    shape and dtype (a zero sensitivity of that shape releases an abandoned record)."""
+    """The key of a recorded forward (``fn`` and the input tensors) and the shape and
+    dtype of each output (zero sensitivities of those release an abandoned record, and
+    stand in for an output of a tuple that got no gradient); ``tupled``: the output is a
+    tuple (several tensors between stages)."""
 
     fn: Callable[..., Tensor]
     inputs: tuple[Tensor, ...]
-    output_shape: tuple[int, ...]
-    output_dtype: Any
+    outputs: tuple[tuple[tuple[int, ...], Any], ...]
+    tupled: bool
+
+    def zeros(self, index: int) -> Tensor:
+        shape, dtype = self.outputs[index]
+        return ops.zeros(shape, dtype)
+
+    def sensitivity(self, given: Tensor | tuple[Tensor | None, ...] | None) -> Any:
+        """What the grad operation is seeded with: ``given`` (zeros where None), a tuple
+        for a tuple output."""
+        if not self.tupled:
+            return self.zeros(0) if given is None else given
+        if given is None:
+            return tuple(self.zeros(i) for i in range(len(self.outputs)))
+        if not isinstance(given, tuple) or len(given) != len(self.outputs):
+            raise ValueError(f"{len(self.outputs)} outputs need as many gradients")
+        return tuple(self.zeros(i) if g is None else g for i, g in enumerate(given))
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,20 +120,35 @@ class MindSporeAutograd:
             _pynative_executor.end_graph(fn, None, *args)
             raise
         _pynative_executor.end_graph(fn, output, *args)
-        return output, MindSporeRecord(fn, args, tuple(output.shape), output.dtype)
+        tupled = isinstance(output, tuple)
+        elements = output if tupled else (output,)
+        shapes = tuple((tuple(o.shape), o.dtype) for o in elements)
+        return output, MindSporeRecord(fn, args, shapes, tupled)
 
     def backward(
-        self, record: ForwardRecord, sensitivity: Tensor, weights: Sequence[Tensor]
+        self,
+        record: ForwardRecord,
+        sensitivity: Tensor | tuple[Tensor | None, ...] | None,
+        weights: Sequence[Tensor],
     ) -> Gradients:
-        """``(input_grads, weight_grads)`` of the recorded forward."""
+        """``(input_grads, weight_grads)`` of the recorded forward (for a tuple output, a
+        tuple of sensitivities, None where an output got no gradient). An input that is not
+        floating (an integer mask) gets None, as on torch, not MindSpore's zeros."""
         rec = _as_record(record)
         input_grads, weight_grads = _pynative_executor.grad(
-            rec.fn, _GRAD_OP, list(weights), None, False, *rec.inputs, sensitivity
+            rec.fn, _GRAD_OP, list(weights), None, False, *rec.inputs, rec.sensitivity(sensitivity)
         )
-        return tuple(input_grads), tuple(weight_grads)
+        grads = tuple(
+            g if x.is_floating_point() else None
+            for g, x in zip(input_grads, rec.inputs, strict=True)
+        )
+        return grads, tuple(weight_grads)
 
     def backward_input(
-        self, record: ForwardRecord, sensitivity: Tensor, weights: Sequence[Tensor]
+        self,
+        record: ForwardRecord,
+        sensitivity: Tensor | tuple[Tensor | None, ...] | None,
+        weights: Sequence[Tensor],
     ) -> tuple[tuple[Tensor | None, ...], WeightGrads]:
         """dx now; dw computed in the same backward and kept (see the module doc)."""
         input_grads, weight_grads = self.backward(record, sensitivity, weights)
@@ -127,7 +159,7 @@ class MindSporeAutograd:
         result, so the executor lets go of its saved tensors; False if that failed."""
         rec = _as_record(record)
         try:
-            self.backward(rec, ops.zeros(rec.output_shape, rec.output_dtype), weights)
+            self.backward(rec, None, weights)
         except Exception:
             return False
         return True

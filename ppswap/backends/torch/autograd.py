@@ -6,7 +6,9 @@ input, nor the loss's target): torch keeps each
 graph alive as long as its output is referenced, so the record is just the inputs and the
 output, and backwards may run in any order. The backward is ``torch.autograd.grad`` of the
 output seeded with the sensitivity, for the inputs that require grad and the weights: the
-weights' ``.grad`` is never touched (the stage accumulates the gradients itself).
+weights' ``.grad`` is never touched (the stage accumulates the gradients itself). An output
+may be a tuple (several tensors between stages): its sensitivity is then a tuple too, and
+the elements that require grad and got a gradient are the roots.
 
 dx/dw split (``backward_input``): the first pass asks for the input gradients only and
 keeps the graph (``retain_graph=True``); the returned callable runs the second pass, for
@@ -28,16 +30,22 @@ from ppswap.backends.base import ForwardRecord, WeightGrads
 __all__ = ["TorchAutograd", "TorchRecord"]
 
 
+Output = torch.Tensor | tuple[torch.Tensor, ...]
+"""A forward's output: one tensor, or a tuple of them (several between stages)."""
+Sensitivity = torch.Tensor | tuple[torch.Tensor | None, ...]
+"""The gradient a backward is seeded with: one per output, None where an output got none."""
+
+
 @dataclass(slots=True)
 class TorchRecord:
     """A recorded forward: the inputs it ran on (those requiring grad give dx) and its
-    output (the root of the graph; dropping it frees the graph)."""
+    output (the roots of the graph; dropping it frees the graph)."""
 
     inputs: tuple[torch.Tensor, ...]
-    output: torch.Tensor | None
+    output: Output | None
 
 
-def _live(record: ForwardRecord) -> tuple[TorchRecord, torch.Tensor]:
+def _live(record: ForwardRecord) -> tuple[TorchRecord, Output]:
     """The record and its output, which a backward has not consumed yet."""
     if not isinstance(record, TorchRecord):
         raise TypeError(f"expected a torch forward record, got {type(record).__name__}")
@@ -46,21 +54,39 @@ def _live(record: ForwardRecord) -> tuple[TorchRecord, torch.Tensor]:
     return record, record.output
 
 
+def _roots(
+    output: Output, sensitivity: Sensitivity
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The outputs to differentiate and their seeds: those that require grad and got a
+    gradient (each element of a tuple output with its own)."""
+    if not isinstance(output, tuple):
+        if not isinstance(sensitivity, torch.Tensor):
+            raise TypeError(f"one output needs one gradient, got {type(sensitivity).__name__}")
+        return ([output], [sensitivity]) if output.requires_grad else ([], [])
+    if not isinstance(sensitivity, tuple) or len(sensitivity) != len(output):
+        got = len(sensitivity) if isinstance(sensitivity, tuple) else "one"
+        raise ValueError(f"{len(output)} outputs need {len(output)} gradients, got {got}")
+    pairs = [(o, s) for o, s in zip(output, sensitivity, strict=True) if s is not None]
+    kept = [(o, s) for o, s in pairs if o.requires_grad]
+    return [o for o, _ in kept], [s for _, s in kept]
+
+
 def _grad(
-    output: torch.Tensor,
+    output: Output,
     inputs: Sequence[torch.Tensor],
-    sensitivity: torch.Tensor,
+    sensitivity: Sensitivity,
     *,
     retain_graph: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad`` of ``output`` for ``inputs`` (None for an unused one), also
     when there is nothing to differentiate: no inputs (a stage without trainable
-    parameters asked for dw, torch refuses an empty ``inputs``) or an output that depends
-    on nothing requiring grad (a frozen first stage)."""
-    if not inputs or not output.requires_grad:
+    parameters asked for dw, torch refuses an empty ``inputs``) or no output that requires
+    grad and got a gradient (a frozen first stage; a tuple's integer mask)."""
+    roots, seeds = _roots(output, sensitivity)
+    if not inputs or not roots:
         return tuple(None for _ in inputs)
     grads: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
-        output, list(inputs), sensitivity, retain_graph=retain_graph, allow_unused=True
+        roots, list(inputs), seeds, retain_graph=retain_graph, allow_unused=True
     )
     return grads
 
@@ -76,7 +102,7 @@ def _grads_or_zeros(
 @dataclass(slots=True)
 class _PendingWeightGrads:
     record: TorchRecord
-    sensitivity: torch.Tensor
+    sensitivity: Sensitivity
     weights: tuple[torch.Tensor, ...]
 
     def __call__(self) -> tuple[torch.Tensor, ...]:
@@ -97,10 +123,10 @@ class TorchAutograd:
 
     def record(
         self,
-        fn: Callable[..., torch.Tensor],
+        fn: Callable[..., Output],
         inputs: Sequence[torch.Tensor],
         grad_inputs: Sequence[bool] | None = None,
-    ) -> tuple[torch.Tensor, ForwardRecord]:
+    ) -> tuple[Output, ForwardRecord]:
         """Run ``fn(*inputs)`` with grad mode on; floating inputs require grad, those that
         ``grad_inputs`` marks False excepted (their dx is never computed)."""
         wanted = [True] * len(inputs) if grad_inputs is None else list(grad_inputs)
@@ -117,7 +143,7 @@ class TorchAutograd:
     def backward(
         self,
         record: ForwardRecord,
-        sensitivity: torch.Tensor,
+        sensitivity: Sensitivity,
         weights: Sequence[torch.Tensor],
     ) -> tuple[tuple[torch.Tensor | None, ...], tuple[torch.Tensor, ...]]:
         """``(input_grads, weight_grads)``; an input without grad gets None."""
@@ -134,7 +160,7 @@ class TorchAutograd:
     def backward_input(
         self,
         record: ForwardRecord,
-        sensitivity: torch.Tensor,
+        sensitivity: Sensitivity,
         weights: Sequence[torch.Tensor],
     ) -> tuple[tuple[torch.Tensor | None, ...], WeightGrads]:
         """dx now (the graph kept); dw when the returned callable runs (BWD_WEIGHT)."""
@@ -154,8 +180,8 @@ class TorchAutograd:
         return True
 
     def run_without_graph(
-        self, fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]
-    ) -> torch.Tensor:
+        self, fn: Callable[..., Output], inputs: Sequence[torch.Tensor]
+    ) -> Output:
         with torch.no_grad():
             return fn(*inputs)
 

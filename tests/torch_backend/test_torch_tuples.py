@@ -1,0 +1,234 @@
+"""Several tensors between stages on torch: a stage returns a tuple, the next is called
+with its elements.
+
+The model passes ``(hidden, mask, scale)`` along: ``mask`` an int64 tensor (no gradient
+travels back for it; the middle stages return the one they received, unchanged), ``scale``
+a float tensor every stage uses and changes (its gradient travels back beside the
+hidden state's). Checked for each schedule (GPipe, 1F1B, Interleaved with split_dw and
+overlap_b_f): swap on bit-identical to swap off, both equal to the unsplit model (rtol
+1e-5), bytes moved. A batch given as a tuple (``inputs=(x, mask)``) reaches the first
+stage split alike, and a bad one is refused before any work. What a stage may return: a
+list works as a tuple, a tuple holding a non-tensor or a dict is a PipelineInputError
+naming the stage and the element.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch_support import BATCH, DIM, SEQ, Case, MLPBlock, mse_loss
+
+from ppswap import PipelineError, PipelineInputError, PipelineStage, RunResult, run_schedule
+from ppswap.swap import swap_wrapper
+
+CASES = [
+    Case("gpipe", pp=2, stage_num=2, micro=4),
+    Case("1f1b", pp=3, stage_num=3, micro=8),
+    Case("interleaved_1f1b", pp=2, stage_num=4, micro=4, split_dw=True, overlap_b_f=True),
+]
+
+
+class First(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = swap_wrapper(MLPBlock())
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.block(x)
+        if mask is None:  # not in the batch: made here
+            mask = (x[..., :1] > -0.5).long()  # (batch, seq, 1) int64
+        return hidden, mask, torch.sigmoid(hidden.mean(-1, keepdim=True))
+
+
+class Middle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = swap_wrapper(MLPBlock())
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.block(hidden) * scale * mask
+        return hidden, mask, scale * torch.tanh(hidden.mean(-1, keepdim=True))
+
+
+class Last(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = swap_wrapper(MLPBlock())
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
+        out: torch.Tensor = self.block(hidden) * mask + scale
+        return out
+
+
+def modules(stage_num: int) -> list[nn.Module]:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return [First(), *(Middle() for _ in range(stage_num - 2)), Last()]
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn((BATCH, SEQ, DIM), generator=generator)
+    return x, torch.randn((BATCH, SEQ, DIM), generator=generator)
+
+
+def batch_mask() -> torch.Tensor:
+    """A mask that comes with the batch (``inputs=(x, mask)``), one sample in two kept."""
+    return (torch.arange(BATCH * SEQ).reshape(BATCH, SEQ, 1) % 2).long()
+
+
+def unsplit(stage_num: int, *, with_mask: bool = False) -> tuple[float, list[list[torch.Tensor]]]:
+    chain = modules(stage_num)
+    x, y = data()
+    out: torch.Tensor | tuple[torch.Tensor, ...] = (x, batch_mask()) if with_mask else x
+    for module in chain:
+        out = module(*out) if isinstance(out, tuple) else module(out)
+    assert isinstance(out, torch.Tensor)
+    loss = mse_loss(out, y)
+    params = [list(m.parameters()) for m in chain]
+    flat = torch.autograd.grad(loss, [p for group in params for p in group])
+    grads, start = [], 0
+    for group in params:
+        grads.append(list(flat[start : start + len(group)]))
+        start += len(group)
+    return float(loss.detach()), grads
+
+
+async def run(
+    case: Case, *, swap: bool, with_mask: bool = False
+) -> tuple[RunResult, list[list[torch.Tensor]]]:
+    stages = [PipelineStage(m, i, case.stage_num) for i, m in enumerate(modules(case.stage_num))]
+    x, y = data()
+    result = await run_schedule(
+        stages,
+        case.schedule,
+        pp=case.pp,
+        micro_batch_num=case.micro,
+        inputs=(x, batch_mask()) if with_mask else x,
+        targets=y,
+        loss_fn=mse_loss,
+        swap=swap,
+        split_dw=case.split_dw,
+        overlap_b_f=case.overlap_b_f,
+        step_timeout=60,
+    )
+    return result, [[g.clone() for g in s.grads] for s in stages]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", CASES, ids=[c.label() for c in CASES])
+async def test_tuples_between_stages_swap_bit_identically_and_match_the_unsplit_model(
+    case: Case,
+) -> None:
+    off, grads_off = await run(case, swap=False)
+    on, grads_on = await run(case, swap=True)
+    assert on.losses == off.losses
+    for stage_off, stage_on in zip(grads_off, grads_on, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(stage_off, stage_on, strict=True))
+    assert sum(rank.offloaded_bytes for rank in on.ranks) > 0
+    loss, expected = unsplit(case.stage_num)
+    assert on.loss == pytest.approx(loss, rel=1e-5)
+    for got_stage, want_stage in zip(grads_on, expected, strict=True):
+        for got, want in zip(got_stage, want_stage, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # the scale's gradient travelled back: without it the first stage's would differ
+    assert any(float(g.abs().max()) > 0 for g in grads_on[0])
+
+
+@pytest.mark.asyncio
+async def test_a_batch_given_as_a_tuple_reaches_the_first_stage_split_alike() -> None:
+    """``inputs=(x, mask)``: each split into the same micro-batches, the first stage's
+    module called with one of each (here the mask zeroes every other sample's output)."""
+    case = CASES[1]
+    off, grads_off = await run(case, swap=False, with_mask=True)
+    on, grads_on = await run(case, swap=True, with_mask=True)
+    assert on.losses == off.losses
+    for stage_off, stage_on in zip(grads_off, grads_on, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(stage_off, stage_on, strict=True))
+    loss, expected = unsplit(case.stage_num, with_mask=True)
+    assert on.loss == pytest.approx(loss, rel=1e-5)
+    assert on.loss != pytest.approx(unsplit(case.stage_num)[0], rel=1e-3)  # the mask was used
+    for got_stage, want_stage in zip(grads_on, expected, strict=True):
+        for got, want in zip(got_stage, want_stage, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("inputs", "words"),
+    [
+        ((), "inputs as a tuple must hold 1 to 64 parts, got 0"),
+        ((data()[0], batch_mask()[:4]), "every part of inputs must have one batch size"),
+        ((data()[0], "mask"), "inputs[1] must be a torch.Tensor or numpy.ndarray, got str"),
+    ],
+    ids=["empty", "batch-sizes", "not-a-tensor"],
+)
+async def test_a_bad_tuple_batch_is_named_before_any_work(inputs: object, words: str) -> None:
+    stages = [PipelineStage(m, i, 2) for i, m in enumerate(modules(2))]
+    with pytest.raises(PipelineInputError, match=re.escape(words)):
+        await run_schedule(
+            stages, "gpipe", micro_batch_num=2, inputs=inputs, targets=data()[1], loss_fn=mse_loss
+        )
+
+
+class Returns(nn.Module):
+    """Returns what ``make`` builds from the block's output."""
+
+    def __init__(self, make: object) -> None:
+        super().__init__()
+        self.block, self.make = MLPBlock(), make
+
+    def forward(self, x: torch.Tensor) -> object:
+        return self.make(self.block(x))  # type: ignore[operator]
+
+
+async def run_two(first: nn.Module, last: nn.Module) -> RunResult:
+    stages = [PipelineStage(first, 0, 2), PipelineStage(last, 1, 2)]
+    x, y = data()
+    return await run_schedule(
+        stages, "gpipe", micro_batch_num=2, inputs=x, targets=y, loss_fn=mse_loss, step_timeout=60
+    )
+
+
+class TakesTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = MLPBlock()
+
+    def forward(self, hidden: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.block(hidden + other)
+        return out
+
+
+@pytest.mark.asyncio
+async def test_a_list_travels_as_a_tuple() -> None:
+    result = await run_two(Returns(lambda h: [h, 2 * h]), TakesTwo())
+    assert len(result.losses) == 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda h: (h, 3), "element 1 is int"),
+        (lambda h: {"hidden": h}, "got dict"),
+        (lambda h: (), "got tuple"),
+    ],
+    ids=["non-tensor-element", "dict", "empty"],
+)
+async def test_what_cannot_travel_is_named(make: object, words: str) -> None:
+    with pytest.raises(PipelineError) as caught:
+        await run_two(Returns(make), TakesTwo())
+    assert (caught.value.rank, caught.value.step) == (0, "F0.0")
+    assert isinstance(caught.value.__cause__, PipelineInputError)
+    assert "stage 0's module" in str(caught.value.__cause__)
+    assert words in str(caught.value.__cause__)
