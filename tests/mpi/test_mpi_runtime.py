@@ -2,7 +2,7 @@
 
 Losses and every gradient must equal the in-process run bit for bit, for GPipe,
 Interleaved and 1F1B with real overlap, with swap on, at ``mpiexec -n 2`` and ``-n 4``,
-and for a bfloat16 model at ``-n 2``.
+for a bfloat16 model at ``-n 2`` and for stages passing a tuple of tensors at ``-n 3``.
 A failing rank ends every process non-zero, naming itself, well within the deadline.
 """
 
@@ -17,13 +17,13 @@ import pytest
 from test_mpi_transport import SCRIPTS, launch, needs_mpiexec
 
 from ppswap import PipelineStage, run_schedule
-from ppswap.demo.model import build_mlp_stages, mse_loss
+from ppswap.demo.model import build_mlp_stages, build_tuple_stages, mse_loss
 from ppswap.swap import swap_wrapper
 
 pytestmark = pytest.mark.mpi
 
 sys.path.insert(0, str(SCRIPTS))
-from pipeline_data import bf16_data, bf16_loss, bf16_stages, data  # noqa: E402
+from pipeline_data import DIM, bf16_data, bf16_loss, bf16_stages, data  # noqa: E402
 
 CASES = [
     # (ranks, schedule, stage_num, micro, overlap)
@@ -117,6 +117,35 @@ def test_a_bfloat16_run_across_processes_equals_in_process_bit_for_bit(tmp_path:
         stage = stages[rank]
         for k, grad in enumerate(stage.grads):
             np.testing.assert_array_equal(got[f"grad_s{rank}_{k}"], grad.asnumpy().view(np.uint16))
+
+
+@needs_mpiexec
+def test_a_tuple_between_stages_across_processes_equals_in_process_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """Three tensors between stages (``TupleStage``: an int32 mask among them), 1F1B over
+    three processes with swap: each tuple crosses packed into one message, and the
+    gradients come back without one for the mask."""
+    args = [str(tmp_path), "1f1b", "3", "8", "0", "1", "0", "tuple"]
+    run = launch(3, str(SCRIPTS / "run_pipeline.py"), *args, timeout_s=180)
+    assert run.returncode == 0, run.output[-3000:]
+    modules = build_tuple_stages(3, dim=DIM, wrap=swap_wrapper)
+    stages = [PipelineStage(m, i, 3) for i, m in enumerate(modules)]
+    x, y = data()
+
+    async def in_process():
+        return await run_schedule(
+            stages, "1f1b", micro_batch_num=8, inputs=x, targets=y, loss_fn=mse_loss, swap=True
+        )
+
+    reference = anyio.run(in_process)
+    assert sum(r.offloaded_bytes for r in reference.ranks) > 0
+    for rank in range(3):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        assert got["losses"].tolist() == reference.losses
+        assert got["offloaded"].tolist() == [r.offloaded_bytes for r in reference.ranks]
+        for k, grad in enumerate(stages[rank].grads):
+            np.testing.assert_array_equal(got[f"grad_s{rank}_{k}"], grad.asnumpy())
 
 
 @needs_mpiexec

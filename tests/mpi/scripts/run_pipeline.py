@@ -1,11 +1,12 @@
 """One rank of a pipeline run over MPITransport; writes what it computed for the test.
 
-    mpiexec -n N python run_pipeline.py OUT_DIR SCHEDULE STAGE_NUM MICRO OVERLAP SWAP [FAIL [DTYPE]]
+    mpiexec -n N python run_pipeline.py OUT_DIR SCHEDULE STAGE_NUM MICRO OVERLAP SWAP [FAIL [MODEL]]
 
 Every process builds all stage modules from the same seed (as the in-process reference
 does) and runs only its own stages. Rank r writes OUT_DIR/rank{r}.npz with the losses it
 got back and the gradients of its stages. FAIL=1 makes rank 1's FWD of micro 1 raise.
-DTYPE=bfloat16 runs ``pipeline_data``'s bfloat16 model instead of the float32 MLP.
+MODEL=bfloat16 runs ``pipeline_data``'s bfloat16 model instead of the float32 MLP;
+MODEL=tuple ``ppswap.demo.model``'s ``TupleStage``s, which pass three tensors between stages.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from ppswap import PipelineStage, run_schedule
 from ppswap.actors.mpi import MPITransport
 from ppswap.core.faults import FaultPlan, fail_compute
-from ppswap.demo.model import build_mlp_stages, mse_loss
+from ppswap.demo.model import build_mlp_stages, build_tuple_stages, mse_loss
 from ppswap.scheduler.steps import StepKind
 from ppswap.swap import swap_wrapper
 
@@ -32,11 +33,15 @@ async def main() -> None:
     schedule, stage_num, micro = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     overlap, swap = sys.argv[5] == "1", sys.argv[6] == "1"
     fail = len(sys.argv) > 7 and sys.argv[7] == "1"
-    bf16 = len(sys.argv) > 8 and sys.argv[8] == "bfloat16"
+    model = sys.argv[8] if len(sys.argv) > 8 else "mlp"
+    bf16 = model == "bfloat16"
     transport = MPITransport()
     rank, world = transport.rank, transport.world_size
     if bf16:
         modules, (x, y), loss_fn = bf16_stages(stage_num, BATCH // micro), bf16_data(), bf16_loss
+    elif model == "tuple":
+        modules = build_tuple_stages(stage_num, dim=DIM, wrap=swap_wrapper)
+        (x, y), loss_fn = data(), mse_loss
     else:
         modules = build_mlp_stages(stage_num, dim=DIM, wrap=swap_wrapper)
         (x, y), loss_fn = data(), mse_loss

@@ -2,9 +2,9 @@
 
     pipeline.py [--perturb CASE=swap|unsplit ...] CASE [CASE ...]
 
-A case is ``SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout]``: SCHEDULE ``gpipe``, ``1f1b`` or
-``interleaved`` (vpp 2), P2P ``plain``, ``batch`` or ``boundary``, ``-dw`` for
-``split_dw``, ``-overlap`` for ``overlap_b_f``. The run has pp = N ranks, N * vpp stages
+A case is ``SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout][-tuple]``: SCHEDULE
+``gpipe``, ``1f1b`` or ``interleaved`` (vpp 2), P2P ``plain``, ``batch`` or ``boundary``,
+``-dw`` for ``split_dw``, ``-overlap`` for ``overlap_b_f``. The run has pp = N ranks, N * vpp stages
 and 2 * N micro-batches of 2 samples (``-big``: 160 samples, so every activation and
 gradient between ranks is 20 KiB, above the 16 KiB inline limit this script gives its
 transport (``INLINE_MAX_BYTES``), and travels as a header and a body), ``min_swap_gap=2``
@@ -13,6 +13,9 @@ and gradients cross the process boundary as ``ml_dtypes``' bfloat16). ``-dropout
 stage ends with dropout (p 0.2), torch seeded alike before every run: the masks come from
 each stage's own stream (``ppswap/backends/torch/rng.py``), so they are the same in every
 process layout; such a case is not compared with the unsplit model (check 2).
+``-tuple``: the stages pass ``(hidden, mask, scale)`` along (``TupleStage``: an int64 mask,
+no gradient travels back for it, and a float scale every stage uses and changes), so
+activations and gradients cross the process boundary packed (``ppswap.core.packed``).
 
 Every process builds all stages from one seed (the attention + MLP stage model of
 ``tests/torch_backend/torch_support.py``, both blocks swap-wrapped), keeps its own
@@ -21,8 +24,8 @@ on. Per case and rank it checks:
 
 1. swap on is bit-identical to swap off: the losses and this rank's gradients, byte for
    byte;
-2. both equal one unsplit torch model computed here (the same seed, every stage in one
-   ``nn.Sequential``, the whole batch): each micro-batch's loss and this rank's
+2. both equal one unsplit torch model computed here (the same seed, every stage chained
+   in one process, the whole batch): each micro-batch's loss and this rank's
    gradients of the mean loss, rtol 1e-5 (atol 1e-6). In bfloat16 the unsplit model
    computes in float32 on the same bfloat16 weights and batch, losses within rtol 1e-2
    and each gradient within 3% of its largest element (measured on the 2-sample
@@ -84,7 +87,7 @@ BF16_LOSS_RTOL = 1e-2
 BF16_GRAD_TOLERANCE = 0.03  # of a gradient's largest magnitude (module docstring)
 CASE_NAME = re.compile(
     r"(gpipe|1f1b|interleaved)-(plain|batch|boundary)(-dw)?(-overlap)?(-big)?(-bf16)?"
-    r"(-dropout)?"
+    r"(-dropout)?(-tuple)?"
 )
 DROPOUT_SEED = 1234
 
@@ -99,15 +102,17 @@ class Case:
     samples: int  # per micro-batch
     dtype: torch.dtype
     dropout: bool = False
+    tupled: bool = False
 
     @classmethod
     def parse(cls, name: str) -> Case:
         match = CASE_NAME.fullmatch(name)
         if match is None:
             raise SystemExit(
-                f"bad case {name!r}: expected SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout]"
+                f"bad case {name!r}: expected "
+                "SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout][-tuple]"
             )
-        schedule, p2p, dw, overlap, big, bf16, dropout = match.groups()
+        schedule, p2p, dw, overlap, big, bf16, dropout, tupled = match.groups()
         mode = cast(P2PMode, p2p)
         samples = 160 if big else 2
         dtype = torch.bfloat16 if bf16 else torch.float32
@@ -120,6 +125,7 @@ class Case:
             samples,
             dtype,
             dropout is not None,
+            tupled is not None,
         )
 
     def data(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,12 +138,44 @@ class Case:
         modules = [m.to(self.dtype) for m in build_modules(stage_num, wrap=wrap)]
         if self.dropout:
             return [nn.Sequential(m, nn.Dropout(0.2)) for m in modules]
+        if self.tupled:
+            return [TupleStage(m, i, stage_num) for i, m in enumerate(modules)]
         return modules
 
     def sizes(self, world: int) -> tuple[int, int, int]:
         """(vpp, stage_num, micro) for a run of ``world`` ranks."""
         vpp = 2 if self.schedule == "interleaved_1f1b" else 1
         return vpp, world * vpp, 2 * world
+
+
+class TupleStage(nn.Module):
+    """A stage passing ``(hidden, mask, scale)`` on (the first takes the batch, the last
+    returns one tensor); see the module docstring."""
+
+    def __init__(self, inner: nn.Module, index: int, stage_num: int) -> None:
+        super().__init__()
+        self.inner, self.first, self.last = inner, index == 0, index == stage_num - 1
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.first:
+            (x,) = args
+            hidden = self.inner(x)
+            mask = (x[..., :1] > -0.5).long()
+            return hidden, mask, torch.sigmoid(hidden.mean(-1, keepdim=True))
+        hidden, mask, scale = args
+        if self.last:
+            out: torch.Tensor = self.inner(hidden) * mask + scale
+            return out
+        hidden = self.inner(hidden) * scale * mask
+        return hidden, mask, scale * torch.tanh(hidden.mean(-1, keepdim=True))
+
+
+def chain(modules: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """The stages one after the other, a tuple passed on as the next one's arguments."""
+    out: Any = x
+    for module in modules:
+        out = module(*out) if isinstance(out, tuple) else module(out)
+    return cast(torch.Tensor, out)
 
 
 @dataclass
@@ -192,9 +230,8 @@ def unsplit(case: Case, world: int) -> tuple[list[float], list[list[Array]]]:
     gradients of their mean per stage."""
     _, stage_num, micro = case.sizes(world)
     modules = [m.float() for m in case.modules(stage_num, wrap=False)]
-    model = nn.Sequential(*modules)
     x, target = (t.float() for t in case.data(micro))
-    out = model(x)
+    out = chain(modules, x)
     losses = [mse_loss(o, t) for o, t in zip(out.chunk(micro), target.chunk(micro), strict=True)]
     params = [[p for p in m.parameters() if p.requires_grad] for m in modules]
     flat = torch.autograd.grad(torch.stack(losses).mean(), [p for ps in params for p in ps])
