@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -92,14 +93,31 @@ def test_mpi_run_equals_in_process_bit_for_bit(
     assert seen == set(ref_grads)
 
 
+def _launch_and_compare(
+    tmp_path: Path, args: list[str], stages: list[PipelineStage], run: Any, as_bits: bool = False
+) -> None:
+    """``run_pipeline.py`` over ``len(stages)`` processes (one stage each) against ``run``
+    (the same pipeline in this process, on ``stages``): losses, stats and every stage's
+    gradients bit for bit (``as_bits``: compared as uint16, bfloat16's bits)."""
+    ranks = len(stages)
+    launched = launch(ranks, str(SCRIPTS / "run_pipeline.py"), str(tmp_path), *args, timeout_s=180)
+    assert launched.returncode == 0, launched.output[-3000:]
+    reference = anyio.run(run)
+    assert sum(r.offloaded_bytes for r in reference.ranks) > 0
+    for rank in range(ranks):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        assert got["losses"].tolist() == reference.losses
+        assert got["offloaded"].tolist() == [r.offloaded_bytes for r in reference.ranks]
+        for k, grad in enumerate(stages[rank].grads):
+            want = grad.asnumpy().view(np.uint16) if as_bits else grad.asnumpy()
+            np.testing.assert_array_equal(got[f"grad_s{rank}_{k}"], want)
+
+
 @needs_mpiexec
 def test_a_bfloat16_run_across_processes_equals_in_process_bit_for_bit(tmp_path: Path) -> None:
     """A bfloat16 MindSpore model (elementwise: MindSpore's CPU kernels reduce no bfloat16)
     over two processes, GPipe with swap: its activations and gradients cross as
     ml_dtypes' bfloat16 (MindSpore's own numpy type has no name on the wire)."""
-    args = [str(tmp_path), "gpipe", "2", "4", "0", "1", "0", "bfloat16"]
-    run = launch(2, str(SCRIPTS / "run_pipeline.py"), *args, timeout_s=180)
-    assert run.returncode == 0, run.output[-3000:]
     stages = [PipelineStage(m, i, 2) for i, m in enumerate(bf16_stages(2, rows=2))]
     x, y = bf16_data()
 
@@ -108,15 +126,8 @@ def test_a_bfloat16_run_across_processes_equals_in_process_bit_for_bit(tmp_path:
             stages, "gpipe", micro_batch_num=4, inputs=x, targets=y, loss_fn=bf16_loss, swap=True
         )
 
-    reference = anyio.run(in_process)
-    assert sum(r.offloaded_bytes for r in reference.ranks) > 0
-    for rank in range(2):
-        got = np.load(tmp_path / f"rank{rank}.npz")
-        assert got["losses"].tolist() == reference.losses
-        assert got["offloaded"].tolist() == [r.offloaded_bytes for r in reference.ranks]
-        stage = stages[rank]
-        for k, grad in enumerate(stage.grads):
-            np.testing.assert_array_equal(got[f"grad_s{rank}_{k}"], grad.asnumpy().view(np.uint16))
+    args = ["gpipe", "2", "4", "0", "1", "0", "bfloat16"]
+    _launch_and_compare(tmp_path, args, stages, in_process, as_bits=True)
 
 
 @needs_mpiexec
@@ -126,9 +137,6 @@ def test_a_tuple_between_stages_across_processes_equals_in_process_bit_for_bit(
     """Three tensors between stages (``TupleStage``: an int32 mask among them), 1F1B over
     three processes with swap: each tuple crosses packed into one message, and the
     gradients come back without one for the mask."""
-    args = [str(tmp_path), "1f1b", "3", "8", "0", "1", "0", "tuple"]
-    run = launch(3, str(SCRIPTS / "run_pipeline.py"), *args, timeout_s=180)
-    assert run.returncode == 0, run.output[-3000:]
     modules = build_tuple_stages(3, dim=DIM, wrap=swap_wrapper)
     stages = [PipelineStage(m, i, 3) for i, m in enumerate(modules)]
     x, y = data()
@@ -138,14 +146,7 @@ def test_a_tuple_between_stages_across_processes_equals_in_process_bit_for_bit(
             stages, "1f1b", micro_batch_num=8, inputs=x, targets=y, loss_fn=mse_loss, swap=True
         )
 
-    reference = anyio.run(in_process)
-    assert sum(r.offloaded_bytes for r in reference.ranks) > 0
-    for rank in range(3):
-        got = np.load(tmp_path / f"rank{rank}.npz")
-        assert got["losses"].tolist() == reference.losses
-        assert got["offloaded"].tolist() == [r.offloaded_bytes for r in reference.ranks]
-        for k, grad in enumerate(stages[rank].grads):
-            np.testing.assert_array_equal(got[f"grad_s{rank}_{k}"], grad.asnumpy())
+    _launch_and_compare(tmp_path, ["1f1b", "3", "8", "0", "1", "0", "tuple"], stages, in_process)
 
 
 @needs_mpiexec
