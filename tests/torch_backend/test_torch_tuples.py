@@ -7,7 +7,8 @@ a float tensor every stage uses and changes (its gradient travels back beside th
 hidden state's). Checked for each schedule (GPipe, 1F1B, Interleaved with split_dw and
 overlap_b_f): swap on bit-identical to swap off, both equal to the unsplit model (rtol
 1e-5), bytes moved. A batch given as a tuple (``inputs=(x, mask)``) reaches the first
-stage split alike, and a bad one is refused before any work. What a stage may return: a
+stage split alike, and a bad one is refused before any work. FSDP dp2 with tuples: swap
+on equal to off, full gradients equal to the unsplit model's. What a stage may return: a
 list works as a tuple, a tuple holding a non-tensor or a dict is a PipelineInputError
 naming the stage and the element.
 """
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch_support import BATCH, DIM, SEQ, Case, MLPBlock, mse_loss
 
 from ppswap import PipelineError, PipelineInputError, PipelineStage, RunResult, run_schedule
+from ppswap.fsdp import DeviceMesh, full_gradients, fully_shard
 from ppswap.swap import swap_wrapper
 
 CASES = [
@@ -232,3 +235,38 @@ async def test_what_cannot_travel_is_named(make: object, words: str) -> None:
     assert isinstance(caught.value.__cause__, PipelineInputError)
     assert "stage 0's module" in str(caught.value.__cause__)
     assert words in str(caught.value.__cause__)
+
+
+@pytest.mark.asyncio
+async def test_fsdp_dp2_with_tuples_between_stages() -> None:
+    """GPipe pp2 x dp2, every replica's stage fully_shard()-ed: swap on bit-identical to
+    off, the full gradients equal to the unsplit model's."""
+    mesh = DeviceMesh(pp=2, dp=2)
+    x, y = data()
+    full: list[list[list[np.ndarray]]] = []
+    losses = []
+    for swap in (False, True):
+        stages = []
+        for dp_rank in range(mesh.dp):
+            for index, module in enumerate(modules(2)):
+                fully_shard(module, mesh=mesh, dp_rank=dp_rank)
+                stages.append(PipelineStage(module, index, 2))
+        result = await run_schedule(
+            stages,
+            "gpipe",
+            micro_batch_num=2,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            swap=swap,
+            step_timeout=60,
+        )
+        losses.append(result.losses)
+        full.append([full_gradients([s for s in stages if s.stage_index == i]) for i in range(2)])
+    assert losses[0] == losses[1]
+    for stage_off, stage_on in zip(*full, strict=True):
+        assert all(np.array_equal(a, b) for a, b in zip(stage_off, stage_on, strict=True))
+    _, expected = unsplit(2)
+    for got_stage, want_stage in zip(full[1], expected, strict=True):
+        for got, want in zip(got_stage, want_stage, strict=True):
+            np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-7)
