@@ -4,9 +4,9 @@ with its elements.
 The model passes ``(hidden, mask, scale)`` along: ``mask`` an int64 tensor (no gradient
 travels back for it; the middle stages return the one they received, unchanged), ``scale``
 a float tensor every stage uses and changes (its gradient travels back beside the
-hidden state's). Checked for each schedule (GPipe, 1F1B, Interleaved with split_dw and
-overlap_b_f): swap on bit-identical to swap off, both equal to the unsplit model (rtol
-1e-5), bytes moved. A batch given as a tuple (``inputs=(x, mask)``) reaches the first
+hidden state's). Checked for each schedule (GPipe, 1F1B with the boundary P2P mode,
+Interleaved with split_dw and overlap_b_f): swap on bit-identical to swap off, both equal
+to the unsplit model (rtol 1e-5), bytes moved. A batch given as a tuple (``inputs=(x, mask)``) reaches the first
 stage split alike, and a bad one is refused before any work. FSDP dp2 with tuples: swap
 on equal to off, full gradients equal to the unsplit model's. What a stage may return: a
 list works as a tuple, a tuple holding a non-tensor or a dict is a PipelineInputError
@@ -29,7 +29,7 @@ from ppswap.swap import swap_wrapper
 
 CASES = [
     Case("gpipe", pp=2, stage_num=2, micro=4),
-    Case("1f1b", pp=3, stage_num=3, micro=8),
+    Case("1f1b", pp=3, stage_num=3, micro=8, p2p="boundary"),
     Case("interleaved_1f1b", pp=2, stage_num=4, micro=4, split_dw=True, overlap_b_f=True),
 ]
 
@@ -122,6 +122,7 @@ async def run(
         swap=swap,
         split_dw=case.split_dw,
         overlap_b_f=case.overlap_b_f,
+        p2p=case.p2p,
         step_timeout=60,
     )
     return result, [[g.clone() for g in s.grads] for s in stages]
