@@ -6,11 +6,11 @@ travels back for it; the middle stages return the one they received, unchanged),
 a float tensor every stage uses and changes (its gradient travels back beside the
 hidden state's). Checked for each schedule (GPipe, 1F1B with the boundary P2P mode,
 Interleaved with split_dw and overlap_b_f): swap on bit-identical to swap off, both equal
-to the unsplit model (rtol 1e-5), bytes moved. A batch given as a tuple (``inputs=(x, mask)``) reaches the first
-stage split alike, and a bad one is refused before any work. FSDP dp2 with tuples: swap
-on equal to off, full gradients equal to the unsplit model's. What a stage may return: a
-list works as a tuple, a tuple holding a non-tensor or a dict is a PipelineInputError
-naming the stage and the element.
+to the unsplit model (rtol 1e-5), bytes moved. A batch given as a tuple
+(``inputs=(x, mask)``) reaches the first stage split alike, and a bad one is refused
+before any work. FSDP dp2 with tuples: swap on equal to off, full gradients equal to the
+unsplit model's. What a stage may return: a list works as a tuple, a tuple holding a
+non-tensor or a dict is a PipelineInputError naming the stage and the element.
 """
 
 from __future__ import annotations
