@@ -253,6 +253,7 @@ class PipelineStage:
         """``call(inputs)``: the module on its inputs; a TypeError where it got several
         (a tuple the previous stage returned) is a PipelineInputError saying so."""
         module, index = self.module, self.stage_index
+        source = "parts of the batch" if self.is_first else f"tensors stage {index - 1} returned"
 
         def call(inputs: Sequence[Tensor]) -> Any:
             if len(inputs) == 1:
@@ -263,8 +264,7 @@ class PipelineStage:
                 shapes = ", ".join(str(_shape_of(x)) for x in inputs)
                 raise PipelineInputError(
                     f"stage {index}'s module raised TypeError when called with the "
-                    f"{len(inputs)} tensors the previous stage returned (shapes {shapes}): "
-                    f"{exc}"
+                    f"{len(inputs)} {source} (shapes {shapes}): {exc}"
                 ) from exc
 
         return call

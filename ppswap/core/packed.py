@@ -73,13 +73,10 @@ def pack(elements: Sequence[Array | None]) -> Array:
     """One :data:`PACKED` array holding ``elements`` (None: a missing element)."""
     if not 0 < len(elements) <= MAX_ELEMENTS:
         raise ValueError(f"can pack 1 to {MAX_ELEMENTS} elements, got {len(elements)}")
-    table = bytearray(_COUNT.pack(_MAGIC, len(elements)))
-    places: list[tuple[Array, int]] = []
-    offsets: list[int] = []
+    names: list[bytes] = []
     for position, element in enumerate(elements):
         if element is None:
-            table += _ELEMENT.pack(b"", 0, 0)
-            offsets.append(-1)
+            names.append(b"")
             continue
         if not isinstance(element, np.ndarray):
             raise TypeError(
@@ -87,27 +84,31 @@ def pack(elements: Sequence[Array | None]) -> Array:
             )
         if element.ndim > _MAX_NDIM:
             raise ValueError(f"element {position} has ndim {element.ndim}; at most {_MAX_NDIM}")
-        table += _ELEMENT.pack(_dtype_name(element, position), element.ndim, 0)
+        names.append(_dtype_name(element, position))
+    # the layout first: the table, then each element at the next 64-byte boundary
+    table_bytes = _COUNT.size + sum(
+        _ELEMENT.size + (0 if e is None else 8 * e.ndim) for e in elements
+    )
+    offsets: list[int] = []
+    end = _aligned(table_bytes)
+    for element in elements:
+        offsets.append(0 if element is None else end)
+        end = end if element is None else _aligned(end + element.nbytes)
+    packed = np.empty(end, dtype=np.uint8)
+    table = bytearray(_COUNT.pack(_MAGIC, len(elements)))
+    filled = table_bytes
+    for element, name, offset in zip(elements, names, offsets, strict=True):
+        if element is None:
+            table += _ELEMENT.pack(b"", 0, 0)
+            continue
+        table += _ELEMENT.pack(name, element.ndim, offset)
         table += struct.pack(f"<{element.ndim}q", *element.shape)
-        offsets.append(len(places))
-        places.append((element, 0))
-    start = _aligned(len(table))
-    laid_out: list[tuple[Array, int]] = []
-    for element, _ in places:
-        laid_out.append((element, start))
-        start = _aligned(start + element.nbytes)
-    packed = np.zeros(start, dtype=np.uint8)
-    cursor = _COUNT.size
-    for index in offsets:
-        if index >= 0:
-            element, offset = laid_out[index]
-            struct.pack_into("<q", table, cursor + 40, offset)
-            target = packed[offset : offset + element.nbytes].view(element.dtype)
-            np.copyto(target.reshape(element.shape), element, casting="no")
-            cursor += _ELEMENT.size + 8 * element.ndim
-        else:
-            cursor += _ELEMENT.size
-    packed[: len(table)] = np.frombuffer(bytes(table), dtype=np.uint8)
+        packed[filled:offset] = 0  # the padding before it: no stale bytes on the wire
+        target = packed[offset : offset + element.nbytes].view(element.dtype)
+        np.copyto(target.reshape(element.shape), element, casting="no")
+        filled = offset + element.nbytes
+    packed[filled:] = 0
+    packed[:table_bytes] = np.frombuffer(bytes(table), dtype=np.uint8)
     return packed.view(PACKED)
 
 
@@ -128,6 +129,8 @@ def unpack(packed: Array) -> tuple[Array | None, ...]:
         if not name:
             elements.append(None)
             continue
+        if not 0 <= ndim <= _MAX_NDIM:
+            raise ValueError(f"corrupt packed array: an element of ndim {ndim}")
         shape = struct.unpack_from(f"<{ndim}q", header, cursor)
         cursor += 8 * ndim
         dtype = _dtype_of(name)

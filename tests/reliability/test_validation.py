@@ -281,7 +281,7 @@ async def test_a_tuple_the_next_stage_cannot_take_is_named_at_its_first_forward(
     failure = await failure_of(run_case(paired, GPIPE))
     assert (failure.rank, failure.actor, failure.step) == (1, "compute", "F0.1")
     assert failure.cause_type is PipelineInputError
-    assert "stage 1's module raised TypeError when called with the 2 tensors" in (
+    assert "stage 1's module raised TypeError when called with the 2 tensors stage 0 returned" in (
         failure.cause_message
     )
 

@@ -131,6 +131,9 @@ async def test_a_tuple_the_next_stage_cannot_take_is_named() -> None:
     assert (caught.value.rank, caught.value.step) == (1, "F0.1")
     cause = caught.value.__cause__
     assert isinstance(cause, PipelineInputError)
-    assert "stage 1's module raised TypeError when called with the 2 tensors" in str(cause)
+    assert (
+        "stage 1's module raised TypeError when called with the 2 tensors stage 0 returned"
+        in str(cause)
+    )
     del caught
     assert all(s.live_chunks == 0 for s in paired)

@@ -271,3 +271,17 @@ async def test_fsdp_dp2_with_tuples_between_stages() -> None:
     for got_stage, want_stage in zip(full[1], expected, strict=True):
         for got, want in zip(got_stage, want_stage, strict=True):
             np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.asyncio
+async def test_a_tuple_batch_the_first_module_cannot_take_is_named() -> None:
+    stages = [PipelineStage(Returns(lambda h: h), 0, 2), PipelineStage(Returns(lambda h: h), 1, 2)]
+    x, y = data()
+    with pytest.raises(PipelineError) as caught:
+        await run_schedule(
+            stages, "gpipe", micro_batch_num=2, inputs=(x, x), targets=y, loss_fn=mse_loss
+        )
+    assert (caught.value.rank, caught.value.step) == (0, "F0.0")
+    assert "stage 0's module raised TypeError when called with the 2 parts of the batch" in str(
+        caught.value.__cause__
+    )
