@@ -6,7 +6,7 @@ gradient per tensor, None where there is none (an integer mask, an input nobody
 differentiated). Between ranks of one process a tuple travels as a tuple of payloads;
 between processes the transport packs it into one array (``core.wire.wire_array``,
 ``core.packed``), which arrives here packed and is unpacked into views of the received
-buffer. A single tensor travels as before, with no tuple around it.
+buffer. A single tensor travels as itself, with no tuple around it.
 """
 
 from __future__ import annotations
