@@ -3,9 +3,9 @@ with its elements (the torch twin: ``tests/torch_backend/test_torch_tuples.py``)
 
 The model (``ppswap.demo.model.TupleStage``) passes ``(hidden, mask, scale)`` along:
 ``mask`` an int32 tensor (no gradient travels back for it), ``scale`` a float tensor every
-stage uses and changes. For GPipe,
-1F1B and Interleaved with dx/dw split and overlap: swap on bit-identical to swap off,
-both equal to the unsplit model (rtol 1e-5), bytes moved.
+stage uses and changes. For GPipe, 1F1B and Interleaved with dx/dw split and overlap:
+swap on bit-identical to swap off, both equal to the unsplit model (rtol 1e-5), bytes
+moved.
 """
 
 from __future__ import annotations

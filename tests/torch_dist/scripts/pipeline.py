@@ -4,18 +4,19 @@
 
 A case is ``SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout][-tuple]``: SCHEDULE
 ``gpipe``, ``1f1b`` or ``interleaved`` (vpp 2), P2P ``plain``, ``batch`` or ``boundary``,
-``-dw`` for ``split_dw``, ``-overlap`` for ``overlap_b_f``. The run has pp = N ranks, N * vpp stages
-and 2 * N micro-batches of 2 samples (``-big``: 160 samples, so every activation and
-gradient between ranks is 20 KiB, above the 16 KiB inline limit this script gives its
-transport (``INLINE_MAX_BYTES``), and travels as a header and a body), ``min_swap_gap=2``
-(so 1F1B at pp 2 swaps too). ``-bf16``: the model and the batch in bfloat16 (activations
-and gradients cross the process boundary as ``ml_dtypes``' bfloat16). ``-dropout``: each
-stage ends with dropout (p 0.2), torch seeded alike before every run: the masks come from
-each stage's own stream (``ppswap/backends/torch/rng.py``), so they are the same in every
-process layout; such a case is not compared with the unsplit model (check 2).
-``-tuple``: the stages pass ``(hidden, mask, scale)`` along (``TupleStage``: an int64 mask,
-no gradient travels back for it, and a float scale every stage uses and changes), so
-activations and gradients cross the process boundary packed (``ppswap.core.packed``).
+``-dw`` for ``split_dw``, ``-overlap`` for ``overlap_b_f``. The run has pp = N ranks,
+N * vpp stages and 2 * N micro-batches of 2 samples (``-big``: 160 samples, so every
+activation and gradient between ranks is 20 KiB, above the 16 KiB inline limit this script
+gives its transport (``INLINE_MAX_BYTES``), and travels as a header and a body),
+``min_swap_gap=2`` (so 1F1B at pp 2 swaps too). ``-bf16``: the model and the batch in
+bfloat16 (activations and gradients cross the process boundary as ``ml_dtypes``'
+bfloat16). ``-dropout``: each stage ends with dropout (p 0.2), torch seeded alike before
+every run: the masks come from each stage's own stream (``ppswap/backends/torch/rng.py``),
+so they are the same in every process layout; such a case is not compared with the
+unsplit model (check 2). ``-tuple``: the stages pass ``(hidden, mask, scale)`` along
+(``TupleStage``: an int64 mask, no gradient travels back for it, and a float scale every
+stage uses and changes), so activations and gradients cross the process boundary packed
+(``ppswap.core.packed``); it does not combine with ``-dropout``.
 
 Every process builds all stages from one seed (the attention + MLP stage model of
 ``tests/torch_backend/torch_support.py``, both blocks swap-wrapped), keeps its own
@@ -113,6 +114,8 @@ class Case:
                 "SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout][-tuple]"
             )
         schedule, p2p, dw, overlap, big, bf16, dropout, tupled = match.groups()
+        if dropout and tupled:
+            raise SystemExit(f"bad case {name!r}: -dropout and -tuple do not combine")
         mode = cast(P2PMode, p2p)
         samples = 160 if big else 2
         dtype = torch.bfloat16 if bf16 else torch.float32
