@@ -5,7 +5,7 @@ The model (``ppswap.demo.model.TupleStage``) passes ``(hidden, mask, scale)`` al
 ``mask`` an int32 tensor (no gradient travels back for it), ``scale`` a float tensor every
 stage uses and changes. For GPipe, 1F1B and Interleaved with dx/dw split and overlap:
 swap on bit-identical to swap off, both equal to the unsplit model (rtol 1e-5), bytes
-moved.
+moved; a forward-only run passes the tuples too, with the training run's losses.
 """
 
 from __future__ import annotations
@@ -100,3 +100,23 @@ async def test_tuples_between_stages_swap_bit_identically_and_match_the_unsplit_
     assert on.loss == pytest.approx(loss, rel=1e-5)
     for got, want in zip(grads_on, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+async def test_a_forward_only_run_passes_tuples_and_gives_the_training_runs_losses() -> None:
+    trained, _ = await run(CASES[2], swap=False)
+    schedule, pp, stage_num, micro, _, _ = CASES[2]
+    stages = [PipelineStage(c, i, stage_num) for i, c in enumerate(cells(stage_num))]
+    x, y = data()
+    evaluated = await run_schedule(
+        stages,
+        schedule,
+        pp=pp,
+        micro_batch_num=micro,
+        inputs=x,
+        targets=y,
+        loss_fn=mse_loss,
+        forward_only=True,
+    )
+    assert evaluated.losses == trained.losses

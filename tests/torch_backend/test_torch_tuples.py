@@ -9,8 +9,9 @@ Interleaved with split_dw and overlap_b_f): swap on bit-identical to swap off, b
 to the unsplit model (rtol 1e-5), bytes moved. A batch given as a tuple
 (``inputs=(x, mask)``) reaches the first stage split alike, and a bad one is refused
 before any work. FSDP dp2 with tuples: swap on equal to off, full gradients equal to the
-unsplit model's. What a stage may return: a list works as a tuple, a tuple holding a
-non-tensor or a dict is a PipelineInputError naming the stage and the element.
+unsplit model's. A forward-only run gives the training run's losses. What a stage may
+return: a list works as a tuple, a tuple holding a non-tensor or a dict is a
+PipelineInputError naming the stage and the element.
 """
 
 from __future__ import annotations
@@ -285,3 +286,22 @@ async def test_a_tuple_batch_the_first_module_cannot_take_is_named() -> None:
     assert "stage 0's module raised TypeError when called with the 2 parts of the batch" in str(
         caught.value.__cause__
     )
+
+
+@pytest.mark.asyncio
+async def test_a_forward_only_run_passes_tuples_and_gives_the_training_runs_losses() -> None:
+    case = CASES[2]
+    trained, _ = await run(case, swap=False)
+    stages = [PipelineStage(m, i, case.stage_num) for i, m in enumerate(modules(case.stage_num))]
+    x, y = data()
+    evaluated = await run_schedule(
+        stages,
+        case.schedule,
+        pp=case.pp,
+        micro_batch_num=case.micro,
+        inputs=x,
+        targets=y,
+        loss_fn=mse_loss,
+        forward_only=True,
+    )
+    assert evaluated.losses == trained.losses
