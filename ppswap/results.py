@@ -64,6 +64,11 @@ class RunResult:
     With FSDP (a DP x PP mesh) ``losses[m]`` is the mean over dp replicas of their
     micro-batch ``m`` (equal-sized, so the mean loss of the global micro-batch) and
     ``ranks`` is indexed by world rank (``dp_index * pp + pp_index``).
+
+    ``outputs``: in a forward-only run without ``loss_fn``, the last stage's output for
+    each micro-batch (a host array, or a tuple of them), in batch order (with FSDP: every
+    replica's micro-batches, replica after replica), and no losses; only where the last
+    stage runs (in this process), empty elsewhere and in every other run.
     """
 
     losses: list[float]
@@ -75,3 +80,4 @@ class RunResult:
     swap: bool = False
     schedule: str = ""
     extras: dict[str, Any] = field(default_factory=dict)
+    outputs: list[Any] = field(default_factory=list)

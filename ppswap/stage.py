@@ -194,17 +194,22 @@ class PipelineStage:
         self._loss_fn = loss_fn
         self._micro_count = micro_count
         self.generation = generation
-        self._forward_fn = self._make_forward_fn(loss_fn)
+        self._forward_fn = self._make_forward_fn(loss_fn, forward_only)
 
-    def _make_forward_fn(self, loss_fn: LossFn | None) -> Callable[..., Tensor]:
+    def _make_forward_fn(self, loss_fn: LossFn | None, forward_only: bool) -> Callable[..., Tensor]:
         """The function whose forward is recorded: the module, plus the loss on the last
-        stage (the target is an input of the record, so each micro-batch's is distinct)."""
+        stage (the target is an input of the record, so each micro-batch's is distinct);
+        the module alone on a last stage without ``loss_fn`` in a forward-only run (its
+        outputs are the result)."""
         is_scalar_tensor = self._is_scalar_tensor
         tensor_name = self.backend.tensor_name
         call = self._module_caller()
-        if self.is_last:
+        if self.is_last and not (forward_only and loss_fn is None):
             if loss_fn is None:
-                raise ValueError(f"stage {self.stage_index} is the last stage: loss_fn is required")
+                raise ValueError(
+                    f"stage {self.stage_index} is the last stage: loss_fn is required (but in "
+                    "a forward-only run)"
+                )
 
             def stage_with_loss(*inputs_and_target: Tensor) -> Tensor:
                 *inputs, target = inputs_and_target

@@ -167,6 +167,7 @@ class ComputeActor:
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
         self._trace = BatchTrace(recorder, rank, self.actor_name)
         self.losses: dict[int, float] = {}
+        self.outputs: dict[int, Any] = {}  # the last stage's, where they are the result
         self._steps_executed = 0
         self._batches = 0
         self._job_s = dict.fromkeys(JOB_KINDS, 0.0)
@@ -403,7 +404,10 @@ class ComputeActor:
         """Loop side of a finished local step: where its result goes."""
         kind = step.kind
         if kind is StepKind.FWD and self._stages[step.stage].is_last:
-            self.losses[step.micro] = float(result)
+            if self._data.outputs:
+                self.outputs[step.micro] = result
+            else:
+                self.losses[step.micro] = float(result)
         elif kind in _WAITS:
             waited = self._waited_s.pop(step, 0.0)
             if self._log_steps:

@@ -69,10 +69,12 @@ _JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_inpu
 @dataclass(frozen=True, slots=True)
 class RankInputs:
     """The micro-batches this rank's first/last stages consume (host arrays; a tuple of
-    them per micro-batch for inputs given as a tuple)."""
+    them per micro-batch for inputs given as a tuple); ``outputs``: the last stage's
+    outputs are the run's result (a forward-only run without ``loss_fn``: no targets)."""
 
     inputs: Sequence[HostArray] | Sequence[tuple[HostArray, ...]]
     targets: Sequence[HostArray] | None
+    outputs: bool = False
 
 
 @dataclass(slots=True)
@@ -291,7 +293,7 @@ class LocalSteps:
     def _forward(self, step: MetaStep, wait: bool) -> StepJob | None:
         stage = self.stages[step.stage]
         target = None
-        if stage.is_last:
+        if stage.is_last and not self.data.outputs:
             assert self.data.targets is not None
             target = self.data.targets[step.micro]
         payload: Payload = None

@@ -27,7 +27,9 @@ What is checked (docs/reliability.md lists the tests):
   ``inputs`` may also be a tuple of such (not a list: a nested list of numbers is the
   usual mistake, and is named as one), each split alike: the first stage's module is
   called with one micro-batch of each (``tokens, mask``);
-- ``loss_fn``: a callable, required when the run has the last stage.
+- ``loss_fn``: a callable, required when the run has the last stage, but in a
+  forward-only run: without one, that run returns the last stage's outputs
+  (``RunResult.outputs``) and needs no targets.
 
 What cannot be checked without running the model is reported at the first FWD, before any
 backward: a feature shape the first layer does not accept (a PipelineError naming the
@@ -110,6 +112,11 @@ class RunPlan:
     @property
     def count_saved_bytes(self) -> bool:
         return self.options.count_saved_bytes
+
+    @property
+    def returns_outputs(self) -> bool:
+        """A forward-only run without ``loss_fn``: its result is the last stage's outputs."""
+        return self.options.forward_only and self.loss_fn is None
 
     @property
     def runs_batches(self) -> bool:
@@ -358,16 +365,18 @@ def _check_data(
         if len(sizes) > 1:
             found = ", ".join(f"{name} {part.shape[0]}" for name, part in named_inputs)
             raise PipelineInputError(f"every part of inputs must have one batch size, got {found}")
-    if last is not None:
+    inference = options.forward_only and loss_fn is None  # the last stage's outputs
+    if last is not None and not inference:
         if loss_fn is None or not callable(loss_fn):
             raise TypeError(
                 f"loss_fn must be a callable (output, target) -> scalar loss for the last "
-                f"stage, got {loss_fn!r}"
+                f"stage, got {loss_fn!r} (None only with forward_only=True: the run then "
+                "returns the last stage's outputs)"
             )
         _check_batch(backend, "targets", targets, micro, dp)
         _check_float_dtype("targets", targets, last, "last")
     batch = named_inputs[0][1].shape[0] if first is not None else None
-    if first is not None and last is not None and batch != targets.shape[0]:
+    if first is not None and last is not None and not inference and batch != targets.shape[0]:
         raise PipelineInputError(
             f"inputs and targets must have the same batch size, got {batch} and {targets.shape[0]}"
         )
@@ -448,5 +457,6 @@ def split_batches(plan: RunPlan) -> Batches:
         inputs = list(zip(*(split(part) for part in plan.inputs), strict=True))
     elif plan.inputs is not None:
         inputs = split(plan.inputs)
-    targets = split(plan.targets) if plan.targets is not None else None
+    wanted = plan.targets is not None and not plan.returns_outputs
+    targets = split(plan.targets) if wanted else None
     return Batches(inputs, targets)

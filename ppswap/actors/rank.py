@@ -108,7 +108,7 @@ class RankRuntime:
             p2p=p2p_tx,
             copies=self.copy_stream,
             recorder=recorder,
-            data=RankInputs(replica.inputs, replica.targets),
+            data=RankInputs(replica.inputs, replica.targets, outputs=plan.returns_outputs),
             generation=generation,
             timeout_s=plan.step_timeout,
             log_steps=log_steps,

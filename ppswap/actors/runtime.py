@@ -40,6 +40,7 @@ from typing import Any
 import anyio
 import structlog
 
+from ppswap.actors.compute import ComputeActor
 from ppswap.actors.distributed import abort_job, configure_transport, gather_results
 from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.p2p import InProcessTransport
@@ -199,6 +200,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     for stage in plan.stages:
         stage.generation = generation
     losses = _collect_losses(plan, ranks)
+    outputs = _collect_outputs(plan, ranks) if plan.returns_outputs else []
     if is_distributed(transport):
         losses, stats = await gather_results(transport, stats[0], losses, plan.config.micro)
     result = RunResult(
@@ -210,6 +212,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         trace_path=None if plan.trace is None else recorder.write_chrome_trace(plan.trace),
         swap=plan.config.swap,
         schedule=plan.config.schedule,
+        outputs=outputs,
     )
     if log_steps:
         log.info("run_end", generation=generation, loss=result.loss, step_time_s=elapsed)
@@ -281,12 +284,27 @@ async def _teardown(
         transport.reset()
 
 
+def _last_stage_replicas(plan: RunPlan, ranks: list[RankRuntime]) -> list[ComputeActor]:
+    """The compute actors of this process's ranks that run the last stage, in rank order
+    (one per dp replica with FSDP, replica after replica)."""
+    config = plan.config
+    last_rank = config.rank_of(config.num_stages - 1)
+    return [r.compute_actor for r in ranks if r.rank % config.pp == last_rank]
+
+
+def _collect_outputs(plan: RunPlan, ranks: list[RankRuntime]) -> list[Any]:
+    """The last stage's outputs, micro-batch after micro-batch, replica after replica."""
+    return [
+        actor.outputs[m]
+        for actor in _last_stage_replicas(plan, ranks)
+        for m in sorted(actor.outputs)
+    ]
+
+
 def _collect_losses(plan: RunPlan, ranks: list[RankRuntime]) -> list[float]:
     """Per micro-batch, the mean over dp replicas of the last stage's loss (one replica
     without FSDP)."""
-    config = plan.config
-    last_rank = config.rank_of(config.num_stages - 1)
-    replicas = [r.compute_actor for r in ranks if r.rank % config.pp == last_rank]
+    replicas = _last_stage_replicas(plan, ranks)
     if not replicas:
         return []
     micros = sorted(replicas[0].losses)

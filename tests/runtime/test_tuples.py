@@ -5,7 +5,8 @@ The model (``ppswap.demo.model.TupleStage``) passes ``(hidden, mask, scale)`` al
 ``mask`` an int32 tensor (no gradient travels back for it), ``scale`` a float tensor every
 stage uses and changes. For GPipe, 1F1B and Interleaved with dx/dw split and overlap:
 swap on bit-identical to swap off, both equal to the unsplit model (rtol 1e-5), bytes
-moved; a forward-only run passes the tuples too, with the training run's losses.
+moved; a forward-only run passes the tuples too, with the training run's losses, and
+without ``loss_fn`` returns the last stage's outputs.
 """
 
 from __future__ import annotations
@@ -120,3 +121,20 @@ async def test_a_forward_only_run_passes_tuples_and_gives_the_training_runs_loss
         forward_only=True,
     )
     assert evaluated.losses == trained.losses
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+async def test_a_forward_only_run_without_loss_fn_returns_the_last_stages_outputs() -> None:
+    """Inference (``tests/torch_backend/test_torch_outputs.py`` on torch): per micro-batch
+    the last stage's output, equal to the unsplit model on that micro-batch."""
+    schedule, pp, stage_num, micro, _, _ = CASES[1]
+    stages = [PipelineStage(c, i, stage_num) for i, c in enumerate(cells(stage_num))]
+    x, _ = data()
+    result = await run_schedule(
+        stages, schedule, pp=pp, micro_batch_num=micro, inputs=x, forward_only=True
+    )
+    assert result.losses == [] and len(result.outputs) == micro
+    model = Chain(cells(stage_num))
+    for got, part in zip(result.outputs, np.split(x, micro), strict=True):
+        np.testing.assert_allclose(got, model(Tensor(part)).asnumpy(), rtol=1e-6, atol=1e-7)

@@ -14,7 +14,8 @@ bfloat16, three with dropout after every stage and three passing a tuple of tens
 stages (one per family and per P2P mode each).
 A last launch
 perturbs two cases' results on purpose and must fail, naming them, so the checks cannot
-pass vacuously.
+pass vacuously. ``scripts/inference.py`` checks forward-only runs without ``loss_fn``: the
+last stage's outputs in its process, none elsewhere.
 """
 
 from __future__ import annotations
@@ -117,3 +118,19 @@ def test_a_perturbed_result_fails_the_run_naming_the_case() -> None:
         assert sorted(ok_lines(result, rank)) == [clean], out
     # (the first rank to exit makes torchrun end the other, which may not get to print it)
     assert re.search(r"^rank \d: 2 of 3 cases failed$", out, re.M), out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_inference_outputs_stay_with_the_last_stage(ranks: int) -> None:
+    """Forward-only runs without loss_fn (``scripts/inference.py``): the last stage's
+    process gets one output per micro-batch, equal to the unsplit model's; the others
+    get none."""
+    result = launch(ranks, "inference.py", timeout_s=120)
+    assert result.returncode == 0, result.output
+    assert "MISMATCH" not in result.output, result.output
+    last = ranks - 1  # the last stage of GPipe and of Interleaved (vpp 2) both run there
+    for rank in range(ranks):
+        for schedule in ("gpipe", "interleaved_1f1b"):
+            outputs = 2 * ranks if rank == last else 0
+            assert f"rank {rank} {schedule} OK outputs={outputs}" in result.output, result.output
