@@ -16,6 +16,7 @@ array (no copy), each aligned for its dtype. Pure numpy and the standard library
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -134,7 +135,7 @@ def unpack(packed: Array) -> tuple[Array | None, ...]:
         shape = struct.unpack_from(f"<{ndim}q", header, cursor)
         cursor += 8 * ndim
         dtype = _dtype_of(name)
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        nbytes = dtype.itemsize * math.prod(shape)
         if offset < cursor or offset + nbytes > raw.size:
             raise ValueError(f"corrupt packed array: element at {offset} of {nbytes} bytes")
         element = raw[offset : offset + nbytes].view(dtype).reshape(shape)
