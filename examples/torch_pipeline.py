@@ -7,8 +7,8 @@ into four pipeline stages, one per rank; every block is wrapped with ``swap_wrap
 saved activations may move to host memory). It trains a few GPipe steps with swap off,
 then again from the same weights with swap on, updating the weights with
 ``torch.optim.SGD`` (a run leaves its gradients in each parameter's ``.grad``, as
-``loss.backward()`` does). Swap moves activations to the host and back; it changes no number, so
-the losses must agree bit for bit (exit status 1 if they do not). Printed: the loss of
+``loss.backward()`` does). Swap moves activations to the host and back; it changes no
+number, so the losses must agree bit for bit (exit status 1 if they do not). Printed: the loss of
 every step with swap off and on, then per rank the measured peak of the bytes autograd
 saved for backward without and with swap, and how many bytes swap offloaded.
 """

@@ -3,7 +3,9 @@
 Used by ``ppswap demo``, the examples, the tests and the benchmarks. Every stage holds
 ``layers_per_stage`` transformer blocks; stage 0 also embeds the tokens and the last stage
 projects to the vocabulary. The causal mask is one tensor shared by every block of a stage
-(like a rotary table): it must never be offloaded or freed.
+(like a rotary table): it must never be offloaded or freed. Beside it, small MLP stages
+for tests: ``build_mlp_stages``, and ``build_tuple_stages`` (stages that pass a tuple of
+tensors on).
 """
 
 from __future__ import annotations
