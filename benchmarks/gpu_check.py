@@ -122,9 +122,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppswap import PipelineStage, RunResult, run_schedule
-from ppswap.backends.base import CopyEngine, HostArray
+from ppswap.backends.base import CopyEngine
 from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine, CudaSource
+from ppswap.backends.types import HostArray
 from ppswap.results import RankStats
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders

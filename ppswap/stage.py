@@ -45,15 +45,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ppswap.backends import backend_for, type_name
-from ppswap.backends.base import (
-    Backend,
-    CopyEngine,
-    ForwardRecord,
-    Module,
-    RngStream,
-    Tensor,
-    WeightGrads,
-)
+from ppswap.backends.autograd import ForwardRecord, WeightGrads
+from ppswap.backends.base import Backend, CopyEngine, RngStream
+from ppswap.backends.types import Module, Tensor
 from ppswap.core.packed import MAX_ELEMENTS
 from ppswap.errors import PipelineInputError
 

@@ -4,7 +4,7 @@ The runtime (scheduler, stage, swap, actors, fsdp) never imports a tensor framew
 reaches one only through a :class:`Backend` (``ppswap.backends.mindspore``,
 ``ppswap.backends.torch``), chosen from the stages' modules by
 :func:`ppswap.backends.backend_for`. Tensors, modules and parameters are opaque objects
-here (``Tensor`` / ``Module`` are ``Any``); only the backend looks inside them.
+to the runtime (``ppswap.backends.types``); only the backend looks inside them.
 
 What a backend provides, grouped as the runtime uses it:
 
@@ -18,7 +18,7 @@ What a backend provides, grouped as the runtime uses it:
   storage move together);
 - capture: saved-tensor hooks around a forward;
 - autograd: a stage's forward recorded now and its backward run later, in any order,
-  with the dx/dw split (:class:`Autograd`);
+  with the dx/dw split (``Backend.autograd``, the protocol in ``ppswap.backends.autograd``);
 - the run's scope on the compute thread (settings the framework needs while a run
   executes, restored after it), memory statistics, and the copy engine that moves saved
   activations between device and host (:class:`CopyEngine`).
@@ -35,40 +35,21 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
-import numpy.typing as npt
 
+from ppswap.backends.autograd import Autograd
+from ppswap.backends.types import HostArray, Module, PackHook, Tensor, UnpackHook
 from ppswap.core.oneshot import OneShot
 
 __all__ = [
     "NO_STORAGE",
-    "Autograd",
     "Backend",
     "CopyEngine",
     "CopyEvent",
     "DeviceMemory",
-    "ForwardRecord",
-    "HostArray",
-    "Module",
-    "PackHook",
     "RngStream",
     "StorageRef",
-    "Tensor",
-    "UnpackHook",
     "ViewKey",
-    "WeightGrads",
 ]
-
-Tensor = Any
-"""A framework tensor (``mindspore.Tensor``, ``torch.Tensor``): opaque to the runtime."""
-
-Module = Any
-"""A framework module (``mindspore.nn.Cell``, ``torch.nn.Module``)."""
-
-HostArray = npt.NDArray[Any]
-"""A numpy array in host memory."""
-
-PackHook = Callable[[Tensor], Any]
-UnpackHook = Callable[[Any], Tensor]
 
 
 class StorageRef(NamedTuple):
@@ -149,63 +130,6 @@ class CopyEvent(OneShot[None]):
 
     def set(self) -> None:
         self.set_value(None)
-
-
-class ForwardRecord(Protocol):
-    """A stage forward recorded for a later backward (opaque; only the backend that made
-    it reads it). It holds what the backward needs, not necessarily the output."""
-
-
-class WeightGrads(Protocol):
-    """The weight gradients of a split backward, computed now or when called."""
-
-    def __call__(self) -> tuple[Tensor, ...]: ...
-
-
-@runtime_checkable
-class Autograd(Protocol):
-    """Forward now, backward later, in any order (a pipeline's FWD and BWD steps).
-
-    ``record`` runs ``fn(*inputs)`` recording its graph and returns its output and the
-    record; the saved-tensor hooks active around it see every tensor the graph saves.
-    ``grad_inputs`` (default: every input) says which inputs' gradients a backward will
-    ask for: a backend may skip the others' (the first stage's dx, the loss's target).
-    ``backward`` runs the recorded graph's backward seeded with ``sensitivity`` and
-    returns ``(input_grads, weight_grads)``
-    (``weight_grads`` aligned with ``weights``). ``backward_input`` is the dx half of the
-    dx/dw split: it returns the input gradients now and the weight gradients as a
-    callable (a backend that cannot compute dx alone computes both and keeps dw).
-    ``release`` gives back what an abandoned record holds (its backward never runs);
-    ``run_without_graph`` runs a forward recording nothing (forward-only runs);
-    ``discard_all`` forgets every record of the process (teardown of a failed run).
-    """
-
-    def record(
-        self,
-        fn: Callable[..., Tensor],
-        inputs: Sequence[Tensor],
-        grad_inputs: Sequence[bool] | None = None,
-    ) -> tuple[Tensor, ForwardRecord]: ...
-
-    def backward(
-        self, record: ForwardRecord, sensitivity: Tensor, weights: Sequence[Tensor]
-    ) -> tuple[tuple[Tensor | None, ...], tuple[Tensor, ...]]: ...
-
-    def backward_input(
-        self, record: ForwardRecord, sensitivity: Tensor, weights: Sequence[Tensor]
-    ) -> tuple[tuple[Tensor | None, ...], WeightGrads]: ...
-
-    def release(self, record: ForwardRecord, weights: Sequence[Tensor]) -> bool: ...
-
-    def run_without_graph(self, fn: Callable[..., Tensor], inputs: Sequence[Tensor]) -> Tensor: ...
-
-    def discard_all(self) -> None: ...
-
-    @property
-    def defers_weight_grads(self) -> bool:
-        """Whether ``backward_input`` leaves the dw compute (and the graph's saved tensors)
-        for later: then a chunk is released after its BWD_WEIGHT, not its BWD_INPUT."""
-        ...
 
 
 @runtime_checkable

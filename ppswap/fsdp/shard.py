@@ -41,7 +41,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ppswap.backends import backend_for
-from ppswap.backends.base import Backend, Module, Tensor
+from ppswap.backends.base import Backend
+from ppswap.backends.types import Module, Tensor
 from ppswap.core.transport import CollectiveTransport, MultiProcessTransport
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.stage import PipelineStage

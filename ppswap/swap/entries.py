@@ -18,7 +18,8 @@ from __future__ import annotations
 import enum
 import threading
 
-from ppswap.backends.base import Backend, CopyEngine, StorageRef, Tensor, ViewKey
+from ppswap.backends.base import Backend, CopyEngine, StorageRef, ViewKey
+from ppswap.backends.types import Tensor
 from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.errors import SwapStateError
 from ppswap.swap.spans import StorageSpan

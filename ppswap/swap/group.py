@@ -24,8 +24,9 @@ them take the group lock; :meth:`materialize` never holds it while waiting.
 
 from __future__ import annotations
 
-from ppswap.backends.base import Backend, CopyEngine, Tensor
+from ppswap.backends.base import Backend, CopyEngine
 from ppswap.backends.host_memory import HOST_ALIGNMENT, Array
+from ppswap.backends.types import Tensor
 from ppswap.swap.accounting import DeviceBlock, SwapAccounting
 from ppswap.swap.entries import EntryTable, GroupPhase
 from ppswap.swap.errors import SwapError, SwapStateError

@@ -24,7 +24,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ppswap.backends.base import Backend, CopyEngine, Module, StorageRef, Tensor
+from ppswap.backends.base import Backend, CopyEngine, StorageRef
+from ppswap.backends.types import Module, Tensor
 from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.errors import SwapError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup

@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ppswap.backends.base import CopyEngine, Module, StorageRef, Tensor
+from ppswap.backends.base import CopyEngine, StorageRef
+from ppswap.backends.types import Module, Tensor
 from ppswap.swap.accounting import Chunk, SwapAccounting
 from ppswap.swap.errors import SwapError, SwapTimeoutError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ppswap.backends.base import HostArray, ViewKey
+from ppswap.backends.base import ViewKey
+from ppswap.backends.types import HostArray
 from ppswap.swap.errors import SwapError
 from ppswap.swap.tensor import CheckMode, SwapState, SwapTensor, content_digest, digest_bytes
 

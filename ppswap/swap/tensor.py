@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
 
 import numpy as np
 
-from ppswap.backends.base import Backend, HostArray, StorageRef, Tensor, ViewKey
+from ppswap.backends.base import Backend, StorageRef, ViewKey
+from ppswap.backends.types import HostArray, Tensor
 from ppswap.swap.errors import SwapError, SwapStateError
 
 if TYPE_CHECKING:

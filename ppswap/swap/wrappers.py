@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ppswap.backends import backend_for, framework_of
-from ppswap.backends.base import Module, Tensor
+from ppswap.backends.types import Module, Tensor
 from ppswap.swap.errors import SwapError, SwapWarning
 from ppswap.swap.manager import (
     Collection,

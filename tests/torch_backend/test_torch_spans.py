@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from ppswap.backends.base import ForwardRecord
+from ppswap.backends.autograd import ForwardRecord
 from ppswap.backends.torch import BACKEND as TORCH
 from ppswap.backends.torch.backend import TorchBackend
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapError, SwapManager, swap_wrapper

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch_support import DIM, AttentionBlock, MLPBlock, StageModel, build_modules, make_data
 
-from ppswap.backends.base import ForwardRecord
+from ppswap.backends.autograd import ForwardRecord
 from ppswap.backends.cpu_engine import contiguous_strides
 from ppswap.backends.torch import BACKEND as TORCH
 from ppswap.backends.torch import SwapWrapperModule

@@ -46,7 +46,7 @@ from mindspore import Tensor, ops
 from mindspore.graph.api import _no_grad, _pynative_executor
 from mindspore.ops.composite.base import _Grad
 
-from ppswap.backends.base import ForwardRecord, WeightGrads
+from ppswap.backends.autograd import ForwardRecord, WeightGrads
 
 __all__ = ["MindSporeAutograd", "MindSporeRecord"]
 

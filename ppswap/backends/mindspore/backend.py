@@ -44,20 +44,11 @@ from mindspore import context as ms_context
 from mindspore._c_expression import ms_ctx_param
 from mindspore.common import dtype as mstype
 
-from ppswap.backends.base import (
-    Autograd,
-    CopyEngine,
-    DeviceMemory,
-    HostArray,
-    Module,
-    PackHook,
-    RngStream,
-    StorageRef,
-    UnpackHook,
-    ViewKey,
-)
+from ppswap.backends.autograd import Autograd
+from ppswap.backends.base import CopyEngine, DeviceMemory, RngStream, StorageRef, ViewKey
 from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.backends.mindspore.autograd import MindSporeAutograd
+from ppswap.backends.types import HostArray, Module, PackHook, UnpackHook
 
 __all__ = ["MindSporeBackend", "SwapWrapperCell"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ppswap.backends.base import ForwardRecord, WeightGrads
+from ppswap.backends.autograd import ForwardRecord, WeightGrads
 
 __all__ = ["TorchAutograd", "TorchRecord"]
 

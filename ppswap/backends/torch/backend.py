@@ -46,17 +46,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from ppswap.backends.autograd import Autograd
 from ppswap.backends.base import (
     NO_STORAGE,
-    Autograd,
     CopyEngine,
     DeviceMemory,
-    HostArray,
-    Module,
-    PackHook,
     RngStream,
     StorageRef,
-    UnpackHook,
     ViewKey,
 )
 from ppswap.backends.cpu_engine import EmulatedDevice, contiguous_strides
@@ -64,6 +60,7 @@ from ppswap.backends.torch.autograd import TorchAutograd
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine
 from ppswap.backends.torch.hooks import CheckedHooks, top_saved_tensors_hooks
 from ppswap.backends.torch.rng import rng_scope, run_seed
+from ppswap.backends.types import HostArray, Module, PackHook, UnpackHook
 from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING, is_bfloat16
 
 __all__ = ["SwapWrapperModule", "TorchBackend"]

@@ -45,8 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppswap.backends.base import Backend, CopyEngine, HostArray, ViewKey
+from ppswap.backends.base import Backend, CopyEngine, ViewKey
 from ppswap.backends.host_memory import CopyCounters, HostPool, PoolStats
+from ppswap.backends.types import HostArray
 
 __all__ = ["CudaCopyEngine", "CudaSource"]
 

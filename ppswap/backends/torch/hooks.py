@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ppswap.backends.base import PackHook, UnpackHook
+from ppswap.backends.types import PackHook, UnpackHook
 
 __all__ = ["CheckedHooks", "SavedTensorModifiedError", "top_saved_tensors_hooks"]
 
