@@ -66,23 +66,25 @@ def unsplit(stage_num: int) -> tuple[float, list[np.ndarray]]:
     return float(value.asnumpy()), [g.asnumpy() for g in grads]
 
 
-async def run(case: tuple[Any, ...], *, swap: bool) -> tuple[RunResult, list[np.ndarray]]:
+async def run(
+    case: tuple[Any, ...], *, swap: bool, **overrides: Any
+) -> tuple[RunResult, list[np.ndarray]]:
+    """``case`` on fresh stages (``overrides``: run_schedule's keywords)."""
     schedule, pp, stage_num, micro, split_dw, overlap = case
     stages = [PipelineStage(c, i, stage_num) for i, c in enumerate(cells(stage_num))]
     x, y = data()
-    result = await run_schedule(
-        stages,
-        schedule,
-        pp=pp,
-        micro_batch_num=micro,
-        inputs=x,
-        targets=y,
-        loss_fn=mse_loss,
-        swap=swap,
-        split_dw=split_dw,
-        overlap_b_f=overlap,
-        step_timeout=120,
-    )
+    options: dict[str, Any] = {
+        "pp": pp,
+        "micro_batch_num": micro,
+        "inputs": x,
+        "targets": y,
+        "loss_fn": mse_loss,
+        "swap": swap,
+        "split_dw": split_dw,
+        "overlap_b_f": overlap,
+        "step_timeout": 120,
+    }
+    result = await run_schedule(stages, schedule, **(options | overrides))
     return result, [g.asnumpy() for s in stages for g in s.grads]
 
 
@@ -107,18 +109,8 @@ async def test_tuples_between_stages_swap_bit_identically_and_match_the_unsplit_
 @pytest.mark.asyncio
 async def test_a_forward_only_run_passes_tuples_and_gives_the_training_runs_losses() -> None:
     trained, _ = await run(CASES[2], swap=False)
-    schedule, pp, stage_num, micro, _, _ = CASES[2]
-    stages = [PipelineStage(c, i, stage_num) for i, c in enumerate(cells(stage_num))]
-    x, y = data()
-    evaluated = await run_schedule(
-        stages,
-        schedule,
-        pp=pp,
-        micro_batch_num=micro,
-        inputs=x,
-        targets=y,
-        loss_fn=mse_loss,
-        forward_only=True,
+    evaluated, _ = await run(
+        CASES[2], swap=False, forward_only=True, split_dw=False, overlap_b_f=False
     )
     assert evaluated.losses == trained.losses
 

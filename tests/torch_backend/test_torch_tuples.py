@@ -17,6 +17,7 @@ PipelineInputError naming the stage and the element.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -108,24 +109,24 @@ def unsplit(stage_num: int, *, with_mask: bool = False) -> tuple[float, list[lis
 
 
 async def run(
-    case: Case, *, swap: bool, with_mask: bool = False
+    case: Case, *, swap: bool, with_mask: bool = False, **overrides: Any
 ) -> tuple[RunResult, list[list[torch.Tensor]]]:
+    """``case`` on fresh stages (``overrides``: run_schedule's keywords)."""
     stages = [PipelineStage(m, i, case.stage_num) for i, m in enumerate(modules(case.stage_num))]
     x, y = data()
-    result = await run_schedule(
-        stages,
-        case.schedule,
-        pp=case.pp,
-        micro_batch_num=case.micro,
-        inputs=(x, batch_mask()) if with_mask else x,
-        targets=y,
-        loss_fn=mse_loss,
-        swap=swap,
-        split_dw=case.split_dw,
-        overlap_b_f=case.overlap_b_f,
-        p2p=case.p2p,
-        step_timeout=60,
-    )
+    options: dict[str, Any] = {
+        "pp": case.pp,
+        "micro_batch_num": case.micro,
+        "inputs": (x, batch_mask()) if with_mask else x,
+        "targets": y,
+        "loss_fn": mse_loss,
+        "swap": swap,
+        "split_dw": case.split_dw,
+        "overlap_b_f": case.overlap_b_f,
+        "p2p": case.p2p,
+        "step_timeout": 60,
+    }
+    result = await run_schedule(stages, case.schedule, **(options | overrides))
     return result, [[g.clone() for g in s.grads] for s in stages]
 
 
@@ -292,16 +293,5 @@ async def test_a_tuple_batch_the_first_module_cannot_take_is_named() -> None:
 async def test_a_forward_only_run_passes_tuples_and_gives_the_training_runs_losses() -> None:
     case = CASES[2]
     trained, _ = await run(case, swap=False)
-    stages = [PipelineStage(m, i, case.stage_num) for i, m in enumerate(modules(case.stage_num))]
-    x, y = data()
-    evaluated = await run_schedule(
-        stages,
-        case.schedule,
-        pp=case.pp,
-        micro_batch_num=case.micro,
-        inputs=x,
-        targets=y,
-        loss_fn=mse_loss,
-        forward_only=True,
-    )
+    evaluated, _ = await run(case, swap=False, forward_only=True, split_dw=False, overlap_b_f=False)
     assert evaluated.losses == trained.losses
