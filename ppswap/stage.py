@@ -26,6 +26,11 @@ Random numbers (dropout): each forward draws from the stage's own stream for the
 on what other stages ran on the compute thread before it: the same with swap on and off,
 in one process or one per rank.
 
+Each forward, with its loss, runs in the scope the run read from the thread that called
+``run_schedule`` (``Backend.caller_forward_scope``): on torch, that thread's
+``torch.autocast``, which the compute thread would not otherwise see. Backwards run
+outside it.
+
 The loss: on the last stage ``loss_fn(output, target)`` must return a scalar tensor. A
 loss_fn that raises, returns something else or a tensor with a shape is reported as a
 ``PipelineInputError`` naming ``loss_fn`` (at the first FWD of the last stage, before
@@ -41,12 +46,13 @@ arguments. Its backward returns one gradient per input, None for an input that g
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ppswap.backends import backend_for, type_name
 from ppswap.backends.autograd import ForwardRecord, WeightGrads
-from ppswap.backends.base import Backend, CopyEngine, RngStream
+from ppswap.backends.base import Backend, CopyEngine, ForwardScope, RngStream
 from ppswap.backends.types import Module, Tensor
 from ppswap.core.packed import MAX_ELEMENTS
 from ppswap.errors import PipelineInputError
@@ -112,6 +118,7 @@ class PipelineStage:
         self._loss_fn: LossFn | None = None
         self._micro_count = 1
         self._forward_fn: Callable[..., Tensor] | None = None
+        self._forward_scope: ForwardScope = nullcontext
         self._module_state: tuple[Tensor, ...] = ()
         self._copy_engine: tuple[str, CopyEngine] | None = None
         self._rng = RngStream(stage_index)
@@ -170,10 +177,13 @@ class PipelineStage:
         generation: int,
         forward_only: bool = False,
         rng_seed: int = 0,
+        forward_scope: ForwardScope = nullcontext,
     ) -> None:
         """Ready the stage for a run: gradients reset (unless ``forward_only``), the
-        forward made, and the stage's random-number stream for the run seeded from
-        ``rng_seed`` (``Backend.run_seed``, the same for every stage of the run)."""
+        forward made, the stage's random-number stream for the run seeded from
+        ``rng_seed`` (``Backend.run_seed``, the same for every stage of the run), and
+        ``forward_scope`` (``Backend.caller_forward_scope``) entered around each forward
+        with its loss."""
         if not forward_only:
             self._params = self.backend.trainable_parameters(self.module)
             self._grads = [None] * len(self._params)
@@ -189,6 +199,7 @@ class PipelineStage:
         self._micro_count = micro_count
         self.generation = generation
         self._forward_fn = self._make_forward_fn(loss_fn, forward_only)
+        self._forward_scope = forward_scope
 
     def _make_forward_fn(self, loss_fn: LossFn | None, forward_only: bool) -> Callable[..., Tensor]:
         """The function whose forward is recorded: the module, plus the loss on the last
@@ -318,10 +329,11 @@ class PipelineStage:
         autograd = self.backend.autograd
         rng = self.backend.rng_scope(self._rng, self._device)
         if not record:
-            with rng:
+            with rng, self._forward_scope():
                 return autograd.run_without_graph(self._forward_fn, inputs_for_graph)
         with (
             rng,
+            self._forward_scope(),
             collector.collection_context(
                 self.stage_index, micro, protected=inputs_for_graph, parameters=self._module_state
             ),

@@ -41,6 +41,7 @@ wrapped in that PipelineError).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ import numpy as np
 
 from ppswap.actors.p2p import InProcessTransport
 from ppswap.backends import type_name
-from ppswap.backends.base import Backend
+from ppswap.backends.base import Backend, ForwardScope
 from ppswap.core.dtypes import is_bfloat16, is_floating
 from ppswap.core.faults import FaultPlan
 from ppswap.core.messages import HostArray
@@ -77,7 +78,8 @@ __all__ = ["Batches", "RunPlan", "prepare_run", "split_batches"]
 @dataclass(frozen=True, slots=True)
 class RunPlan:
     """Everything a run needs, checked: the options, the stages and their backend, the
-    schedule's config and every rank's finalized order, the data."""
+    schedule's config and every rank's finalized order, the data, and the scope of its
+    forwards (``Backend.caller_forward_scope``: the caller's autocast on torch)."""
 
     options: RunOptions
     stages: tuple[PipelineStage, ...]
@@ -92,6 +94,7 @@ class RunPlan:
     channel_capacity: int
     # FSDP: the DP x PP mesh; ranks are then world ranks and ``orders`` is indexed by them.
     mesh: DeviceMesh | None = None
+    forward_scope: ForwardScope = nullcontext
 
     @property
     def step_timeout(self) -> float:
@@ -165,7 +168,8 @@ def prepare_run(
     loss_fn: LossFn | None,
     trace: str | Path | None,
 ) -> RunPlan:
-    """Check the run against its stages and data and build the finalized orders."""
+    """Check the run against its stages and data and build the finalized orders; read
+    the calling thread's settings the forwards run under (``RunPlan.forward_scope``)."""
     if trace is not None and not isinstance(trace, str | Path):
         raise TypeError(f"trace must be a file path (str or Path) or None, got {trace!r}")
     stage_list = _check_stages(stages)
@@ -206,6 +210,9 @@ def prepare_run(
         trace=None if trace is None else Path(trace),
         channel_capacity=max(_p2p_requests(order) for order in orders) + 1,
         mesh=mesh,
+        forward_scope=backend.caller_forward_scope(
+            [backend.device_of(stage.module) for stage in stage_list]
+        ),
     )
 
 

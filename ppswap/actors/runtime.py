@@ -230,7 +230,8 @@ async def _run_ranks(compute: DedicatedThread, ranks: list[RankRuntime]) -> None
 
 def _begin_stages(plan: RunPlan, generation: int) -> Batches:
     """Compute thread, one job: the batch split into micro-batches, and every stage ready
-    for the run (gradients reset unless forward-only, its random-number stream seeded)."""
+    for the run (gradients reset unless forward-only, its random-number stream seeded,
+    the scope of its forwards set)."""
     batches = split_batches(plan)
     rng_seed = plan.backend.run_seed()  # one draw per run, whatever stages run here
     for stage in plan.stages:
@@ -240,6 +241,7 @@ def _begin_stages(plan: RunPlan, generation: int) -> Batches:
             generation=generation,
             forward_only=plan.config.forward_only,
             rng_seed=rng_seed,
+            forward_scope=plan.forward_scope,
         )
     return batches
 

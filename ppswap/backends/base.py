@@ -20,7 +20,8 @@ What a backend provides, grouped as the runtime uses it:
 - autograd: a stage's forward recorded now and its backward run later, in any order,
   with the dx/dw split (``Backend.autograd``, the protocol in ``ppswap.backends.autograd``);
 - the run's scope on the compute thread (settings the framework needs while a run
-  executes, restored after it), memory statistics, and the copy engine that moves saved
+  executes, restored after it), the caller's per-thread settings its forwards must run
+  under (:data:`ForwardScope`), memory statistics, and the copy engine that moves saved
   activations between device and host (:class:`CopyEngine`).
 
 Threading: every call that touches a framework tensor runs on the runtime's compute
@@ -46,6 +47,7 @@ __all__ = [
     "CopyEngine",
     "CopyEvent",
     "DeviceMemory",
+    "ForwardScope",
     "RngStream",
     "StorageRef",
     "ViewKey",
@@ -63,6 +65,11 @@ class StorageRef(NamedTuple):
 
 NO_STORAGE = StorageRef(0, 0)
 """What ``Backend.storage_of`` returns for a tensor without a storage of its own."""
+
+ForwardScope = Callable[[], AbstractContextManager[None]]
+"""Makes the context every forward of a run (with its loss) runs in on the compute thread:
+the settings the thread that called ``run_schedule`` had when the run started
+(``Backend.caller_forward_scope``)."""
 
 
 class ViewKey(NamedTuple):
@@ -414,6 +421,14 @@ class Backend(Protocol):
     def run_scope(self) -> AbstractContextManager[None]:
         """Entered around a run, before its first framework call and until its last
         (settings the framework needs while a run executes, restored after it)."""
+        ...
+
+    def caller_forward_scope(self, devices: Sequence[str]) -> ForwardScope:
+        """Called on the thread that calls ``run_schedule``, when the run starts: that
+        thread's settings which a forward on ``devices`` (``device_of``) depends on and the
+        compute thread does not share, as the scope each forward and loss then runs in
+        (torch: ``torch.autocast``, per thread; a scope that sets nothing where there is
+        none)."""
         ...
 
     def memory(self) -> DeviceMemory: ...

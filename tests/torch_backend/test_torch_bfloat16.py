@@ -204,8 +204,8 @@ async def test_fsdp_dp2_in_bfloat16_swaps_bit_identically_and_matches_float32() 
 
 class Autocast(nn.Module):
     """Mixed precision: float32 weights, the forward under ``torch.autocast`` in bfloat16
-    (the stage's own forward enters it: autocast is per thread, and stages run on the
-    runtime's compute thread), a float32 output."""
+    entered by the stage's own forward (``test_torch_autocast.py`` has the caller's), a
+    float32 output."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()

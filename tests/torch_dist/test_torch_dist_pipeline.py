@@ -10,8 +10,8 @@ with ``split_dw``, and 1F1B and Interleaved with ``overlap_b_f`` with and withou
 ``split_dw``. At 4 processes every family in every P2P mode, and each variant of each
 family once (the P2P mode rotating). Both also run three cases with activations above the
 16 KiB inline limit the script gives its transport (one per P2P mode), three cases in
-bfloat16, three with dropout after every stage and three passing a tuple of tensors between
-stages (one per family and per P2P mode each).
+bfloat16, three with dropout after every stage, three passing a tuple of tensors between
+stages (one per family and per P2P mode each) and two under the caller's ``torch.autocast``.
 A last launch
 perturbs two cases' results on purpose and must fail, naming them, so the checks cannot
 pass vacuously. ``scripts/inference.py`` checks forward-only runs without ``loss_fn``: the
@@ -56,10 +56,11 @@ DROPOUT_CASES = [
 ]
 # (hidden, mask, scale) between stages, packed between processes: inline and as a body.
 TUPLE_CASES = ["gpipe-plain-tuple", "1f1b-boundary-dw-big-tuple", "interleaved-batch-overlap-tuple"]
-CASES_BY_RANKS = {
-    2: EVERY_CASE + BIG_CASES + BF16_CASES + DROPOUT_CASES + TUPLE_CASES,
-    4: FOUR_RANK_CASES + BIG_CASES + BF16_CASES + DROPOUT_CASES + TUPLE_CASES,
-}
+# Every run under the caller's torch.autocast to bfloat16: each process's compute thread
+# takes its own process's.
+AUTOCAST_CASES = ["1f1b-batch-dw-autocast", "interleaved-boundary-overlap-autocast"]
+SPECIAL_CASES = BIG_CASES + BF16_CASES + DROPOUT_CASES + TUPLE_CASES + AUTOCAST_CASES
+CASES_BY_RANKS = {2: EVERY_CASE + SPECIAL_CASES, 4: FOUR_RANK_CASES + SPECIAL_CASES}
 
 
 def ok_lines(result: Launch, rank: int) -> dict[str, str]:

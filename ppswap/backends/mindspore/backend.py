@@ -45,7 +45,14 @@ from mindspore._c_expression import ms_ctx_param
 from mindspore.common import dtype as mstype
 
 from ppswap.backends.autograd import Autograd
-from ppswap.backends.base import CopyEngine, DeviceMemory, RngStream, StorageRef, ViewKey
+from ppswap.backends.base import (
+    CopyEngine,
+    DeviceMemory,
+    ForwardScope,
+    RngStream,
+    StorageRef,
+    ViewKey,
+)
 from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.backends.mindspore.autograd import MindSporeAutograd
 from ppswap.backends.types import HostArray, Module, PackHook, UnpackHook
@@ -326,6 +333,10 @@ class MindSporeBackend:
             yield
         finally:
             _set_synchronous(previous)
+
+    def caller_forward_scope(self, devices: Sequence[str]) -> ForwardScope:
+        # MindSpore's mixed precision (``amp``) casts the network itself: no per-thread state
+        return nullcontext
 
     def memory(self) -> DeviceMemory:
         return DeviceMemory(str(ms.get_context("device_target")), None, None)

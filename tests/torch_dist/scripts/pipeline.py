@@ -2,7 +2,7 @@
 
     pipeline.py [--perturb CASE=swap|unsplit ...] CASE [CASE ...]
 
-A case is ``SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout][-tuple]``: SCHEDULE
+A case is ``SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout][-tuple][-autocast]``: SCHEDULE
 ``gpipe``, ``1f1b`` or ``interleaved`` (vpp 2), P2P ``plain``, ``batch`` or ``boundary``,
 ``-dw`` for ``split_dw``, ``-overlap`` for ``overlap_b_f``. The run has pp = N ranks,
 N * vpp stages and 2 * N micro-batches of 2 samples (``-big``: 160 samples, so every
@@ -16,7 +16,10 @@ so they are the same in every process layout; such a case is not compared with t
 unsplit model (check 2). ``-tuple``: the stages pass ``(hidden, mask, scale)`` along
 (``TupleStage``: an int64 mask, no gradient travels back for it, and a float scale every
 stage uses and changes), so activations and gradients cross the process boundary packed
-(``ppswap.core.packed``); it does not combine with ``-dropout``.
+(``ppswap.core.packed``); it does not combine with ``-dropout``. ``-autocast``: float32
+weights and batch, every ``run_schedule`` call under ``torch.autocast`` to bfloat16 (each
+process's own, carried to its compute thread: ``ppswap/backends/torch/autocast.py``); it
+does not combine with ``-bf16``.
 
 Every process builds all stages from one seed (the attention + MLP stage model of
 ``tests/torch_backend/torch_support.py``, both blocks swap-wrapped), keeps its own
@@ -33,7 +36,11 @@ on. Per case and rank it checks:
    micro-batches at 2 and 4 ranks: at most 1.2%; a micro-batch's contribution missing or
    counted twice is off by 25% or more). A bfloat16 model is no reference: torch's CPU
    kernels reduce in bfloat16 (one thread: 9.5% off a float32 reduction on the ``-big``
-   batch, measured), so the bfloat16 cases keep the small batch;
+   batch, measured), so the bfloat16 cases keep the small batch. Under ``-autocast`` the
+   unsplit model runs micro-batch by micro-batch, each forward under the same autocast
+   entered anew (as a pipeline forward, or a training loop's step, enters it: one
+   autocast around every micro-batch would cast each weight once, and its gradient would
+   then add up in bfloat16), rtol 1e-5;
 3. swap moved bytes on exactly the ranks where the plan swaps a chunk, and loaded all of
    them back (from every rank's stats, which every process gets back);
 4. on rank 0 only: every rank's swap-on gradients (all-gathered over the transport) and
@@ -52,6 +59,7 @@ proof that the checks can fail. An exception ends the job through the runtime's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import re
 import sys
@@ -88,7 +96,7 @@ BF16_LOSS_RTOL = 1e-2
 BF16_GRAD_TOLERANCE = 0.03  # of a gradient's largest magnitude (module docstring)
 CASE_NAME = re.compile(
     r"(gpipe|1f1b|interleaved)-(plain|batch|boundary)(-dw)?(-overlap)?(-big)?(-bf16)?"
-    r"(-dropout)?(-tuple)?"
+    r"(-dropout)?(-tuple)?(-autocast)?"
 )
 DROPOUT_SEED = 1234
 
@@ -104,6 +112,7 @@ class Case:
     dtype: torch.dtype
     dropout: bool = False
     tupled: bool = False
+    autocast: bool = False
 
     @classmethod
     def parse(cls, name: str) -> Case:
@@ -111,11 +120,13 @@ class Case:
         if match is None:
             raise SystemExit(
                 f"bad case {name!r}: expected "
-                "SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout][-tuple]"
+                "SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout][-tuple][-autocast]"
             )
-        schedule, p2p, dw, overlap, big, bf16, dropout, tupled = match.groups()
+        schedule, p2p, dw, overlap, big, bf16, dropout, tupled, autocast = match.groups()
         if dropout and tupled:
             raise SystemExit(f"bad case {name!r}: -dropout and -tuple do not combine")
+        if bf16 and autocast:
+            raise SystemExit(f"bad case {name!r}: -bf16 and -autocast do not combine")
         mode = cast(P2PMode, p2p)
         samples = 160 if big else 2
         dtype = torch.bfloat16 if bf16 else torch.float32
@@ -129,6 +140,7 @@ class Case:
             dtype,
             dropout is not None,
             tupled is not None,
+            autocast is not None,
         )
 
     def data(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +156,12 @@ class Case:
         if self.tupled:
             return [TupleStage(m, i, stage_num) for i, m in enumerate(modules)]
         return modules
+
+    def mixed(self) -> contextlib.AbstractContextManager[Any]:
+        """The autocast of an ``-autocast`` case's runs and reference (else nothing)."""
+        if self.autocast:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def sizes(self, world: int) -> tuple[int, int, int]:
         """(vpp, stage_num, micro) for a run of ``world`` ranks."""
@@ -202,22 +220,23 @@ async def run(
     if case.dropout:
         torch.manual_seed(DROPOUT_SEED)
     x, y = case.data(micro)
-    result = await run_schedule(
-        stages,
-        case.schedule,
-        micro_batch_num=micro,
-        inputs=x,
-        targets=y,
-        loss_fn=mse_loss,
-        swap=swap,
-        split_dw=case.split_dw,
-        overlap_b_f=case.overlap_b_f,
-        p2p=case.p2p,
-        min_swap_gap=MIN_SWAP_GAP,
-        pp=world,
-        transport=transport,
-        step_timeout=60.0,
-    )
+    with case.mixed():
+        result = await run_schedule(
+            stages,
+            case.schedule,
+            micro_batch_num=micro,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            swap=swap,
+            split_dw=case.split_dw,
+            overlap_b_f=case.overlap_b_f,
+            p2p=case.p2p,
+            min_swap_gap=MIN_SWAP_GAP,
+            pp=world,
+            transport=transport,
+            step_timeout=60.0,
+        )
     grads = {s.stage_index: [host_copy(g) for g in s.grads] for s in stages}
     return Outcome(list(result.losses), grads, list(result.ranks))
 
@@ -229,13 +248,22 @@ def host_copy(tensor: torch.Tensor) -> Array:
 
 def unsplit(case: Case, world: int) -> tuple[list[float], list[list[Array]]]:
     """One torch model of every stage on the whole batch, in float32 (a bfloat16 case's
-    weights and batch rounded to bfloat16 first): each micro-batch's loss, and the
-    gradients of their mean per stage."""
+    weights and batch rounded to bfloat16 first; an ``-autocast`` case's micro-batch by
+    micro-batch under its autocast): each micro-batch's loss, and the gradients of their
+    mean per stage."""
     _, stage_num, micro = case.sizes(world)
     modules = [m.float() for m in case.modules(stage_num, wrap=False)]
     x, target = (t.float() for t in case.data(micro))
-    out = chain(modules, x)
-    losses = [mse_loss(o, t) for o, t in zip(out.chunk(micro), target.chunk(micro), strict=True)]
+    if case.autocast:  # entered per micro-batch, as a training loop would (module docstring)
+        losses = []
+        for xm, t in zip(x.chunk(micro), target.chunk(micro), strict=True):
+            with case.mixed():
+                losses.append(mse_loss(chain(modules, xm), t))
+    else:
+        out = chain(modules, x)
+        losses = [
+            mse_loss(o, t) for o, t in zip(out.chunk(micro), target.chunk(micro), strict=True)
+        ]
     params = [[p for p in m.parameters() if p.requires_grad] for m in modules]
     flat = torch.autograd.grad(torch.stack(losses).mean(), [p for ps in params for p in ps])
     grads: list[list[Array]] = []
