@@ -391,10 +391,10 @@ class PipelineStage:
             )
         self._accumulate(pending())
 
-    def give_grads(self) -> None:
-        """After a training run: the run's gradients where the framework's optimizers read
-        them (``Backend.give_grads``; torch: added into each parameter's ``.grad``)."""
-        self.backend.give_grads(self._params, self._grads)
+    def run_grads(self) -> list[tuple[Tensor, Tensor | None]]:
+        """After a training run: each trainable parameter with the run's gradient (None
+        where it got none), what ``Backend.give_grads`` hands to the framework."""
+        return list(zip(self._params, self._grads, strict=True))
 
     def replace_grads(self, grads: Sequence[Tensor]) -> None:
         """Replace the accumulated gradients, aligned with ``parameters`` (FSDP installs the

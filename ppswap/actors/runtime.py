@@ -248,13 +248,14 @@ def _begin_stages(plan: RunPlan, generation: int) -> Batches:
 
 def _closed_stats(plan: RunPlan, ranks: list[RankRuntime]) -> list[RankStats]:
     """Compute thread, after a successful run: close every session, give a training
-    run's gradients to the stages' parameters (``PipelineStage.give_grads``), then each
-    rank's stats (parameter bytes measured from the storages of a pp-only rank's stages)."""
+    run's gradients to the stages' parameters (``Backend.give_grads``, every stage of this
+    process in one call: a parameter two stages share gets the sum), then each rank's
+    stats (parameter bytes measured from the storages of a pp-only rank's stages)."""
     for rank in ranks:
         rank.session.close()
     if not plan.config.forward_only:
-        for stage in plan.stages:
-            stage.give_grads()
+        given = [pair for stage in plan.stages for pair in stage.run_grads()]
+        plan.backend.give_grads([param for param, _ in given], [grad for _, grad in given])
     measure = plan.mesh is None
     return [rank.stats(param_storage_bytes(rank.stages) if measure else 0) for rank in ranks]
 

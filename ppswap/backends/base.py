@@ -376,8 +376,11 @@ class Backend(Protocol):
     def give_grads(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """After a training run: each gradient (None: the parameter got none) where the
         framework's optimizers read it, as its own backward leaves it (torch: added into
-        ``param.grad``, set where that is None). A no-op where optimizers take the
-        gradients as an argument (MindSpore: ``stage.grads``)."""
+        ``param.grad``, set where that is None). ``params`` lists every stage's of this
+        process and may repeat a parameter that several stages share (tied weights): it
+        then gets the sum, and no gradient passed in is changed (they are the stages' own
+        ``stage.grads``). A no-op where optimizers take the gradients as an argument
+        (MindSpore: ``stage.grads``)."""
         ...
 
     def add_into(self, total: Tensor, addend: Tensor) -> Tensor:

@@ -6,7 +6,8 @@ Checked: after a run ``.grad`` is ``stage.grads`` (set where it was None, the sa
 equal to the unsplit model's gradients; a second run without ``zero_grad`` adds into it;
 an optimizer step on the stages equals the same step on the unsplit model; forward-only
 runs and failed runs leave ``.grad`` as it was; FSDP leaves the shard gradients on the
-shard parameters.
+shard parameters; a parameter two stages share (tied weights) gets the sum in ``.grad``
+while each stage's ``stage.grads`` stays its own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch_support import (
+    DIM,
     GPIPE_CASE,
     Case,
     build_modules,
@@ -81,6 +83,56 @@ async def test_an_optimizer_steps_the_stages_as_it_steps_the_unsplit_model() -> 
     ours = [p for s in stages for p in s.parameters]
     for param, want in zip(ours, reference.parameters(), strict=True):
         torch.testing.assert_close(param, want, rtol=1e-5, atol=1e-6)
+
+
+class Tied(nn.Module):
+    """A stage with a projection shared with another stage: applied before the stage's
+    own blocks on the first stage, after them on the last."""
+
+    def __init__(self, inner: nn.Module, shared: nn.Linear, *, before: bool) -> None:
+        super().__init__()
+        self.inner, self.shared, self.before = inner, shared, before
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = (
+            self.inner(self.shared(x)) if self.before else self.shared(self.inner(x))
+        )
+        return out
+
+
+def tied_modules(stage_num: int) -> list[nn.Module]:
+    """``stage_num`` stage models; the first and the last share one ``nn.Linear``."""
+    modules: list[nn.Module] = list(build_modules(stage_num))
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        shared = nn.Linear(DIM, DIM)
+    modules[0] = Tied(modules[0], shared, before=True)
+    modules[-1] = Tied(modules[-1], shared, before=False)
+    return modules
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("swap", [False, True], ids=["swap-off", "swap-on"])
+async def test_tied_weights_get_the_sum_and_each_stage_keeps_its_own(swap: bool) -> None:
+    """Interleaved pp2: stages 0 and 3 (both on rank 0) share a projection. Its ``.grad``
+    is the unsplit model's (both uses summed), and stage 0's and stage 3's gradients of
+    it add up to that: neither holds the other's share too."""
+    modules = tied_modules(INTERLEAVED.stage_num)
+    stages = [PipelineStage(m, i, len(modules)) for i, m in enumerate(modules)]
+    await run_case(stages, INTERLEAVED, swap=swap)
+    _, expected = unsplit_loss_and_grads(tied_modules(INTERLEAVED.stage_num), *make_data())
+    first, last = stages[0], stages[-1]
+    shared = first.module.shared.weight
+    k_first = next(i for i, p in enumerate(first.parameters) if p is shared)
+    k_last = next(i for i, p in enumerate(last.parameters) if p is shared)
+    assert shared.grad is not None
+    torch.testing.assert_close(shared.grad, expected[0][k_first], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        first.grads[k_first] + last.grads[k_last], shared.grad, rtol=1e-6, atol=0
+    )
+    for stage, reference in zip(stages[1:-1], expected[1:-1], strict=True):
+        for param, want in zip(stage.parameters, reference, strict=True):
+            torch.testing.assert_close(param.grad, want, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.asyncio

@@ -376,13 +376,20 @@ class TorchBackend:
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
     ) -> None:
         # As AccumulateGrad: the run's gradient becomes .grad where that is None (the same
-        # tensor, no copy), else it is added into it in place.
+        # tensor, no copy), else it is added into it in place; but a .grad that is a
+        # stage's own gradient (set here, the parameter repeated: tied weights) is
+        # replaced by the sum, so that stage's ``stage.grads`` stays its own.
+        staged: set[int] = set()
         with torch.no_grad():
             for param, grad in zip(params, grads, strict=True):
                 if grad is None:
                     continue
                 if param.grad is None:
                     param.grad = grad
+                    staged.add(id(param))
+                elif id(param) in staged:
+                    param.grad = param.grad + grad
+                    staged.discard(id(param))
                 else:
                     param.grad.add_(grad)
 
