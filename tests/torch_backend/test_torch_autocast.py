@@ -1,7 +1,7 @@
 """The caller's ``torch.autocast`` around ``run_schedule`` reaches the stages' forwards.
 
 Autocast is per thread and the stages run on the runtime's compute thread, so without
-``Backend.caller_forward_scope`` (``ppswap/backends/torch/autocast.py``) the usual
+``Backend.caller_forward_scope`` (``ppswap/backends/torch/caller.py``) the usual
 mixed-precision step, ``with torch.autocast(...): await run_schedule(...)``, would run the
 pipeline in float32 without a word. Checked here: every forward and the loss run under the
 caller's autocast on the compute thread and no backward does; runs of every schedule

@@ -28,8 +28,9 @@ Facts this relies on (torch 2.11-2.14):
   reshard) therefore refills one kept storage per unsharded shape and frees it by
   resizing it to 0 bytes, so resharding really frees the full parameters.
 - Autograd is thread-safe, but the runtime still runs every stage on its one compute
-  thread (one order of work per process, as on MindSpore). Autocast is per thread: the
-  caller's is carried to the forwards there (``ppswap.backends.torch.autocast``).
+  thread (one order of work per process, as on MindSpore). Autocast and the current
+  CUDA device are per thread: the caller's are carried to the forwards there
+  (``ppswap.backends.torch.caller``).
 - Only the innermost saved-tensor hooks apply; torch names them only through a private
   function (``hooks.top_saved_tensors_hooks``; absent: every region installs its own),
   which :meth:`TorchBackend.foreign_saved_tensors_hooks` reads.
@@ -58,8 +59,8 @@ from ppswap.backends.base import (
     ViewKey,
 )
 from ppswap.backends.cpu_engine import EmulatedDevice, contiguous_strides
-from ppswap.backends.torch.autocast import forward_scope
 from ppswap.backends.torch.autograd import TorchAutograd
+from ppswap.backends.torch.caller import forward_scope
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine
 from ppswap.backends.torch.hooks import CheckedHooks, top_saved_tensors_hooks
 from ppswap.backends.torch.rng import rng_scope, run_seed
@@ -445,7 +446,7 @@ class TorchBackend:
         return nullcontext()
 
     def caller_forward_scope(self, devices: Sequence[str]) -> ForwardScope:
-        return forward_scope(devices)  # the caller's autocast (backends/torch/autocast.py)
+        return forward_scope(devices)  # autocast, CUDA device (backends/torch/caller.py)
 
     def memory(self) -> DeviceMemory:
         if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -18,7 +18,7 @@ unsplit model (check 2). ``-tuple``: the stages pass ``(hidden, mask, scale)`` a
 stage uses and changes), so activations and gradients cross the process boundary packed
 (``ppswap.core.packed``); it does not combine with ``-dropout``. ``-autocast``: float32
 weights and batch, every ``run_schedule`` call under ``torch.autocast`` to bfloat16 (each
-process's own, carried to its compute thread: ``ppswap/backends/torch/autocast.py``); it
+process's own, carried to its compute thread: ``ppswap/backends/torch/caller.py``); it
 does not combine with ``-bf16``.
 
 Every process builds all stages from one seed (the attention + MLP stage model of
