@@ -31,7 +31,9 @@ Each forward, with its loss, runs in the scope the run read from the thread that
 ``torch.autocast``, which the compute thread would not otherwise see. Backwards run
 outside it.
 
-The loss: on the last stage ``loss_fn(output, target)`` must return a scalar tensor. A
+The loss: on the last stage ``loss_fn(output, target)`` must return a scalar tensor
+(``target``: the micro-batch's target, or a tuple of its parts where ``targets`` is a
+tuple, such as ``(labels, loss_mask)``). A
 loss_fn that raises, returns something else or a tensor with a shape is reported as a
 ``PipelineInputError`` naming ``loss_fn`` (at the first FWD of the last stage, before
 any backward runs).
@@ -178,12 +180,14 @@ class PipelineStage:
         forward_only: bool = False,
         rng_seed: int = 0,
         forward_scope: ForwardScope = nullcontext,
+        target_parts: int | None = None,
     ) -> None:
         """Ready the stage for a run: gradients reset (unless ``forward_only``), the
         forward made, the stage's random-number stream for the run seeded from
         ``rng_seed`` (``Backend.run_seed``, the same for every stage of the run), and
         ``forward_scope`` (``Backend.caller_forward_scope``) entered around each forward
-        with its loss."""
+        with its loss. ``target_parts``: the last stage's target is a tuple of that many
+        tensors (``loss_fn`` gets the tuple), None: one tensor."""
         if not forward_only:
             self._params = self.backend.trainable_parameters(self.module)
             self._grads = [None] * len(self._params)
@@ -198,14 +202,16 @@ class PipelineStage:
         self._loss_fn = loss_fn
         self._micro_count = micro_count
         self.generation = generation
-        self._forward_fn = self._make_forward_fn(loss_fn, forward_only)
+        self._forward_fn = self._make_forward_fn(loss_fn, forward_only, target_parts)
         self._forward_scope = forward_scope
 
-    def _make_forward_fn(self, loss_fn: LossFn | None, forward_only: bool) -> Callable[..., Tensor]:
+    def _make_forward_fn(
+        self, loss_fn: LossFn | None, forward_only: bool, target_parts: int | None
+    ) -> Callable[..., Tensor]:
         """The function whose forward is recorded: the module, plus the loss on the last
-        stage (the target is an input of the record, so each micro-batch's is distinct);
-        the module alone on a last stage without ``loss_fn`` in a forward-only run (its
-        outputs are the result)."""
+        stage (the target, or its ``target_parts`` parts, are the last inputs of the
+        record, so each micro-batch's is distinct); the module alone on a last stage
+        without ``loss_fn`` in a forward-only run (its outputs are the result)."""
         is_scalar_tensor = self._is_scalar_tensor
         tensor_name = self.backend.tensor_name
         call = self._module_caller()
@@ -216,16 +222,20 @@ class PipelineStage:
                     "a forward-only run)"
                 )
 
+            split = -1 if target_parts is None else -target_parts
+
             def stage_with_loss(*inputs_and_target: Tensor) -> Tensor:
-                *inputs, target = inputs_and_target
+                inputs, parts = inputs_and_target[:split], inputs_and_target[split:]
+                target = parts[0] if target_parts is None else parts
                 output = call(inputs)
                 try:
                     loss = loss_fn(output, target)
                 except Exception as exc:
+                    shapes = ", ".join(str(_shape_of(part)) for part in parts)
+                    target_of = "a target of shape" if target_parts is None else "targets of shapes"
                     raise PipelineInputError(
                         f"loss_fn {_name_of(loss_fn)} raised {type(exc).__name__} on an output "
-                        f"of shape {_shape_of(output)} and a target of shape "
-                        f"{_shape_of(target)}: {exc}"
+                        f"of shape {_shape_of(output)} and {target_of} {shapes}: {exc}"
                     ) from exc
                 if not is_scalar_tensor(loss):
                     raise PipelineInputError(
@@ -307,7 +317,7 @@ class PipelineStage:
         self,
         micro: int,
         inputs: Tensor | tuple[Tensor, ...],
-        target: Tensor | None,
+        target: Tensor | tuple[Tensor, ...] | None,
         collector: StageCollector,
         *,
         keep_output: bool = False,
@@ -325,7 +335,8 @@ class PipelineStage:
             raise RuntimeError(f"stage {self.stage_index}: begin_run() was not called")
         tupled = isinstance(inputs, tuple)
         stage_inputs = inputs if tupled else (inputs,)
-        inputs_for_graph = stage_inputs if target is None else (*stage_inputs, target)
+        targets = () if target is None else target if isinstance(target, tuple) else (target,)
+        inputs_for_graph = (*stage_inputs, *targets)
         autograd = self.backend.autograd
         rng = self.backend.rng_scope(self._rng, self._device)
         if not record:
@@ -339,7 +350,7 @@ class PipelineStage:
             ),
         ):
             # dx only for a previous stage: the first stage's inputs and the target need none
-            grad_inputs = (not self.is_first,) * len(stage_inputs) + (False,) * (target is not None)
+            grad_inputs = (not self.is_first,) * len(stage_inputs) + (False,) * len(targets)
             out, recorded = autograd.record(self._forward_fn, inputs_for_graph, grad_inputs)
         collector.protect_aliases(self.stage_index, micro, out if isinstance(out, tuple) else [out])
         kept = out if keep_output or self.is_last else None

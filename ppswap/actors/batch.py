@@ -340,7 +340,7 @@ class StepBodies:
         """FWD: the stage output as a payload (the loss as a host array on the last stage)."""
         backend, like = stage.backend, stage.device_tensor
         inputs = tensors_of(backend, payload, like)
-        target_tensor = None if target is None else backend.from_payload(target, like)
+        target_tensor = None if target is None else tensors_of(backend, target, like)
         out = stage.forward(
             micro,
             inputs,

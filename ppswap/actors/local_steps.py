@@ -69,11 +69,12 @@ _JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_inpu
 @dataclass(frozen=True, slots=True)
 class RankInputs:
     """The micro-batches this rank's first/last stages consume (host arrays; a tuple of
-    them per micro-batch for inputs given as a tuple); ``outputs``: the last stage's
-    outputs are the run's result (a forward-only run without ``loss_fn``: no targets)."""
+    them per micro-batch for inputs or targets given as a tuple); ``outputs``: the last
+    stage's outputs are the run's result (a forward-only run without ``loss_fn``: no
+    targets)."""
 
     inputs: Sequence[HostArray] | Sequence[tuple[HostArray, ...]]
-    targets: Sequence[HostArray] | None
+    targets: Sequence[HostArray] | Sequence[tuple[HostArray, ...]] | None
     outputs: bool = False
 
 

@@ -26,7 +26,8 @@ What is checked (docs/reliability.md lists the tests):
   batch into a float32 model fails in the first FWD); integer inputs (token ids) are free.
   ``inputs`` may also be a tuple of such (not a list: a nested list of numbers is the
   usual mistake, and is named as one), each split alike: the first stage's module is
-  called with one micro-batch of each (``tokens, mask``);
+  called with one micro-batch of each (``tokens, mask``); ``targets`` likewise
+  (``labels, loss_mask``): ``loss_fn`` then gets a tuple of one micro-batch of each;
 - ``loss_fn``: a callable, required when the run has the last stage, but in a
   forward-only run: without one, that run returns the last stage's outputs
   (``RunResult.outputs``) and needs no targets.
@@ -149,7 +150,7 @@ class Batches:
     as a tuple of arrays: a tuple per micro-batch)."""
 
     inputs: list[HostArray] | list[tuple[HostArray, ...]]
-    targets: list[HostArray] | None
+    targets: list[HostArray] | list[tuple[HostArray, ...]] | None
 
     def of_replica(self, dp_index: int, micro: int) -> Batches:
         """The ``micro`` micro-batches of dp replica ``dp_index``: the batch is split into
@@ -365,13 +366,9 @@ def _check_data(
     first, last = by_index.get(0), by_index.get(last_index)
     named_inputs = _named_parts("inputs", inputs)
     if first is not None:
+        _checked_parts(backend, "inputs", inputs, micro, dp)
         for name, part in named_inputs:
-            _check_batch(backend, name, part, micro, dp)
             _check_float_dtype(name, part, first, "first")
-        sizes = {part.shape[0] for _, part in named_inputs}
-        if len(sizes) > 1:
-            found = ", ".join(f"{name} {part.shape[0]}" for name, part in named_inputs)
-            raise PipelineInputError(f"every part of inputs must have one batch size, got {found}")
     inference = options.forward_only and loss_fn is None  # the last stage's outputs
     if last is not None and not inference:
         if loss_fn is None or not callable(loss_fn):
@@ -380,13 +377,14 @@ def _check_data(
                 f"stage, got {loss_fn!r} (None only with forward_only=True: the run then "
                 "returns the last stage's outputs)"
             )
-        _check_batch(backend, "targets", targets, micro, dp)
-        _check_float_dtype("targets", targets, last, "last")
-    batch = named_inputs[0][1].shape[0] if first is not None else None
-    if first is not None and last is not None and not inference and batch != targets.shape[0]:
-        raise PipelineInputError(
-            f"inputs and targets must have the same batch size, got {batch} and {targets.shape[0]}"
-        )
+        named_targets = _checked_parts(backend, "targets", targets, micro, dp)
+        for name, part in named_targets:
+            _check_float_dtype(name, part, last, "last")
+        if first is not None and named_targets[0][1].shape[0] != named_inputs[0][1].shape[0]:
+            raise PipelineInputError(
+                "inputs and targets must have the same batch size, got "
+                f"{named_inputs[0][1].shape[0]} and {named_targets[0][1].shape[0]}"
+            )
 
 
 def _named_parts(name: str, value: Any) -> list[tuple[str, Any]]:
@@ -399,6 +397,21 @@ def _named_parts(name: str, value: Any) -> list[tuple[str, Any]]:
             )
         return [(f"{name}[{index}]", part) for index, part in enumerate(value)]
     return [(name, value)]
+
+
+def _checked_parts(
+    backend: Backend, name: str, value: Any, micro: int, dp: int
+) -> list[tuple[str, Any]]:
+    """``value`` (a batch, or a tuple of parts) checked part by part, the parts of one
+    batch size; each part with its name."""
+    named = _named_parts(name, value)
+    for part_name, part in named:
+        _check_batch(backend, part_name, part, micro, dp)
+    sizes = {part.shape[0] for _, part in named}
+    if len(sizes) > 1:
+        found = ", ".join(f"{part_name} {part.shape[0]}" for part_name, part in named)
+        raise PipelineInputError(f"every part of {name} must have one batch size, got {found}")
+    return named
 
 
 _NUMERIC_KINDS = "biuf"
@@ -459,11 +472,12 @@ def split_batches(plan: RunPlan) -> Batches:
         host = value if isinstance(value, np.ndarray) else plan.backend.to_host(value, copy=False)
         return [np.array(part, copy=True, order="C") for part in np.split(host, parts, axis=0)]
 
-    inputs: list[HostArray] | list[tuple[HostArray, ...]] = []
-    if isinstance(plan.inputs, tuple):
-        inputs = list(zip(*(split(part) for part in plan.inputs), strict=True))
-    elif plan.inputs is not None:
-        inputs = split(plan.inputs)
+    def split_parts(value: Any) -> list[HostArray] | list[tuple[HostArray, ...]]:
+        if isinstance(value, tuple):
+            return list(zip(*(split(part) for part in value), strict=True))
+        return split(value)
+
+    inputs = [] if plan.inputs is None else split_parts(plan.inputs)
     wanted = plan.targets is not None and not plan.returns_outputs
-    targets = split(plan.targets) if wanted else None
+    targets = split_parts(plan.targets) if wanted else None
     return Batches(inputs, targets)

@@ -6,7 +6,8 @@ The model (``ppswap.demo.model.TupleStage``) passes ``(hidden, mask, scale)`` al
 stage uses and changes. For GPipe, 1F1B and Interleaved with dx/dw split and overlap:
 swap on bit-identical to swap off, both equal to the unsplit model (rtol 1e-5), bytes
 moved; a forward-only run passes the tuples too, with the training run's losses, and
-without ``loss_fn`` returns the last stage's outputs.
+without ``loss_fn`` returns the last stage's outputs; targets given as a tuple reach
+``loss_fn`` as one.
 """
 
 from __future__ import annotations
@@ -130,3 +131,27 @@ async def test_a_forward_only_run_without_loss_fn_returns_the_last_stages_output
     model = Chain(cells(stage_num))
     for got, part in zip(result.outputs, np.split(x, micro), strict=True):
         np.testing.assert_allclose(got, model(Tensor(part)).asnumpy(), rtol=1e-6, atol=1e-7)
+
+
+def weighted_mse(output: Tensor, target: tuple[Tensor, Tensor]) -> Tensor:
+    """The loss of ``targets=(y, weights)``: squared errors weighted per sample."""
+    y, weights = target
+    return (((output - y) ** 2) * weights).mean()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+async def test_targets_given_as_a_tuple_reach_loss_fn_split_alike() -> None:
+    """``targets=(y, weights)``: ``loss_fn`` gets a tuple of one micro-batch of each; swap
+    on bit-identical to off, the loss the unsplit model's."""
+    x, y = data()
+    weights = (np.arange(BATCH) % 3).astype(np.float32).reshape(BATCH, 1)
+    overrides = {"targets": (y, weights), "loss_fn": weighted_mse}
+    off, grads_off = await run(CASES[1], swap=False, **overrides)
+    on, grads_on = await run(CASES[1], swap=True, **overrides)
+    assert on.losses == off.losses
+    assert all(np.array_equal(a, b) for a, b in zip(grads_off, grads_on, strict=True))
+    model = Chain(cells(CASES[1][2]))
+    expected = float(weighted_mse(model(Tensor(x)), (Tensor(y), Tensor(weights))).asnumpy())
+    assert on.loss == pytest.approx(expected, rel=1e-5)
+    assert on.loss != pytest.approx(unsplit(CASES[1][2])[0], rel=1e-3)  # the weights were used

@@ -7,8 +7,9 @@ a float tensor every stage uses and changes (its gradient travels back beside th
 hidden state's). Checked for each schedule (GPipe, 1F1B with the boundary P2P mode,
 Interleaved with split_dw and overlap_b_f): swap on bit-identical to swap off, both equal
 to the unsplit model (rtol 1e-5), bytes moved. A batch given as a tuple
-(``inputs=(x, mask)``) reaches the first stage split alike, and a bad one is refused
-before any work. FSDP dp2 with tuples: swap on equal to off, full gradients equal to the
+(``inputs=(x, mask)``) reaches the first stage split alike, and so do targets given as a
+tuple (``targets=(y, loss_mask)``, ``loss_fn`` called with a tuple); a bad one of either
+is refused before any work. FSDP dp2 with tuples: swap on equal to off, full gradients equal to the
 unsplit model's. A forward-only run gives the training run's losses. What a stage may
 return: a list works as a tuple, a tuple holding a non-tensor or a dict is a
 PipelineInputError naming the stage and the element.
@@ -166,6 +167,64 @@ async def test_a_batch_given_as_a_tuple_reaches_the_first_stage_split_alike() ->
     for got_stage, want_stage in zip(grads_on, expected, strict=True):
         for got, want in zip(got_stage, want_stage, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def masked_mse(output: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The loss of ``targets=(y, loss_mask)``: squared errors where the mask is 1."""
+    y, loss_mask = target
+    return ((output - y) ** 2 * loss_mask).mean()
+
+
+@pytest.mark.asyncio
+async def test_targets_given_as_a_tuple_reach_loss_fn_split_alike() -> None:
+    """``targets=(y, loss_mask)``: each split into the same micro-batches, ``loss_fn``
+    called with a tuple of one of each; swap on equal to off, both the unsplit model's."""
+    case = CASES[1]
+    targets = (data()[1], batch_mask())
+    off, grads_off = await run(case, swap=False, targets=targets, loss_fn=masked_mse)
+    on, grads_on = await run(case, swap=True, targets=targets, loss_fn=masked_mse)
+    assert on.losses == off.losses
+    for stage_off, stage_on in zip(grads_off, grads_on, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(stage_off, stage_on, strict=True))
+    chain = modules(case.stage_num)
+    out: Any = data()[0]
+    for module in chain:
+        out = module(*out) if isinstance(out, tuple) else module(out)
+    loss = masked_mse(out, targets)
+    flat = torch.autograd.grad(loss, [p for m in chain for p in m.parameters()])
+    assert on.loss == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert on.loss != pytest.approx(unsplit(case.stage_num)[0], rel=1e-3)  # the mask was used
+    got = [g for stage in grads_on for g in stage]
+    for got_grad, want in zip(got, flat, strict=True):
+        torch.testing.assert_close(got_grad, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("targets", "words"),
+    [
+        ((), "targets as a tuple must hold 1 to 64 parts, got 0"),
+        ((data()[1], batch_mask()[:4]), "every part of targets must have one batch size"),
+        ((data()[1], None), "targets[1] must be a torch.Tensor or numpy.ndarray, got NoneType"),
+        ((data()[1][:4], batch_mask()[:4]), "inputs and targets must have the same batch size"),
+        ((data()[1].double(), batch_mask()), "targets[0] must have dtype float32"),
+    ],
+    ids=["empty", "batch-sizes", "not-a-tensor", "against-inputs", "dtype"],
+)
+async def test_bad_tuple_targets_are_named_before_any_work(targets: object, words: str) -> None:
+    stages = [PipelineStage(m, i, 2) for i, m in enumerate(modules(2))]
+    with pytest.raises(PipelineInputError, match=re.escape(words)):
+        await run_schedule(
+            stages, "gpipe", micro_batch_num=2, inputs=data()[0], targets=targets, loss_fn=mse_loss
+        )
+
+
+@pytest.mark.asyncio
+async def test_a_loss_fn_failing_on_tuple_targets_names_their_shapes() -> None:
+    with pytest.raises(PipelineError) as caught:
+        await run(CASES[0], swap=False, targets=(data()[1], batch_mask()), loss_fn=mse_loss)
+    assert isinstance(caught.value.__cause__, PipelineInputError)
+    assert "targets of shapes (2, 4, 8), (2, 4, 1)" in str(caught.value.__cause__)
 
 
 @pytest.mark.asyncio
