@@ -85,6 +85,9 @@ Sizing (fp32 parameters and activations, IEEE fp32 matmuls:
 - bfloat16 or TF32 cut the bytes 2x but the compute time 4-15x: copy-bound at these
   widths, hence fp32 by default (``--dtype bfloat16`` is there, on CPU too; a bfloat16
   tensor's host array is ``ml_dtypes``' bfloat16, which the GPU machine's image has).
+  ``--autocast`` keeps fp32 weights and runs every pipeline step and unsplit step under
+  ``torch.autocast`` to bfloat16 (mixed precision, as most training runs: the run reads
+  the caller's autocast and its forwards run under it, ``ppswap/backends/torch/caller.py``).
 - Host memory: swap keeps up to 20 chunks on the host (~21 GiB pinned, the pool is
   cleared before the unsplit runs) and ``save_on_cpu`` every saved tensor (~36 GiB pinned;
   torch's pinned cache reuses the same power-of-two blocks): well inside 128 GiB.
@@ -298,16 +301,23 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Settings:
     """How every model runs: device, dtype, measured steps, which saved tensors swap may
     select (``"device"``: those on the device, ``"all"``: ppswap's default), the memory
-    target's tolerance."""
+    target's tolerance, and whether every step runs under autocast to bfloat16."""
 
     device: torch.device
     dtype: torch.dtype = torch.float32
     steps: int = 3
     select: str = "all"
     tolerance: float = 0.10
+    autocast: bool = False
 
     def policy(self) -> Callable[[torch.Tensor], bool] | None:
         return OnDevice(self.device) if self.select == "device" else None
+
+    def mixed(self) -> contextlib.AbstractContextManager[Any]:
+        """Where each step runs: under ``torch.autocast`` to bfloat16 (``--autocast``)."""
+        if self.autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
 
 def build_modules(size: ModelSize, settings: Settings) -> list[nn.Module]:
@@ -506,6 +516,7 @@ class Pipeline:
     def __init__(self, size: ModelSize, settings: Settings) -> None:
         self.size = size
         self.device = settings.device
+        self.settings = settings
         self.modules = build_modules(size, settings)
         self.stages = [PipelineStage(m, i, size.pp) for i, m in enumerate(self.modules)]
         self.tokens, self.targets = make_batch(size)
@@ -525,7 +536,8 @@ class Pipeline:
             device=engine,
             step_timeout=STEP_TIMEOUT_S,
         )
-        return anyio.run(call)
+        with self.settings.mixed():  # on the thread that runs the loop: the run reads it
+            return anyio.run(call)
 
     def measure(self, *, swap: bool, engine: CopyEngine, steps: int) -> tuple[Json, RunResult]:
         """A warm-up step, then ``steps`` timed steps; the figures and the last result."""
@@ -569,15 +581,21 @@ def clear_engine(engine: CopyEngine) -> None:
 
 
 def unsplit_step(
-    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, *, offload: bool
+    model: nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    offload: bool,
+    settings: Settings,
 ) -> float:
-    """One forward and backward of the whole batch; ``offload``: under ``save_on_cpu``."""
+    """One forward and backward of the whole batch; ``offload``: under ``save_on_cpu``;
+    the forward under ``settings``' autocast, if any."""
     for param in model.parameters():
         param.grad = None
     saving = (
         torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
     )
-    with saving:
+    with saving, settings.mixed():
         loss = lm_loss(model(tokens), targets)
     torch.autograd.backward(loss)
     return float(loss.detach())
@@ -589,7 +607,9 @@ def measure_unsplit(pipeline: Pipeline, *, offload: bool, steps: int) -> Json:
     model = nn.Sequential(*pipeline.modules)
     tokens = torch.from_numpy(pipeline.tokens).to(device)
     targets = torch.from_numpy(pipeline.targets).to(device)
-    step = partial(unsplit_step, model, tokens, targets, offload=offload)
+    step = partial(
+        unsplit_step, model, tokens, targets, offload=offload, settings=pipeline.settings
+    )
     step()
     times: list[float] = []
     peaks: list[int | None] = []
@@ -936,13 +956,14 @@ def measure_model(
         write()
 
 
-def new_entry(size: ModelSize, dtype: str, tolerance: float) -> Json:
+def new_entry(size: ModelSize, dtype: str, tolerance: float, autocast: bool = False) -> Json:
     """A model's JSON entry with every key present (None until measured)."""
     return {
         "name": size.name,
         "size": dataclasses.asdict(size),
         "description": size.describe(),
         "dtype": dtype,
+        "autocast": "bfloat16" if autocast else None,
         "tolerance": tolerance,
         "parameters": None,
         "pipeline": {
@@ -1128,7 +1149,8 @@ def _model_markdown(entry: Json) -> list[str]:
     off = memory.get("peak_no_swap")
     t_off = timing.get("no_swap_s")
     lines = [
-        f"## {entry['description']}, {entry['dtype']}",
+        f"## {entry['description']}, {entry['dtype']}"
+        + (f" under autocast to {entry['autocast']}" if entry.get("autocast") else ""),
         "",
         f"Memory: {memory.get('source') or '-'}; parameters "
         f"{entry['parameters'] or '-'} ({gib(memory.get('parameters_bytes'))}).",
@@ -1271,6 +1293,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="measured steps after a warm-up")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument(
+        "--autocast",
+        action="store_true",
+        help="float32 weights, every step under torch.autocast to bfloat16",
+    )
+    parser.add_argument(
         "--tolerance",
         type=float,
         default=0.10,
@@ -1296,7 +1323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A code-path check, not a benchmark: one intra-op thread keeps the compute, copy
         # and event-loop threads from fighting torch's thread pool on a small machine.
         torch.set_num_threads(1)
-    settings = Settings(device, _DTYPES[args.dtype], args.steps, args.select, args.tolerance)
+    if args.autocast and args.dtype != "float32":
+        parser.error(f"--autocast needs --dtype float32 (the weights), got {args.dtype}")
+    settings = Settings(
+        device, _DTYPES[args.dtype], args.steps, args.select, args.tolerance, args.autocast
+    )
     json_path = args.json or args.out / "gpu_check.json"
     md_path = args.out / "gpu_check.md"
     clock = Clock(args.budget_s)
@@ -1321,7 +1352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["probe"] = {"error": f"{type(exc).__name__}: {exc}"}
         write()
         for size in sizes:
-            entry = new_entry(size, args.dtype, args.tolerance)
+            entry = new_entry(size, args.dtype, args.tolerance, args.autocast)
             report["models"].append(entry)
             measure_model(size, settings, clock, entry, write)
     write()

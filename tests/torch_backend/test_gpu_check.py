@@ -41,6 +41,7 @@ ENTRY_KEYS = {
     "size",
     "description",
     "dtype",
+    "autocast",
     "tolerance",
     "parameters",
     "pipeline",
@@ -296,6 +297,30 @@ def test_cpu_mode_runs_a_bfloat16_model(tmp_path: Path) -> None:
     assert entry["dtype"] == "bfloat16" and entry["errors"] == []
     assert entry["pipeline"]["losses_identical"] is True
     assert entry["pipeline"]["grad_norm_max_rel_diff"] == 0.0
+    memory = entry["memory"]
+    assert memory["peak_swap"] < memory["peak_no_swap"]
+    planned = memory["predicted_peak_swap"]
+    assert abs(memory["peak_swap"] - planned) <= 0.1 * (memory["peak_no_swap"] - planned)
+
+
+def test_cpu_mode_runs_under_autocast(
+    tmp_path: Path, cpu_run: tuple[dict[str, Any], str, str]
+) -> None:
+    """``--autocast``: float32 weights, the pipeline and unsplit steps under autocast to
+    bfloat16. Swap keeps the losses and cuts the ledger as planned; the losses are not the
+    float32 run's (the run took the autocast the script entered around it); the unsplit
+    model under the same autocast gives the pipeline's mean loss to bfloat16 precision."""
+    report, markdown, _ = run_cpu_mode(tmp_path, "--autocast")
+    (entry,) = report["models"]
+    assert entry["dtype"] == "float32" and entry["autocast"] == "bfloat16"
+    assert entry["errors"] == []
+    assert "under autocast to bfloat16" in markdown
+    pipeline = entry["pipeline"]
+    assert pipeline["losses_identical"] is True and pipeline["grad_norm_max_rel_diff"] == 0.0
+    (float32,) = cpu_run[0]["models"]
+    assert pipeline["no_swap"]["losses"] != float32["pipeline"]["no_swap"]["losses"]
+    unsplit = entry["unsplit"]["no_offload"]["losses"][-1]
+    assert unsplit == pytest.approx(pipeline["no_swap"]["losses"][-1], rel=2e-2)
     memory = entry["memory"]
     assert memory["peak_swap"] < memory["peak_no_swap"]
     planned = memory["predicted_peak_swap"]
