@@ -5,8 +5,8 @@ Autocast is per thread and the stages run on the runtime's compute thread, so wi
 mixed-precision step, ``with torch.autocast(...): await run_schedule(...)``, would run the
 pipeline in float32 without a word. Checked here: every forward and the loss run under the
 caller's autocast on the compute thread and no backward does; runs of every schedule
-family equal a micro-batch-by-micro-batch reference under the same autocast, swap on
-bit-identical to swap off; forward-only
+family, and FSDP dp2, equal a micro-batch-by-micro-batch reference under the same
+autocast, swap on bit-identical to swap off; forward-only
 outputs are the autocast forward's; a disabled autocast changes nothing. Across processes:
 the ``-autocast`` cases of ``tests/torch_dist``.
 """
@@ -22,9 +22,18 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch_support import Case, build_modules, grads_of, make_data, mse_loss, run_case
+from torch_support import (
+    Case,
+    build_modules,
+    grads_of,
+    make_data,
+    mse_loss,
+    run_case,
+    sharded_stages,
+)
 
 from ppswap import PipelineStage, RunResult
+from ppswap.fsdp import DeviceMesh, full_gradients
 
 CASES = [
     Case("gpipe", pp=2, stage_num=2, micro=4),
@@ -180,6 +189,30 @@ async def test_autocast_runs_equal_the_reference_and_swap_is_bit_identical(case:
     # (the reference is no float32 run: within RTOL of it only if autocast applied)
     full = await run_case(stages_of(build_modules(case.stage_num)), case, swap=False)
     assert full.losses != pytest.approx(ref_losses, rel=RTOL)
+
+
+@pytest.mark.asyncio
+async def test_fsdp_dp2_under_autocast_swaps_bit_identically_and_matches_the_reference() -> None:
+    """pp2 x dp2: the unsharded weights cast in each forward; the full gradients (both
+    replicas' halves of the batch) equal the reference's under the same autocast."""
+    case = CASES[0]
+    mesh = DeviceMesh(pp=2, dp=2)
+    runs = []
+    for swap in (False, True):
+        stages = sharded_stages(case.stage_num, mesh)
+        with bfloat16_autocast():
+            result = await run_case(stages, case, swap=swap, pp=2)
+        full = [full_gradients([s for s in stages if s.stage_index == i]) for i in range(2)]
+        runs.append((result, full))
+    (off, full_off), (on, full_on) = runs
+    assert on.losses == off.losses and sum(r.offloaded_bytes for r in on.ranks) > 0
+    for stage_off, stage_on in zip(full_off, full_on, strict=True):
+        assert all(np.array_equal(a, b) for a, b in zip(stage_off, stage_on, strict=True))
+    # each replica's mean over its micro-batches, averaged: the mean over all of them
+    _, ref_grads = micro_reference(build_modules(case.stage_num, wrap=False), 2 * case.micro)
+    for stage_full, refs in zip(full_on, ref_grads, strict=True):
+        for grad, ref in zip(stage_full, refs, strict=True):
+            np.testing.assert_allclose(grad, ref.numpy(), rtol=RTOL, atol=1e-6)
 
 
 @pytest.mark.asyncio
