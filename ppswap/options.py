@@ -64,6 +64,14 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _check_positive(name: str, value: object, what: str) -> None:
+    """``value`` is an int or float (not a bool) above 0 (NaN is not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    if not value > 0:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
 def _check_instance(name: str, value: object, kind: type, what: str) -> None:
     if value is not None and not isinstance(value, kind):
         raise TypeError(f"{name} must {what} or None, got {type(value).__name__}")
@@ -90,6 +98,10 @@ class RunOptions:
     whose plan swaps no chunk (every rank of a run without swap) free of hooks, with
     ``peak_saved_bytes`` 0; a rank that swaps still passes every saved tensor through the
     swap layer, which counts it;
+    ``loss_scale``: each micro-batch's backward is seeded with ``loss_scale /
+    micro_batch_num`` instead of ``1 / micro_batch_num``, so every gradient is the mean
+    loss's times ``loss_scale`` (the losses reported are not scaled): float16 training
+    with ``torch.amp.GradScaler``, which unscales them before its step (README);
     ``forward_only``: evaluation (no graph, no swap); ``step_timeout``: the deadline of
     every single wait; ``transport`` (default in-process), ``device`` (the copy engine;
     default the stages' backend's), ``mesh`` (FSDP; read from the stages when None),
@@ -109,6 +121,7 @@ class RunOptions:
     swap_check: CheckMode = "sampled"
     swap_min_bytes: int = SWAP_MIN_BYTES
     count_saved_bytes: bool = True
+    loss_scale: float = 1.0
     forward_only: bool = False
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     transport: Transport | None = None
@@ -129,11 +142,10 @@ class RunOptions:
         check_swap_policy(self.swap_policy, self.cost_model)
         _check_one_of("swap_check", self.swap_check, CHECK_MODES)
         _check_int("swap_min_bytes", self.swap_min_bytes, 0)
-        timeout = self.step_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise TypeError(f"step_timeout must be a number of seconds > 0, got {timeout!r}")
-        if not timeout > 0 or math.isnan(timeout):
-            raise ValueError(f"step_timeout must be a number of seconds > 0, got {timeout!r}")
+        _check_positive("loss_scale", self.loss_scale, "a finite number > 0")
+        if math.isinf(self.loss_scale):
+            raise ValueError(f"loss_scale must be a finite number > 0, got {self.loss_scale!r}")
+        _check_positive("step_timeout", self.step_timeout, "a number of seconds > 0")
         if self.transport is not None and not is_transport(self.transport):
             raise TypeError(
                 "transport must implement ppswap's Transport protocol or None, got "

@@ -16,7 +16,8 @@ really deferred is the backend's (torch: yes; MindSpore: its backward computes b
 Gradients: ``stage.grads`` is aligned with ``stage.parameters`` (the module's trainable
 parameters: ``trainable_params()`` / ``parameters()`` with ``requires_grad``) and holds
 the gradient of the mean loss over micro-batches (the last stage seeds each micro-batch's
-backward with ``1 / micro_batch_num``), reset at the start of every training run. A
+backward with ``1 / micro_batch_num``; times ``loss_scale`` where the run has one), reset
+at the start of every training run. A
 forward-only run (``begin_run(forward_only=True)``, ``forward(record=False)``: evaluation)
 records no graph, keeps no chunk and leaves the gradients as the last training run left
 them.
@@ -118,7 +119,7 @@ class PipelineStage:
         self._chunks: dict[int, _Chunk] = {}
         self._pending_dw: dict[int, WeightGrads] = {}
         self._loss_fn: LossFn | None = None
-        self._micro_count = 1
+        self._seed = 1.0  # each backward's seed on the last stage (begin_run)
         self._forward_fn: Callable[..., Tensor] | None = None
         self._forward_scope: ForwardScope = nullcontext
         self._module_state: tuple[Tensor, ...] = ()
@@ -181,13 +182,15 @@ class PipelineStage:
         rng_seed: int = 0,
         forward_scope: ForwardScope = nullcontext,
         target_parts: int | None = None,
+        loss_scale: float = 1.0,
     ) -> None:
         """Ready the stage for a run: gradients reset (unless ``forward_only``), the
         forward made, the stage's random-number stream for the run seeded from
         ``rng_seed`` (``Backend.run_seed``, the same for every stage of the run), and
         ``forward_scope`` (``Backend.caller_forward_scope``) entered around each forward
         with its loss. ``target_parts``: the last stage's target is a tuple of that many
-        tensors (``loss_fn`` gets the tuple), None: one tensor."""
+        tensors (``loss_fn`` gets the tuple), None: one tensor. ``loss_scale``: the last
+        stage seeds each backward with ``loss_scale / micro_count``."""
         if not forward_only:
             self._params = self.backend.trainable_parameters(self.module)
             self._grads = [None] * len(self._params)
@@ -200,7 +203,7 @@ class PipelineStage:
         self._chunks.clear()
         self._pending_dw.clear()
         self._loss_fn = loss_fn
-        self._micro_count = micro_count
+        self._seed = loss_scale / micro_count
         self.generation = generation
         self._forward_fn = self._make_forward_fn(loss_fn, forward_only, target_parts)
         self._forward_scope = forward_scope
@@ -375,7 +378,7 @@ class PipelineStage:
             raise RuntimeError(f"stage {self.stage_index}: BWD of micro {micro} before its FWD")
         if self.is_last:
             assert chunk.output is not None
-            sens = self.backend.scalar_like(1.0 / self._micro_count, like=chunk.output)
+            sens = self.backend.scalar_like(self._seed, like=chunk.output)
         elif grad_output is None:
             raise RuntimeError(f"stage {self.stage_index}: BWD of micro {micro} has no gradient")
         else:

@@ -108,7 +108,7 @@ async def run_schedule(
     ``options``) and the other keywords are the fields
     of :class:`~ppswap.options.RunOptions` (``micro_batch_num``, ``swap``, ``pp``,
     ``split_dw``, ``overlap_b_f``, ``p2p``, ``min_swap_gap``, ``swap_policy``,
-    ``cost_model``, ``swap_check``, ``count_saved_bytes``, ``forward_only``,
+    ``cost_model``, ``swap_check``, ``count_saved_bytes``, ``loss_scale``, ``forward_only``,
     ``step_timeout``, ``transport``,
     ``device``, ``mesh``, ``faults``), or pass ``options=RunOptions(...)`` (keywords
     override its fields). ``swap=True`` injects the swap steps; activations move only
@@ -243,6 +243,7 @@ def _begin_stages(plan: RunPlan, generation: int) -> Batches:
             rng_seed=rng_seed,
             forward_scope=plan.forward_scope,
             target_parts=len(plan.targets) if isinstance(plan.targets, tuple) else None,
+            loss_scale=plan.options.loss_scale,
         )
     return batches
 

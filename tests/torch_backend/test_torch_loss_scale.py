@@ -1,0 +1,86 @@
+"""``loss_scale``: every gradient of a run scaled, for float16 training with
+``torch.amp.GradScaler``.
+
+The backward inside the pipeline is seeded with ``loss_scale / micro_batch_num``, so a
+power-of-two scale multiplies every gradient exactly (checked bit for bit, swap on, in two
+schedule families) and leaves the losses alone. The README's GradScaler recipe: its scale
+into the run, ``scaler.step`` unscales ``.grad`` and steps, which equals an unscaled run's
+plain step bit for bit; under float16 autocast a scale too large for float16 gives
+infinite gradients, and the scaler skips that step and lowers its scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch_support import Case, build_stages, grads_of, run_case
+
+from ppswap import PipelineStage
+
+CASES = [
+    Case("gpipe", pp=2, stage_num=2, micro=4),
+    Case("interleaved_1f1b", pp=2, stage_num=4, micro=4, split_dw=True, overlap_b_f=True),
+]
+SCALE = 1024.0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", CASES, ids=Case.label)
+async def test_loss_scale_multiplies_every_gradient_exactly(case: Case) -> None:
+    plain_stages, scaled_stages = build_stages(case.stage_num), build_stages(case.stage_num)
+    plain = await run_case(plain_stages, case, swap=True)
+    scaled = await run_case(scaled_stages, case, swap=True, loss_scale=SCALE)
+    assert scaled.losses == plain.losses
+    assert sum(r.offloaded_bytes for r in scaled.ranks) > 0
+    for grads, scaled_grads in zip(grads_of(plain_stages), grads_of(scaled_stages), strict=True):
+        for grad, scaled_grad in zip(grads, scaled_grads, strict=True):
+            assert torch.equal(scaled_grad, grad * SCALE)
+
+
+def sgd(stages: list[PipelineStage]) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for s in stages for p in s.parameters], lr=0.1)
+
+
+def weights(stages: list[PipelineStage]) -> list[torch.Tensor]:
+    return [p.detach().clone() for s in stages for p in s.parameters]
+
+
+@pytest.mark.asyncio
+async def test_a_grad_scaler_step_equals_the_unscaled_step() -> None:
+    """Two steps of the README recipe against two plain steps: the same weights."""
+    case = CASES[0]
+    scaled_stages, plain_stages = build_stages(case.stage_num), build_stages(case.stage_num)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaled_optimizer, plain_optimizer = sgd(scaled_stages), sgd(plain_stages)
+    for _ in range(2):
+        scaled_optimizer.zero_grad()
+        scale = scaler.scale(torch.ones(()))  # the scaler's current scale (and its start)
+        await run_case(scaled_stages, case, swap=True, loss_scale=float(scale))
+        scaler.step(scaled_optimizer)
+        scaler.update()
+        plain_optimizer.zero_grad()
+        await run_case(plain_stages, case, swap=True)
+        plain_optimizer.step()
+    assert scaler.get_scale() == SCALE  # no infinite gradient: the scale stayed
+    for scaled_weight, plain_weight in zip(
+        weights(scaled_stages), weights(plain_stages), strict=True
+    ):
+        assert torch.equal(scaled_weight, plain_weight)
+
+
+@pytest.mark.asyncio
+async def test_float16_overflow_makes_the_scaler_skip_the_step() -> None:
+    case = CASES[0]
+    stages = build_stages(case.stage_num)
+    before = weights(stages)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    optimizer = sgd(stages)
+    scale = scaler.scale(torch.ones(()))
+    with torch.autocast("cpu", dtype=torch.float16):
+        result = await run_case(stages, case, swap=True, loss_scale=float(scale))
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    assert any(not torch.isfinite(p.grad).all() for s in stages for p in s.parameters)
+    scaler.step(optimizer)  # skipped: a gradient is not finite
+    scaler.update()
+    assert scaler.get_scale() == 2.0**99
+    assert all(torch.equal(a, b) for a, b in zip(weights(stages), before, strict=True))
