@@ -2,7 +2,8 @@
 
 Losses and every gradient must equal the in-process run bit for bit, for GPipe,
 Interleaved and 1F1B with real overlap, with swap on, at ``mpiexec -n 2`` and ``-n 4``,
-for a bfloat16 model at ``-n 2`` and for stages passing a tuple of tensors at ``-n 3``.
+for a bfloat16 model at ``-n 2``, for stages passing a tuple of tensors at ``-n 3`` and
+for torch stages at ``-n 2``.
 A failing rank ends every process non-zero, naming itself, well within the deadline.
 """
 
@@ -147,6 +148,52 @@ def test_a_tuple_between_stages_across_processes_equals_in_process_bit_for_bit(
         )
 
     _launch_and_compare(tmp_path, ["1f1b", "3", "8", "0", "1", "0", "tuple"], stages, in_process)
+
+
+@needs_mpiexec
+def test_a_torch_pipeline_over_mpi_equals_in_process_bit_for_bit(tmp_path: Path) -> None:
+    """torch stages (attention and MLP blocks) over MPITransport, Interleaved with swap on
+    two processes: payloads are host arrays either way, so the torch backend rides the
+    MPI transport as MindSpore's does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_backend"))
+    import torch
+    import torch_support
+
+    torch.set_num_threads(1)  # as in the ranks: the same kernels, the same bits
+    modules = torch_support.build_modules(4)
+    stages = [PipelineStage(m, i, 4) for i, m in enumerate(modules)]
+    x, y = torch_support.make_data()
+
+    async def in_process():
+        return await run_schedule(
+            stages,
+            "interleaved_1f1b",
+            pp=2,
+            micro_batch_num=4,
+            inputs=x,
+            targets=y,
+            loss_fn=torch_support.mse_loss,
+            swap=True,
+        )
+
+    launched = launch(
+        2,
+        str(SCRIPTS / "run_pipeline.py"),
+        str(tmp_path),
+        *["interleaved_1f1b", "4", "4", "0", "1", "0", "torch"],
+        timeout_s=180,
+    )
+    assert launched.returncode == 0, launched.output[-3000:]
+    reference = anyio.run(in_process)
+    assert sum(r.offloaded_bytes for r in reference.ranks) > 0
+    for rank in range(2):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        assert got["losses"].tolist() == reference.losses
+        assert got["offloaded"].tolist() == [r.offloaded_bytes for r in reference.ranks]
+        for stage in stages[rank::2]:
+            for k, grad in enumerate(stage.grads):
+                want = grad.detach().numpy()
+                np.testing.assert_array_equal(got[f"grad_s{stage.stage_index}_{k}"], want)
 
 
 @needs_mpiexec

@@ -6,7 +6,9 @@ Every process builds all stage modules from the same seed (as the in-process ref
 does) and runs only its own stages. Rank r writes OUT_DIR/rank{r}.npz with the losses it
 got back and the gradients of its stages. FAIL=1 makes rank 1's FWD of micro 1 raise.
 MODEL=bfloat16 runs ``pipeline_data``'s bfloat16 model instead of the float32 MLP;
-MODEL=tuple ``ppswap.demo.model``'s ``TupleStage``s, which pass three tensors between stages.
+MODEL=tuple ``ppswap.demo.model``'s ``TupleStage``s, which pass three tensors between stages;
+MODEL=torch the torch stage models of ``tests/torch_backend/torch_support.py`` (attention
+and MLP blocks, swap-wrapped) on their float32 batch.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_data import BATCH, DIM, bf16_data, bf16_loss, bf16_stages, data
 
 
+def host(grad: object) -> np.ndarray:
+    """A gradient of either framework as a numpy array."""
+    if hasattr(grad, "asnumpy"):
+        return np.asarray(grad.asnumpy())
+    return np.asarray(grad.detach().numpy())  # type: ignore[attr-defined]
+
+
 async def main() -> None:
     out_dir = Path(sys.argv[1])
     schedule, stage_num, micro = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -42,6 +51,14 @@ async def main() -> None:
     elif model == "tuple":
         modules = build_tuple_stages(stage_num, dim=DIM, wrap=swap_wrapper)
         (x, y), loss_fn = data(), mse_loss
+    elif model == "torch":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch_backend"))
+        import torch
+        import torch_support
+
+        torch.set_num_threads(1)
+        modules = torch_support.build_modules(stage_num)
+        (x, y), loss_fn = torch_support.make_data(), torch_support.mse_loss
     else:
         modules = build_mlp_stages(stage_num, dim=DIM, wrap=swap_wrapper)
         (x, y), loss_fn = data(), mse_loss
@@ -61,7 +78,7 @@ async def main() -> None:
         faults=faults,
     )
     grads = {  # bfloat16 as its bits (np.savez cannot store the extension dtype)
-        f"grad_s{s.stage_index}_{k}": g.asnumpy().view(np.uint16) if bf16 else g.asnumpy()
+        f"grad_s{s.stage_index}_{k}": host(g).view(np.uint16) if bf16 else host(g)
         for s in stages
         for k, g in enumerate(s.grads)
     }
