@@ -16,11 +16,10 @@ really deferred is the backend's (torch: yes; MindSpore: its backward computes b
 Gradients: ``stage.grads`` is aligned with ``stage.parameters`` (the module's trainable
 parameters: ``trainable_params()`` / ``parameters()`` with ``requires_grad``) and holds
 the gradient of the mean loss over micro-batches (the last stage seeds each micro-batch's
-backward with ``1 / micro_batch_num``; times ``loss_scale`` where the run has one), reset
-at the start of every training run. A
-forward-only run (``begin_run(forward_only=True)``, ``forward(record=False)``: evaluation)
-records no graph, keeps no chunk and leaves the gradients as the last training run left
-them.
+backward with ``1 / micro_batch_num``, times the run's ``loss_scale``), reset at the
+start of every training run. A forward-only run (``begin_run(forward_only=True)``,
+``forward(record=False)``: evaluation) records no graph, keeps no chunk and leaves the
+gradients as the last training run left them.
 
 Random numbers (dropout): each forward draws from the stage's own stream for the run
 (``Backend.rng_scope``; torch: ``backends/torch/rng.py``), so a stage's draws do not depend
@@ -29,15 +28,14 @@ in one process or one per rank.
 
 Each forward, with its loss, runs in the scope the run read from the thread that called
 ``run_schedule`` (``Backend.caller_forward_scope``): on torch, that thread's
-``torch.autocast``, which the compute thread would not otherwise see. Backwards run
-outside it.
+``torch.autocast`` and current CUDA device, which the compute thread would not otherwise
+see. Backwards run outside it.
 
 The loss: on the last stage ``loss_fn(output, target)`` must return a scalar tensor
 (``target``: the micro-batch's target, or a tuple of its parts where ``targets`` is a
-tuple, such as ``(labels, loss_mask)``). A
-loss_fn that raises, returns something else or a tensor with a shape is reported as a
-``PipelineInputError`` naming ``loss_fn`` (at the first FWD of the last stage, before
-any backward runs).
+tuple, such as ``(labels, loss_mask)``). A loss_fn that raises, returns something else
+or a tensor with a shape is reported as a ``PipelineInputError`` naming ``loss_fn`` (at
+the first FWD of the last stage, before any backward runs).
 
 Between stages: a stage's module (but the last's) returns one tensor or a tuple (or list)
 of up to 64 tensors, and the next stage's module is called with them as positional

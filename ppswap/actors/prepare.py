@@ -80,7 +80,8 @@ __all__ = ["Batches", "RunPlan", "prepare_run", "split_batches"]
 class RunPlan:
     """Everything a run needs, checked: the options, the stages and their backend, the
     schedule's config and every rank's finalized order, the data, and the scope of its
-    forwards (``Backend.caller_forward_scope``: the caller's autocast on torch)."""
+    forwards (``Backend.caller_forward_scope``: on torch, the caller's autocast and
+    current CUDA device)."""
 
     options: RunOptions
     stages: tuple[PipelineStage, ...]

@@ -6,9 +6,10 @@ mixed-precision step, ``with torch.autocast(...): await run_schedule(...)``, wou
 pipeline in float32 without a word. Checked here: every forward and the loss run under the
 caller's autocast on the compute thread and no backward does; runs of every schedule
 family, and FSDP dp2, equal a micro-batch-by-micro-batch reference under the same
-autocast, swap on bit-identical to swap off; forward-only
-outputs are the autocast forward's; a disabled autocast changes nothing. Across processes:
-the ``-autocast`` cases of ``tests/torch_dist``.
+autocast, swap on bit-identical to swap off; forward-only outputs are the autocast
+forward's; a disabled autocast changes nothing. Across processes: the ``-autocast`` cases
+of ``tests/torch_dist``. (The current CUDA device, carried the same way, needs a GPU:
+``benchmarks/gpu_check.py`` runs through it.)
 """
 
 from __future__ import annotations
