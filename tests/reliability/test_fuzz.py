@@ -97,6 +97,16 @@ MUTATIONS: dict[str, tuple[Any, tuple[str, ...]]] = {
         st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.text(max_size=3), st.none()),
         ("step_timeout",),
     ),
+    "loss_scale": (
+        st.one_of(
+            st.floats(max_value=0.0),
+            st.sampled_from([math.nan, math.inf]),
+            st.text(max_size=3),
+            st.none(),
+            st.booleans(),
+        ),
+        ("loss_scale",),
+    ),
     "pp": (st.one_of(st.integers(max_value=0), st.text(max_size=2), st.floats()), ("pp",)),
     "min_swap_gap": (st.one_of(st.integers(max_value=1), not_int), ("min_swap_gap",)),
     "loss_fn": (st.one_of(st.none(), st.integers(), st.text(max_size=3)), ("loss_fn",)),
