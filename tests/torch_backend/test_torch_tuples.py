@@ -1,18 +1,18 @@
-"""Several tensors between stages on torch: a stage returns a tuple, the next is called
-with its elements.
+"""Several tensors between stages on torch: a stage returns a tuple, the next is called with
+its elements.
 
 The model passes ``(hidden, mask, scale)`` along: ``mask`` an int64 tensor (no gradient
 travels back for it; the middle stages return the one they received, unchanged), ``scale``
-a float tensor every stage uses and changes (its gradient travels back beside the
-hidden state's). Checked for each schedule (GPipe, 1F1B with the boundary P2P mode,
-Interleaved with split_dw and overlap_b_f): swap on bit-identical to swap off, both equal
-to the unsplit model (rtol 1e-5), bytes moved. A batch given as a tuple
-(``inputs=(x, mask)``) reaches the first stage split alike, and so do targets given as a
-tuple (``targets=(y, loss_mask)``, ``loss_fn`` called with a tuple); a bad one of either
-is refused before any work. FSDP dp2 with tuples: swap on equal to off, full gradients equal to the
-unsplit model's. A forward-only run gives the training run's losses. What a stage may
-return: a list works as a tuple, a tuple holding a non-tensor or a dict is a
-PipelineInputError naming the stage and the element.
+a float tensor every stage uses and changes (its gradient travels back beside the hidden
+state's). Checked for each schedule (GPipe, 1F1B with the boundary P2P mode, Interleaved
+with split_dw and overlap_b_f): swap on bit-identical to swap off, both equal to the
+unsplit model (rtol 1e-5), bytes moved. A batch given as a tuple (``inputs=(x, mask)``)
+reaches the first stage split alike, and so do targets given as a tuple (``targets=(y,
+loss_mask)``, ``loss_fn`` called with a tuple); a bad one of either is refused before any
+work. FSDP dp2 with tuples: swap on equal to off, full gradients equal to the unsplit
+model's. A forward-only run gives the training run's losses. What a stage may return: a
+list works as a tuple, a tuple holding a non-tensor or a dict is a PipelineInputError
+naming the stage and the element.
 """
 
 from __future__ import annotations
