@@ -92,14 +92,18 @@ def batch_mask() -> torch.Tensor:
     return (torch.arange(BATCH * SEQ).reshape(BATCH, SEQ, 1) % 2).long()
 
 
-def unsplit(stage_num: int, *, with_mask: bool = False) -> tuple[float, list[list[torch.Tensor]]]:
+def unsplit(
+    stage_num: int, *, with_mask: bool = False, targets: Any = None, loss_fn: Any = mse_loss
+) -> tuple[float, list[list[torch.Tensor]]]:
+    """The unsplit model on the whole batch (``with_mask``: ``inputs=(x, mask)``;
+    ``targets``: instead of ``y``, for ``loss_fn``): its loss and gradients by stage."""
     chain = modules(stage_num)
     x, y = data()
     out: torch.Tensor | tuple[torch.Tensor, ...] = (x, batch_mask()) if with_mask else x
     for module in chain:
         out = module(*out) if isinstance(out, tuple) else module(out)
     assert isinstance(out, torch.Tensor)
-    loss = mse_loss(out, y)
+    loss = loss_fn(out, y if targets is None else targets)
     params = [list(m.parameters()) for m in chain]
     flat = torch.autograd.grad(loss, [p for group in params for p in group])
     grads, start = [], 0
@@ -170,9 +174,14 @@ async def test_a_batch_given_as_a_tuple_reaches_the_first_stage_split_alike() ->
 
 
 def masked_mse(output: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The loss of ``targets=(y, loss_mask)``: squared errors where the mask is 1."""
-    y, loss_mask = target
-    return ((output - y) ** 2 * loss_mask).mean()
+    """The loss of ``targets=(y, weights)``: squared errors, weighted (a loss mask)."""
+    y, weights = target
+    return ((output - y) ** 2 * weights).mean()
+
+
+def sample_weights() -> torch.Tensor:
+    """A weight per sample, (BATCH, 1, 1): a micro-batch paired with another's shows."""
+    return torch.arange(BATCH, dtype=torch.float32).reshape(BATCH, 1, 1) % 3
 
 
 @pytest.mark.asyncio
@@ -180,23 +189,18 @@ async def test_targets_given_as_a_tuple_reach_loss_fn_split_alike() -> None:
     """``targets=(y, loss_mask)``: each split into the same micro-batches, ``loss_fn``
     called with a tuple of one of each; swap on equal to off, both the unsplit model's."""
     case = CASES[1]
-    targets = (data()[1], batch_mask())
+    targets = (data()[1], sample_weights())
     off, grads_off = await run(case, swap=False, targets=targets, loss_fn=masked_mse)
     on, grads_on = await run(case, swap=True, targets=targets, loss_fn=masked_mse)
     assert on.losses == off.losses
     for stage_off, stage_on in zip(grads_off, grads_on, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(stage_off, stage_on, strict=True))
-    chain = modules(case.stage_num)
-    out: Any = data()[0]
-    for module in chain:
-        out = module(*out) if isinstance(out, tuple) else module(out)
-    loss = masked_mse(out, targets)
-    flat = torch.autograd.grad(loss, [p for m in chain for p in m.parameters()])
-    assert on.loss == pytest.approx(float(loss.detach()), rel=1e-5)
-    assert on.loss != pytest.approx(unsplit(case.stage_num)[0], rel=1e-3)  # the mask was used
-    got = [g for stage in grads_on for g in stage]
-    for got_grad, want in zip(got, flat, strict=True):
-        torch.testing.assert_close(got_grad, want, rtol=1e-5, atol=1e-7)
+    loss, expected = unsplit(case.stage_num, targets=targets, loss_fn=masked_mse)
+    assert on.loss == pytest.approx(loss, rel=1e-5)
+    assert on.loss != pytest.approx(unsplit(case.stage_num)[0], rel=1e-3)  # the weights count
+    for got_stage, want_stage in zip(grads_on, expected, strict=True):
+        for got, want in zip(got_stage, want_stage, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.asyncio
@@ -300,11 +304,14 @@ async def test_what_cannot_travel_is_named(make: object, words: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_fsdp_dp2_with_tuples_between_stages() -> None:
+@pytest.mark.parametrize("tuple_targets", [False, True], ids=["targets", "tuple-targets"])
+async def test_fsdp_dp2_with_tuples_between_stages(tuple_targets: bool) -> None:
     """GPipe pp2 x dp2, every replica's stage fully_shard()-ed: swap on bit-identical to
-    off, the full gradients equal to the unsplit model's."""
+    off, the full gradients equal to the unsplit model's; with targets given as a tuple
+    too (each replica's block of them split alike)."""
     mesh = DeviceMesh(pp=2, dp=2)
     x, y = data()
+    targets, loss_fn = ((y, sample_weights()), masked_mse) if tuple_targets else (y, mse_loss)
     full: list[list[list[np.ndarray]]] = []
     losses = []
     for swap in (False, True):
@@ -318,8 +325,8 @@ async def test_fsdp_dp2_with_tuples_between_stages() -> None:
             "gpipe",
             micro_batch_num=2,
             inputs=x,
-            targets=y,
-            loss_fn=mse_loss,
+            targets=targets,
+            loss_fn=loss_fn,
             swap=swap,
             step_timeout=60,
         )
@@ -328,7 +335,7 @@ async def test_fsdp_dp2_with_tuples_between_stages() -> None:
     assert losses[0] == losses[1]
     for stage_off, stage_on in zip(*full, strict=True):
         assert all(np.array_equal(a, b) for a, b in zip(stage_off, stage_on, strict=True))
-    _, expected = unsplit(2)
+    _, expected = unsplit(2, targets=targets, loss_fn=loss_fn)
     for got_stage, want_stage in zip(full[1], expected, strict=True):
         for got, want in zip(got_stage, want_stage, strict=True):
             np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-7)
