@@ -179,6 +179,7 @@ class PipelineStage:
         forward_only: bool = False,
         rng_seed: int = 0,
         forward_scope: ForwardScope = nullcontext,
+        input_keys: tuple[str, ...] | None = None,
         target_parts: int | None = None,
         loss_scale: float = 1.0,
     ) -> None:
@@ -186,9 +187,11 @@ class PipelineStage:
         forward made, the stage's random-number stream for the run seeded from
         ``rng_seed`` (``Backend.run_seed``, the same for every stage of the run), and
         ``forward_scope`` (``Backend.caller_forward_scope``) entered around each forward
-        with its loss. ``target_parts``: the last stage's target is a tuple of that many
-        tensors (``loss_fn`` gets the tuple), None: one tensor. ``loss_scale``: the last
-        stage seeds each backward with ``loss_scale / micro_count``."""
+        with its loss. ``input_keys``: the first stage's module is called with its inputs
+        as these keyword arguments (a batch given as a dict). ``target_parts``: the last
+        stage's target is a tuple of that many tensors (``loss_fn`` gets the tuple), None:
+        one tensor. ``loss_scale``: the last stage seeds each backward with ``loss_scale /
+        micro_count``."""
         if not forward_only:
             self._params = self.backend.trainable_parameters(self.module)
             self._grads = [None] * len(self._params)
@@ -203,11 +206,16 @@ class PipelineStage:
         self._loss_fn = loss_fn
         self._seed = loss_scale / micro_count
         self.generation = generation
-        self._forward_fn = self._make_forward_fn(loss_fn, forward_only, target_parts)
+        keys = input_keys if self.is_first else None
+        self._forward_fn = self._make_forward_fn(loss_fn, forward_only, keys, target_parts)
         self._forward_scope = forward_scope
 
     def _make_forward_fn(
-        self, loss_fn: LossFn | None, forward_only: bool, target_parts: int | None
+        self,
+        loss_fn: LossFn | None,
+        forward_only: bool,
+        input_keys: tuple[str, ...] | None,
+        target_parts: int | None,
     ) -> Callable[..., Tensor]:
         """The function whose forward is recorded: the module, plus the loss on the last
         stage (the target, or its ``target_parts`` parts, are the last inputs of the
@@ -215,7 +223,7 @@ class PipelineStage:
         without ``loss_fn`` in a forward-only run (its outputs are the result)."""
         is_scalar_tensor = self._is_scalar_tensor
         tensor_name = self.backend.tensor_name
-        call = self._module_caller()
+        call = self._module_caller(input_keys)
         if self.is_last and not (forward_only and loss_fn is None):
             if loss_fn is None:
                 raise ValueError(
@@ -270,16 +278,21 @@ class PipelineStage:
 
         return stage_forward
 
-    def _module_caller(self) -> Callable[[Sequence[Tensor]], Any]:
-        """``call(inputs)``: the module on its inputs; a TypeError where it got several
-        (a tuple the previous stage returned) is a PipelineInputError saying so."""
+    def _module_caller(self, keys: tuple[str, ...] | None) -> Callable[[Sequence[Tensor]], Any]:
+        """``call(inputs)``: the module on its inputs, as the keyword arguments ``keys``
+        where given; a TypeError where it got several (a tuple the previous stage
+        returned, the batch's parts) is a PipelineInputError saying so."""
         module, index = self.module, self.stage_index
         source = "parts of the batch" if self.is_first else f"tensors stage {index - 1} returned"
+        if keys is not None:
+            source = f"keyword arguments {', '.join(keys)} (the batch's parts)"
 
         def call(inputs: Sequence[Tensor]) -> Any:
-            if len(inputs) == 1:
+            if len(inputs) == 1 and keys is None:
                 return module(inputs[0])
             try:
+                if keys is not None:
+                    return module(**dict(zip(keys, inputs, strict=True)))
                 return module(*inputs)
             except TypeError as exc:
                 shapes = ", ".join(str(_shape_of(x)) for x in inputs)

@@ -26,8 +26,10 @@ What is checked (docs/reliability.md lists the tests):
   batch into a float32 model fails in the first FWD); integer inputs (token ids) are free.
   ``inputs`` may also be a tuple of such (not a list: a nested list of numbers is the
   usual mistake, and is named as one), each split alike: the first stage's module is
-  called with one micro-batch of each (``tokens, mask``); ``targets`` likewise
-  (``labels, loss_mask``): ``loss_fn`` then gets a tuple of one micro-batch of each;
+  called with one micro-batch of each (``tokens, mask``), or a dict of such with str keys,
+  the module then called with them as keyword arguments (``input_ids=...,
+  attention_mask=...``); ``targets`` may be a tuple too (``labels, loss_mask``):
+  ``loss_fn`` then gets a tuple of one micro-batch of each;
 - ``loss_fn``: a callable, required when the run has the last stage, but in a
   forward-only run: without one, that run returns the last stage's outputs
   (``RunResult.outputs``) and needs no targets.
@@ -117,6 +119,12 @@ class RunPlan:
     @property
     def count_saved_bytes(self) -> bool:
         return self.options.count_saved_bytes
+
+    @property
+    def input_keys(self) -> tuple[str, ...] | None:
+        """The keyword names the first stage's module is called with (inputs given as a
+        dict; each micro-batch holds its parts in this order), else None."""
+        return tuple(self.inputs) if isinstance(self.inputs, dict) else None
 
     @property
     def returns_outputs(self) -> bool:
@@ -365,9 +373,9 @@ def _check_data(
     by_index = {s.stage_index: s for s in stages}
     last_index = stages[0].stage_num - 1
     first, last = by_index.get(0), by_index.get(last_index)
-    named_inputs = _named_parts("inputs", inputs)
+    named_inputs = _named_parts("inputs", inputs, keywords=True)
     if first is not None:
-        _checked_parts(backend, "inputs", inputs, micro, dp)
+        _checked_parts(backend, "inputs", inputs, micro, dp, keywords=True)
         for name, part in named_inputs:
             _check_float_dtype(name, part, first, "first")
     inference = options.forward_only and loss_fn is None  # the last stage's outputs
@@ -388,24 +396,34 @@ def _check_data(
             )
 
 
-def _named_parts(name: str, value: Any) -> list[tuple[str, Any]]:
-    """A batch given as a tuple of parts: each part with its name (``inputs[1]``); else
-    the batch itself."""
-    if isinstance(value, tuple):
+def _named_parts(name: str, value: Any, *, keywords: bool = False) -> list[tuple[str, Any]]:
+    """A batch given as a tuple of parts (or, with ``keywords``, a dict of them by str
+    key): each part with its name (``inputs[1]``, ``inputs['mask']``); else the batch
+    itself."""
+    if isinstance(value, tuple) or (keywords and isinstance(value, dict)):
+        kind = "a tuple" if isinstance(value, tuple) else "a dict"
         if not 0 < len(value) <= MAX_ELEMENTS:
             raise PipelineInputError(
-                f"{name} as a tuple must hold 1 to {MAX_ELEMENTS} parts, got {len(value)}"
+                f"{name} as {kind} must hold 1 to {MAX_ELEMENTS} parts, got {len(value)}"
             )
-        return [(f"{name}[{index}]", part) for index, part in enumerate(value)]
+        if isinstance(value, tuple):
+            return [(f"{name}[{index}]", part) for index, part in enumerate(value)]
+        strays = [key for key in value if not isinstance(key, str) or not key.isidentifier()]
+        if strays:
+            raise PipelineInputError(
+                f"{name} as a dict must have keyword names as keys (the first stage's module "
+                f"is called with them), got {strays[0]!r}"
+            )
+        return [(f"{name}[{key!r}]", part) for key, part in value.items()]
     return [(name, value)]
 
 
 def _checked_parts(
-    backend: Backend, name: str, value: Any, micro: int, dp: int
+    backend: Backend, name: str, value: Any, micro: int, dp: int, *, keywords: bool = False
 ) -> list[tuple[str, Any]]:
-    """``value`` (a batch, or a tuple of parts) checked part by part, the parts of one
-    batch size; each part with its name."""
-    named = _named_parts(name, value)
+    """``value`` (a batch, or a tuple or dict of parts: ``_named_parts``) checked part by
+    part, the parts of one batch size; each part with its name."""
+    named = _named_parts(name, value, keywords=keywords)
     for part_name, part in named:
         _check_batch(backend, part_name, part, micro, dp)
     sizes = {part.shape[0] for _, part in named}
@@ -474,8 +492,9 @@ def split_batches(plan: RunPlan) -> Batches:
         return [np.array(part, copy=True, order="C") for part in np.split(host, parts, axis=0)]
 
     def split_parts(value: Any) -> list[HostArray] | list[tuple[HostArray, ...]]:
-        if isinstance(value, tuple):
-            return list(zip(*(split(part) for part in value), strict=True))
+        if isinstance(value, tuple | dict):  # a dict's parts in key order (input_keys)
+            parts = value if isinstance(value, tuple) else value.values()
+            return list(zip(*(split(part) for part in parts), strict=True))
         return split(value)
 
     inputs = [] if plan.inputs is None else split_parts(plan.inputs)

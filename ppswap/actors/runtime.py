@@ -242,6 +242,7 @@ def _begin_stages(plan: RunPlan, generation: int) -> Batches:
             forward_only=plan.config.forward_only,
             rng_seed=rng_seed,
             forward_scope=plan.forward_scope,
+            input_keys=plan.input_keys,
             target_parts=len(plan.targets) if isinstance(plan.targets, tuple) else None,
             loss_scale=plan.options.loss_scale,
         )

@@ -7,7 +7,8 @@ stage uses and changes. For GPipe, 1F1B and Interleaved with dx/dw split and ove
 swap on bit-identical to swap off, both equal to the unsplit model (rtol 1e-5), bytes
 moved; a forward-only run passes the tuples too, with the training run's losses, and
 without ``loss_fn`` returns the last stage's outputs; targets given as a tuple reach
-``loss_fn`` as one.
+``loss_fn`` as one, and a batch given as a dict reaches the first cell as keyword
+arguments.
 """
 
 from __future__ import annotations
@@ -155,3 +156,44 @@ async def test_targets_given_as_a_tuple_reach_loss_fn_split_alike() -> None:
     expected = float(weighted_mse(model(Tensor(x)), (Tensor(y), Tensor(weights))).asnumpy())
     assert on.loss == pytest.approx(expected, rel=1e-5)
     assert on.loss != pytest.approx(unsplit(CASES[1][2])[0], rel=1e-3)  # the weights were used
+
+
+class Scaled(nn.Cell):  # type: ignore[misc]
+    """A first stage taking keyword arguments: ``x``, and a per-sample ``scale``."""
+
+    def __init__(self, inner: nn.Cell) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def construct(self, x: Tensor, scale: Tensor) -> Any:
+        return self.inner(x * scale)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+async def test_a_batch_given_as_a_dict_calls_the_first_cell_with_keywords() -> None:
+    """``inputs={"scale": ..., "x": ...}``: the first stage's cell gets ``x=`` and
+    ``scale=`` per micro-batch; swap on bit-identical to off, the unsplit model's loss."""
+    x, y = data()
+    scale = (np.arange(BATCH) % 3 + 1).astype(np.float32).reshape(BATCH, 1)
+    losses = []
+    for swap in (False, True):
+        chain = cells(CASES[1][2])
+        chain[0] = Scaled(chain[0])
+        stages = [PipelineStage(c, i, len(chain)) for i, c in enumerate(chain)]
+        result = await run_schedule(
+            stages,
+            "1f1b",
+            micro_batch_num=8,
+            inputs={"scale": scale, "x": x},
+            targets=y,
+            loss_fn=mse_loss,
+            swap=swap,
+            step_timeout=120,
+        )
+        losses.append(result.losses)
+    assert losses[0] == losses[1]
+    model = Chain(cells(CASES[1][2]))
+    expected = float(mse_loss(model(Tensor(x * scale)), Tensor(y)).asnumpy())
+    assert result.loss == pytest.approx(expected, rel=1e-5)
+    assert result.loss != pytest.approx(unsplit(CASES[1][2])[0], rel=1e-3)  # the scale counts

@@ -7,12 +7,12 @@ a float tensor every stage uses and changes (its gradient travels back beside th
 state's). Checked for each schedule (GPipe, 1F1B with the boundary P2P mode, Interleaved
 with split_dw and overlap_b_f): swap on bit-identical to swap off, both equal to the
 unsplit model (rtol 1e-5), bytes moved. A batch given as a tuple (``inputs=(x, mask)``)
-reaches the first stage split alike, and so do targets given as a tuple (``targets=(y,
-loss_mask)``, ``loss_fn`` called with a tuple); a bad one of either is refused before any
-work. FSDP dp2 with tuples: swap on equal to off, full gradients equal to the unsplit
-model's. A forward-only run gives the training run's losses. What a stage may return: a
-list works as a tuple, a tuple holding a non-tensor or a dict is a PipelineInputError
-naming the stage and the element.
+reaches the first stage split alike (a dict: as keyword arguments), and so do targets
+given as a tuple (``targets=(y, loss_mask)``, ``loss_fn`` called with a tuple); a bad one
+of either is refused before any work. FSDP dp2 with tuples: swap on equal to off, full
+gradients equal to the unsplit model's. A forward-only run gives the training run's
+losses. What a stage may return: a list works as a tuple, a tuple holding a non-tensor or
+a dict is a PipelineInputError naming the stage and the element.
 """
 
 from __future__ import annotations
@@ -353,6 +353,57 @@ async def test_a_tuple_batch_the_first_module_cannot_take_is_named() -> None:
     assert "stage 0's module raised TypeError when called with the 2 parts of the batch" in str(
         caught.value.__cause__
     )
+
+
+@pytest.mark.asyncio
+async def test_a_batch_given_as_a_dict_calls_the_first_module_with_keywords() -> None:
+    """``inputs={"mask": ..., "x": ...}`` (not the signature's order): the first stage's
+    module gets ``x=``, ``mask=`` per micro-batch, bit for bit the run with
+    ``inputs=(x, mask)``, swap on."""
+    case = CASES[1]
+    x = data()[0]
+    positional, grads_positional = await run(case, swap=True, with_mask=True)
+    keywords, grads_keywords = await run(case, swap=True, inputs={"mask": batch_mask(), "x": x})
+    assert keywords.losses == positional.losses
+    for stage_a, stage_b in zip(grads_positional, grads_keywords, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(stage_a, stage_b, strict=True))
+    # the first stage made its own mask from x when none came: the keywords reached it
+    assert keywords.losses != (await run(case, swap=True, inputs={"x": x}))[0].losses
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("inputs", "words"),
+    [
+        ({}, "inputs as a dict must hold 1 to 64 parts, got 0"),
+        ({"x": data()[0], 3: batch_mask()}, "inputs as a dict must have keyword names as keys"),
+        ({"x": data()[0], "mask": batch_mask()[:4]}, "inputs['mask'] 4"),
+    ],
+    ids=["empty", "not-a-name", "batch-sizes"],
+)
+async def test_a_bad_dict_batch_is_named_before_any_work(inputs: object, words: str) -> None:
+    stages = [PipelineStage(m, i, 2) for i, m in enumerate(modules(2))]
+    with pytest.raises(PipelineInputError, match=re.escape(words)):
+        await run_schedule(
+            stages, "gpipe", micro_batch_num=2, inputs=inputs, targets=data()[1], loss_fn=mse_loss
+        )
+
+
+@pytest.mark.asyncio
+async def test_a_keyword_the_first_module_does_not_take_is_named() -> None:
+    stages = [PipelineStage(m, i, 2) for i, m in enumerate(modules(2))]
+    x, y = data()
+    with pytest.raises(PipelineError) as caught:
+        await run_schedule(
+            stages,
+            "gpipe",
+            micro_batch_num=2,
+            inputs={"x": x, "attention_mask": batch_mask()},
+            targets=y,
+            loss_fn=mse_loss,
+        )
+    assert (caught.value.rank, caught.value.step) == (0, "F0.0")
+    assert "keyword arguments x, attention_mask (the batch's parts)" in str(caught.value.__cause__)
 
 
 @pytest.mark.asyncio
