@@ -65,9 +65,9 @@ Sizing (fp32 parameters and activations, IEEE fp32 matmuls:
   GELU and 4d output: 68 d bytes. A chunk (one stage, one micro-batch) is 2 blocks.
 - Whether swap can hide at all is a roofline: a chunk's forward must outlast its offload
   and its backward its load (one copy stream). Per token per block the forward is about
-  24 d^2 + 2 s d FLOP, the copy 68 d bytes each way. At H200 rates (fp32 SIMT ~50 TFLOPS
-  achieved of 67 peak; pinned PCIe Gen5 ~50 GB/s each way) the forward covers its offload
-  once 24 d + 2 s > 68 d * 1000, roughly d > 2500 at s = 2048.
+  24 d^2 + 2 s d FLOP, the copy 68 d bytes each way. At H100 / H200 rates (one GH100
+  chip: fp32 SIMT ~50 TFLOPS achieved of 67 peak; pinned PCIe Gen5 ~50 GB/s each way) the
+  forward covers its offload once 24 d + 2 s > 68 d * 1000, roughly d > 2500 at s = 2048.
 - ``wide`` (the primary): d 4096, 32 heads (head dim 128), seq 2048, 1 sequence per
   micro-batch, vocab 8192. Forward per token-block ~420 MFLOP = 8.4 us against an offload
   of 272 KiB = 5.6 us (1.5x margin; the backward 3x). A chunk is ~1.06 GiB; GPipe holds all
