@@ -238,10 +238,15 @@ async def test_a_loss_fn_failing_on_tuple_targets_names_their_shapes() -> None:
         ((), "inputs as a tuple must hold 1 to 64 parts, got 0"),
         ((data()[0], batch_mask()[:4]), "every part of inputs must have one batch size"),
         ((data()[0], "mask"), "inputs[1] must be a torch.Tensor or numpy.ndarray, got str"),
+        ({}, "inputs as a dict must hold 1 to 64 parts, got 0"),
+        ({"x": data()[0], 3: batch_mask()}, "inputs as a dict must have keyword names as keys"),
+        ({"x": data()[0], "mask": batch_mask()[:4]}, "inputs['mask'] 4"),
     ],
-    ids=["empty", "batch-sizes", "not-a-tensor"],
+    ids=["empty", "batch-sizes", "not-a-tensor", "dict-empty", "dict-not-a-name", "dict-sizes"],
 )
-async def test_a_bad_tuple_batch_is_named_before_any_work(inputs: object, words: str) -> None:
+async def test_a_bad_tuple_or_dict_batch_is_named_before_any_work(
+    inputs: object, words: str
+) -> None:
     stages = [PipelineStage(m, i, 2) for i, m in enumerate(modules(2))]
     with pytest.raises(PipelineInputError, match=re.escape(words)):
         await run_schedule(
@@ -369,24 +374,6 @@ async def test_a_batch_given_as_a_dict_calls_the_first_module_with_keywords() ->
         assert all(torch.equal(a, b) for a, b in zip(stage_a, stage_b, strict=True))
     # the first stage made its own mask from x when none came: the keywords reached it
     assert keywords.losses != (await run(case, swap=True, inputs={"x": x}))[0].losses
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize(
-    ("inputs", "words"),
-    [
-        ({}, "inputs as a dict must hold 1 to 64 parts, got 0"),
-        ({"x": data()[0], 3: batch_mask()}, "inputs as a dict must have keyword names as keys"),
-        ({"x": data()[0], "mask": batch_mask()[:4]}, "inputs['mask'] 4"),
-    ],
-    ids=["empty", "not-a-name", "batch-sizes"],
-)
-async def test_a_bad_dict_batch_is_named_before_any_work(inputs: object, words: str) -> None:
-    stages = [PipelineStage(m, i, 2) for i, m in enumerate(modules(2))]
-    with pytest.raises(PipelineInputError, match=re.escape(words)):
-        await run_schedule(
-            stages, "gpipe", micro_batch_num=2, inputs=inputs, targets=data()[1], loss_fn=mse_loss
-        )
 
 
 @pytest.mark.asyncio
