@@ -15,10 +15,11 @@ from anyio.abc import TaskGroup
 
 from ppswap.actors.compute import ComputeActor, RankInputs
 from ppswap.actors.copy_stream import CopyStream, CopyStreamActor
+from ppswap.actors.data import Batches
 from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.local_steps import ARRIVAL_WAITS_PER_BATCH
 from ppswap.actors.p2p import P2PActor, p2p_channel
-from ppswap.actors.prepare import Batches, RunPlan
+from ppswap.actors.prepare import RunPlan
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread

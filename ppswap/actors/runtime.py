@@ -41,10 +41,11 @@ import anyio
 import structlog
 
 from ppswap.actors.compute import ComputeActor
+from ppswap.actors.data import Batches
 from ppswap.actors.distributed import abort_job, configure_transport, gather_results
 from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.p2p import InProcessTransport
-from ppswap.actors.prepare import Batches, RunPlan, prepare_run, split_batches
+from ppswap.actors.prepare import RunPlan, prepare_run, split_batches
 from ppswap.actors.rank import RankRuntime
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
