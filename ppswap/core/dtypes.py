@@ -17,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BFLOAT16", "BFLOAT16_MISSING", "is_bfloat16", "is_floating"]
+__all__ = [
+    "BFLOAT16",
+    "BFLOAT16_MISSING",
+    "BFLOAT16_NAME",
+    "dtype_name",
+    "is_bfloat16",
+    "is_floating",
+    "named_dtype",
+]
 
 BFLOAT16: np.dtype[Any] | None
 try:
@@ -43,3 +51,31 @@ def is_bfloat16(dtype: np.dtype[Any]) -> bool:
 def is_floating(dtype: np.dtype[Any]) -> bool:
     """Whether ``dtype`` holds floating-point numbers (numpy's own, or bfloat16)."""
     return dtype.kind == "f" or is_bfloat16(dtype)
+
+
+BFLOAT16_NAME = b"bfloat16"
+_MAX_NAME_BYTES = 32  # the dtype field of the wire header and of a packed array's table
+
+
+def dtype_name(dtype: np.dtype[Any]) -> bytes | None:
+    """The name a dtype travels under (the wire header, ``core.wire``; a packed array's
+    table, ``core.packed``): :data:`BFLOAT16_NAME` for ``ml_dtypes``' bfloat16, else
+    ``dtype.str`` where it names ``dtype`` exactly in at most 32 bytes, else None (it
+    cannot travel: object, structured and other extension dtypes, MindSpore's bfloat16
+    until viewed as ``ml_dtypes``')."""
+    if BFLOAT16 is not None and type(dtype) is type(BFLOAT16):  # a dtype class per type
+        return BFLOAT16_NAME
+    if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
+        return None
+    encoded = dtype.str.encode("ascii")
+    return encoded if len(encoded) <= _MAX_NAME_BYTES else None
+
+
+def named_dtype(name: bytes, what: str) -> np.dtype[Any]:
+    """The dtype :func:`dtype_name` named ``name``; ``what`` (``"a bfloat16 message"``)
+    names what arrived in the error where ``ml_dtypes`` is missing."""
+    if name == BFLOAT16_NAME:
+        if BFLOAT16 is None:
+            raise RuntimeError(f"{what} arrived, but {BFLOAT16_MISSING}")
+        return BFLOAT16
+    return np.dtype(name.decode("ascii"))

@@ -5,7 +5,8 @@ tensors to the next (``(hidden, mask)``) hands them over as a tuple; on its way 
 processes that tuple travels as one ``uint8`` array of the dtype :data:`PACKED`, which the
 wire header names ``ppswap.tuple``:
 
-- a table: the element count, then per element its dtype (``wire_dtype``'s name, empty for
+- a table: the element count, then per element its dtype (``core.dtypes.dtype_name``; any
+  numpy bfloat16 as ``ml_dtypes``', the same bytes, as the wire sends it; empty for
   a missing element: a gradient nobody computed, as for an integer mask), ndim, shape and
   the offset of its bytes;
 - the elements' bytes, each at a 64-byte boundary.
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ppswap.core.dtypes import BFLOAT16, is_bfloat16
+from ppswap.core.dtypes import BFLOAT16, dtype_name, is_bfloat16, named_dtype
 
 __all__ = ["MAX_ELEMENTS", "PACKED", "PACKED_NAME", "is_packed", "pack", "unpack"]
 
@@ -47,25 +48,6 @@ def is_packed(value: object) -> bool:
     return isinstance(value, np.ndarray) and value.dtype == PACKED
 
 
-def _dtype_name(array: Array, position: int) -> bytes:
-    dtype = array.dtype
-    if BFLOAT16 is not None and is_bfloat16(dtype):
-        return b"bfloat16"
-    if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
-        raise TypeError(
-            f"element {position} has dtype {dtype!r}; allowed: numeric, bool and bfloat16"
-        )
-    return dtype.str.encode("ascii")
-
-
-def _dtype_of(name: bytes) -> np.dtype[Any]:
-    if name == b"bfloat16":
-        if BFLOAT16 is None:
-            raise RuntimeError("a packed bfloat16 element arrived, but ml_dtypes is missing")
-        return BFLOAT16
-    return np.dtype(name.decode("ascii"))
-
-
 def _aligned(offset: int) -> int:
     return -(-offset // _ALIGN) * _ALIGN
 
@@ -75,9 +57,11 @@ def pack(elements: Sequence[Array | None]) -> Array:
     if not 0 < len(elements) <= MAX_ELEMENTS:
         raise ValueError(f"can pack 1 to {MAX_ELEMENTS} elements, got {len(elements)}")
     names: list[bytes] = []
+    arrays: list[Array | None] = []
     for position, element in enumerate(elements):
         if element is None:
             names.append(b"")
+            arrays.append(None)
             continue
         if not isinstance(element, np.ndarray):
             raise TypeError(
@@ -85,20 +69,29 @@ def pack(elements: Sequence[Array | None]) -> Array:
             )
         if element.ndim > _MAX_NDIM:
             raise ValueError(f"element {position} has ndim {element.ndim}; at most {_MAX_NDIM}")
-        names.append(_dtype_name(element, position))
+        if BFLOAT16 is not None and is_bfloat16(element.dtype):
+            element = element.view(BFLOAT16)  # MindSpore's own: the same bytes
+        name = dtype_name(element.dtype)
+        if name is None:
+            raise TypeError(
+                f"element {position} has dtype {element.dtype!r}; allowed: numeric, bool and "
+                "bfloat16"
+            )
+        names.append(name)
+        arrays.append(element)
     # the layout first: the table, then each element at the next 64-byte boundary
     table_bytes = _COUNT.size + sum(
-        _ELEMENT.size + (0 if e is None else 8 * e.ndim) for e in elements
+        _ELEMENT.size + (0 if e is None else 8 * e.ndim) for e in arrays
     )
     offsets: list[int] = []
     end = _aligned(table_bytes)
-    for element in elements:
+    for element in arrays:
         offsets.append(0 if element is None else end)
         end = end if element is None else _aligned(end + element.nbytes)
     packed = np.empty(end, dtype=np.uint8)
-    table = bytearray(_COUNT.pack(_MAGIC, len(elements)))
+    table = bytearray(_COUNT.pack(_MAGIC, len(arrays)))
     filled = table_bytes
-    for element, name, offset in zip(elements, names, offsets, strict=True):
+    for element, name, offset in zip(arrays, names, offsets, strict=True):
         if element is None:
             table += _ELEMENT.pack(b"", 0, 0)
             continue
@@ -134,7 +127,7 @@ def unpack(packed: Array) -> tuple[Array | None, ...]:
             raise ValueError(f"corrupt packed array: an element of ndim {ndim}")
         shape = struct.unpack_from(f"<{ndim}q", header, cursor)
         cursor += 8 * ndim
-        dtype = _dtype_of(name)
+        dtype = named_dtype(name, "a packed bfloat16 element")
         nbytes = dtype.itemsize * math.prod(shape)
         if offset < cursor or offset + nbytes > raw.size:
             raise ValueError(f"corrupt packed array: element at {offset} of {nbytes} bytes")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING, is_bfloat16
+from ppswap.core.dtypes import BFLOAT16, dtype_name, is_bfloat16, named_dtype
 from ppswap.core.messages import MessageKey
 from ppswap.core.packed import PACKED, PACKED_NAME, pack
 from ppswap.core.transport import RecvDone, SendDone, TransportStats
@@ -178,22 +178,11 @@ def p2p_identity(key: MessageKey) -> int:
     return (key.stage << 32) | (key.micro << 1) | (key.direction == "B")
 
 
-_BFLOAT16_NAME = b"bfloat16"
-
-
 @functools.lru_cache(maxsize=256)
 def wire_dtype(dtype: np.dtype[Any]) -> bytes | None:
-    """``dtype.str`` as bytes when it names ``dtype`` exactly (``bfloat16`` for
-    ``ml_dtypes``' bfloat16, ``ppswap.tuple`` for a packed array), else None (not
-    sendable)."""
-    if BFLOAT16 is not None and type(dtype) is type(BFLOAT16):  # a dtype class per type
-        return _BFLOAT16_NAME
-    if dtype == PACKED:
-        return PACKED_NAME
-    if dtype.hasobject or dtype.fields is not None or np.dtype(dtype.str) != dtype:
-        return None
-    encoded = dtype.str.encode("ascii")
-    return encoded if len(encoded) <= 32 else None
+    """The header's name of ``dtype`` (``core.dtypes.dtype_name``; ``ppswap.tuple`` for a
+    packed array), else None (not sendable)."""
+    return PACKED_NAME if dtype == PACKED else dtype_name(dtype)
 
 
 def wire_array(payload: object, name: str) -> Array:
@@ -262,13 +251,7 @@ def encode_message(
 @functools.lru_cache(maxsize=256)
 def parse_dtype(dtype_str: bytes) -> np.dtype[Any]:
     name = dtype_str.rstrip(b"\0")
-    if name == PACKED_NAME:
-        return PACKED
-    if name == _BFLOAT16_NAME:
-        if BFLOAT16 is None:
-            raise RuntimeError(f"a bfloat16 message arrived, but {BFLOAT16_MISSING}")
-        return BFLOAT16
-    return np.dtype(name.decode("ascii"))
+    return PACKED if name == PACKED_NAME else named_dtype(name, "a bfloat16 message")
 
 
 def describe(what_parts: tuple[object, ...]) -> str:
