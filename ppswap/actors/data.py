@@ -72,7 +72,7 @@ def check_data(
     first, last = by_index.get(0), by_index.get(last_index)
     named_inputs = _named_parts("inputs", inputs, keywords=True)
     if first is not None:
-        _checked_parts(backend, "inputs", inputs, micro, dp, keywords=True)
+        _check_parts(backend, "inputs", named_inputs, micro, dp)
         for name, part in named_inputs:
             _check_float_dtype(name, part, first, "first")
     inference = options.forward_only and loss_fn is None  # the last stage's outputs
@@ -83,7 +83,8 @@ def check_data(
                 f"stage, got {loss_fn!r} (None only with forward_only=True: the run then "
                 "returns the last stage's outputs)"
             )
-        named_targets = _checked_parts(backend, "targets", targets, micro, dp)
+        named_targets = _named_parts("targets", targets)
+        _check_parts(backend, "targets", named_targets, micro, dp)
         for name, part in named_targets:
             _check_float_dtype(name, part, last, "last")
         if first is not None and named_targets[0][1].shape[0] != named_inputs[0][1].shape[0]:
@@ -115,19 +116,16 @@ def _named_parts(name: str, value: Any, *, keywords: bool = False) -> list[tuple
     return [(name, value)]
 
 
-def _checked_parts(
-    backend: Backend, name: str, value: Any, micro: int, dp: int, *, keywords: bool = False
-) -> list[tuple[str, Any]]:
-    """``value`` (a batch, or a tuple or dict of parts: ``_named_parts``) checked part by
-    part, the parts of one batch size; each part with its name."""
-    named = _named_parts(name, value, keywords=keywords)
+def _check_parts(
+    backend: Backend, name: str, named: list[tuple[str, Any]], micro: int, dp: int
+) -> None:
+    """The parts of ``name`` (``_named_parts``) checked one by one, and of one batch size."""
     for part_name, part in named:
         _check_batch(backend, part_name, part, micro, dp)
     sizes = {part.shape[0] for _, part in named}
     if len(sizes) > 1:
         found = ", ".join(f"{part_name} {part.shape[0]}" for part_name, part in named)
         raise PipelineInputError(f"every part of {name} must have one batch size, got {found}")
-    return named
 
 
 _NUMERIC_KINDS = "biuf"

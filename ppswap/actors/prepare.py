@@ -109,6 +109,12 @@ class RunPlan:
         return tuple(self.inputs) if isinstance(self.inputs, dict) else None
 
     @property
+    def target_parts(self) -> int | None:
+        """How many parts the targets have (given as a tuple: ``loss_fn`` gets a tuple),
+        else None."""
+        return len(self.targets) if isinstance(self.targets, tuple) else None
+
+    @property
     def returns_outputs(self) -> bool:
         """A forward-only run without ``loss_fn``: its result is the last stage's outputs."""
         return self.options.forward_only and self.loss_fn is None

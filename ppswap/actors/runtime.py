@@ -103,8 +103,9 @@ async def run_schedule(
     ``stages`` lists every stage of the run (all ranks in this process) or, with a
     distributed transport, this process's stages. ``inputs``/``targets`` are the whole
     batch (a tensor of the stages' framework or a numpy array; ``inputs`` also a tuple of
-    them, the first stage's module then called with one micro-batch of each), split along
-    dim 0 into ``micro_batch_num`` micro-batches. A stage may pass a tuple of tensors to
+    them, the first stage's module then called with one micro-batch of each, or a dict,
+    then as keyword arguments; ``targets`` also a tuple, ``loss_fn`` then getting one),
+    split along dim 0 into ``micro_batch_num`` micro-batches. A stage may pass a tuple of tensors to
     the next (``PipelineStage``). ``schedule`` (default ``"gpipe"``, or the one of
     ``options``) and the other keywords are the fields
     of :class:`~ppswap.options.RunOptions` (``micro_batch_num``, ``swap``, ``pp``,
@@ -244,7 +245,7 @@ def _begin_stages(plan: RunPlan, generation: int) -> Batches:
             rng_seed=rng_seed,
             forward_scope=plan.forward_scope,
             input_keys=plan.input_keys,
-            target_parts=len(plan.targets) if isinstance(plan.targets, tuple) else None,
+            target_parts=plan.target_parts,
             loss_scale=plan.options.loss_scale,
         )
     return batches

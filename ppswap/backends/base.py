@@ -430,8 +430,8 @@ class Backend(Protocol):
         """Called on the thread that calls ``run_schedule``, when the run starts: that
         thread's settings which a forward on ``devices`` (``device_of``) depends on and the
         compute thread does not share, as the scope each forward and loss then runs in
-        (torch: ``torch.autocast``, per thread; a scope that sets nothing where there is
-        none)."""
+        (torch: ``torch.autocast`` and the current CUDA device, per thread; a scope that
+        sets nothing where there is none)."""
         ...
 
     def memory(self) -> DeviceMemory: ...
