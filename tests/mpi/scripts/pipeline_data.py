@@ -1,5 +1,6 @@
 """The batches and models both the MPI ranks and the in-process reference train on (no MPI
-import): the float32 batch of the MLP stages, and a bfloat16 model with its batch."""
+import): the float32 batch of the MLP stages, and a bfloat16 model with its batch; how
+both read a gradient (``host``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from mindspore import Parameter, Tensor, nn
 from ppswap.swap import swap_wrapper
 
 DIM, BATCH = 8, 8
+
+
+def host(grad: Any) -> np.ndarray:
+    """A gradient of either framework as a numpy array."""
+    if hasattr(grad, "asnumpy"):
+        return np.asarray(grad.asnumpy())
+    return np.asarray(grad.detach().numpy())
 
 
 def data() -> tuple[np.ndarray, np.ndarray]:

@@ -27,14 +27,7 @@ from ppswap.scheduler.steps import StepKind
 from ppswap.swap import swap_wrapper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_data import BATCH, DIM, bf16_data, bf16_loss, bf16_stages, data
-
-
-def host(grad: object) -> np.ndarray:
-    """A gradient of either framework as a numpy array."""
-    if hasattr(grad, "asnumpy"):
-        return np.asarray(grad.asnumpy())
-    return np.asarray(grad.detach().numpy())  # type: ignore[attr-defined]
+from pipeline_data import BATCH, DIM, bf16_data, bf16_loss, bf16_stages, data, host
 
 
 async def main() -> None:
