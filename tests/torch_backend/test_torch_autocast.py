@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from torch import nn
 from torch_support import (
     Case,
     build_modules,
+    build_stages,
     grads_of,
     make_data,
     mse_loss,
@@ -48,10 +49,6 @@ RTOL = 1e-5
 def bfloat16_autocast() -> Iterator[None]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         yield
-
-
-def stages_of(modules: Sequence[nn.Module]) -> list[PipelineStage]:
-    return [PipelineStage(m, i, len(modules)) for i, m in enumerate(modules)]
 
 
 # -- where autocast applies -----------------------------------------------------------------
@@ -104,10 +101,8 @@ async def probed_run(seen: Seen, *, autocast: bool) -> RunResult:
         seen.loss.append(Seen.now())
         return mse_loss(output, target)
 
-    stages = stages_of([Probed(m, seen) for m in build_modules(2)])
-    if not autocast:
-        return await run_case(stages, CASES[0], swap=True, loss_fn=loss_fn)
-    with bfloat16_autocast():
+    stages = [PipelineStage(Probed(m, seen), i, 2) for i, m in enumerate(build_modules(2))]
+    with bfloat16_autocast() if autocast else nullcontext():
         return await run_case(stages, CASES[0], swap=True, loss_fn=loss_fn)
 
 
@@ -133,9 +128,9 @@ async def test_without_autocast_the_forwards_run_without_it() -> None:
 
 @pytest.mark.asyncio
 async def test_a_disabled_autocast_changes_nothing() -> None:
-    base = await run_case(stages_of(build_modules(2)), CASES[0], swap=True)
+    base = await run_case(build_stages(2), CASES[0], swap=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
-        disabled = await run_case(stages_of(build_modules(2)), CASES[0], swap=True)
+        disabled = await run_case(build_stages(2), CASES[0], swap=True)
     assert disabled.losses == base.losses
 
 
@@ -171,7 +166,7 @@ def micro_reference(
 async def test_autocast_runs_equal_the_reference_and_swap_is_bit_identical(case: Case) -> None:
     runs = []
     for swap in (False, True):
-        stages = stages_of(build_modules(case.stage_num))
+        stages = build_stages(case.stage_num)
         with bfloat16_autocast():
             runs.append((stages, await run_case(stages, case, swap=swap)))
     (off_stages, off), (on_stages, on) = runs
@@ -188,7 +183,7 @@ async def test_autocast_runs_equal_the_reference_and_swap_is_bit_identical(case:
 
     assert sum(r.offloaded_bytes for r in on.ranks) > 0
     # (the reference is no float32 run: within RTOL of it only if autocast applied)
-    full = await run_case(stages_of(build_modules(case.stage_num)), case, swap=False)
+    full = await run_case(build_stages(case.stage_num), case, swap=False)
     assert full.losses != pytest.approx(ref_losses, rel=RTOL)
 
 
@@ -225,7 +220,7 @@ async def test_forward_only_outputs_are_the_autocast_forward() -> None:
 
     async def outputs() -> list[Any]:
         overrides = {"forward_only": True, "loss_fn": None, "targets": None}
-        result = await run_case(stages_of(build_modules(2)), CASES[0], swap=False, **overrides)
+        result = await run_case(build_stages(2), CASES[0], swap=False, **overrides)
         return list(result.outputs)
 
     with bfloat16_autocast():
