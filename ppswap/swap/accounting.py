@@ -136,6 +136,11 @@ class SwapAccounting:
             record = self._blocks.get(block)
             return frozenset(record.holders.values()) if record else frozenset()
 
+    def is_held(self, block: DeviceBlock) -> bool:
+        """Whether any holder holds ``block`` on device (one dict lookup, atomic under the
+        GIL: no lock)."""
+        return block in self._blocks
+
     def held_by_other_chunk(self, block: DeviceBlock, chunk: Chunk) -> bool:
         """Whether a chunk other than ``chunk`` holds ``block`` on device."""
         if block not in self._blocks:  # the common case, asked once per saved tensor: one

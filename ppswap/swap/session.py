@@ -101,12 +101,17 @@ class _ChunkRecord:
         return self.session.accounting.held_by_other_chunk(("storage", storage.ptr), self.chunk)
 
     def record_resident(self, tensor: Tensor, storage: StorageRef) -> None:
-        if storage.ptr not in self.resident:
-            self.resident[storage.ptr] = tensor
-            self.session.accounting.hold(
-                ("storage", storage.ptr), storage.nbytes, self.holder, self.chunk
-            )
-        self.session._pin_storage_everywhere(storage.ptr)
+        if storage.ptr in self.resident:  # already recorded: already pinned everywhere
+            return
+        block = ("storage", storage.ptr)
+        # Only a storage someone already holds can have a captured entry to pin (an entry
+        # holds its storage's block while on device; a later capture of this storage, in
+        # any chunk, sees this hold and stays resident itself).
+        shared = self.session.accounting.is_held(block)
+        self.resident[storage.ptr] = tensor
+        self.session.accounting.hold(block, storage.nbytes, self.holder, self.chunk)
+        if shared:
+            self.session._pin_storage_everywhere(storage.ptr)
 
     def release(self) -> None:
         holder = self.holder
