@@ -6,12 +6,11 @@ GPU's. No timing is asserted: figures are reported, never judged here."""
 from __future__ import annotations
 
 import copy
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -24,17 +23,10 @@ ROOT = Path(__file__).parents[2]
 GIB = 2**30
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load()
+sys.path.insert(0, str(SCRIPT.parent))  # as when the script runs: its modules lie beside it
+gpu_model = importlib.import_module("gpu_model")
+gpu_measure = importlib.import_module("gpu_measure")
+gpu_report = importlib.import_module("gpu_report")
 
 ENTRY_KEYS = {
     "name",
@@ -192,7 +184,7 @@ def test_cpu_mode_markdown_and_target_lines(cpu_run: tuple[dict[str, Any], str, 
         "faster than save_on_cpu at no more memory",
     ]
     assert {t["status"] for t in entry["targets"]} <= {"PASS", "FAIL", "SKIP"}
-    assert markdown == gpu_check.render_markdown(report)
+    assert markdown == gpu_report.render_markdown(report)
     for text in (
         "| pipeline, no swap |",
         "| pipeline, ppswap swap |",
@@ -216,11 +208,11 @@ def test_plan_on_one_device_is_the_largest_column_sum(
     12 with it (the per-rank peaks, 8 and 3, are reached at the same column)."""
     report, _, _ = cpu_run
     (entry,) = report["models"]
-    size = gpu_check.ModelSize(**entry["size"])
+    size = gpu_model.ModelSize(**entry["size"])
     off, on = entry["pipeline"]["no_swap"]["ranks"], entry["pipeline"]["swap"]["ranks"]
     base = 10 * GIB  # a device peak: parameters, workspace and the activations
-    one = gpu_check.plan_prediction(size, off, on, base, one_device=True)
-    apart = gpu_check.plan_prediction(size, off, on, base, one_device=False)
+    one = gpu_measure.plan_prediction(size, off, on, base, one_device=True)
+    apart = gpu_measure.plan_prediction(size, off, on, base, one_device=False)
     assert (one["peak_chunks_no_swap"], one["peak_chunks_swap"]) == (32, 12)
     assert one["planned_saved_no_swap"] == pytest.approx(apart["planned_saved_no_swap"])
     assert one["planned_saved_swap"] <= apart["planned_saved_swap"] + 1e-6
@@ -270,7 +262,7 @@ def test_targets_and_markdown_on_device_figures(cpu_run: tuple[dict[str, Any], s
     report, _, _ = cpu_run
     shaped = _device_figures(report)
     entry = shaped["models"][0]
-    targets = {t["name"]: t for t in gpu_check.evaluate_targets(entry, 0.10)}
+    targets = {t["name"]: t for t in gpu_report.evaluate_targets(entry, 0.10)}
     # 28 GiB against a planned 27 GiB: 1 GiB off a planned cut of 20 GiB, inside 10%.
     assert targets["memory cut as planned"]["status"] == "PASS"
     assert targets["step time <= 1.05x"]["status"] == "PASS"  # 3.6 / 3.5 = 1.029
@@ -279,12 +271,12 @@ def test_targets_and_markdown_on_device_figures(cpu_run: tuple[dict[str, Any], s
     entry["memory"]["peak_swap"] = 31 * GIB
     entry["timing"]["swap_s"] = 3.8
     entry["memory"]["peak_save_on_cpu"] = 40 * GIB
-    targets = {t["name"]: t for t in gpu_check.evaluate_targets(entry, 0.10)}
+    targets = {t["name"]: t for t in gpu_report.evaluate_targets(entry, 0.10)}
     assert targets["memory cut as planned"]["status"] == "FAIL"  # 4 GiB off: over 2 GiB
     assert targets["step time <= 1.05x"]["status"] == "FAIL"
     assert targets["faster than save_on_cpu at no more memory"]["status"] == "PASS"
     entry["targets"] = list(targets.values())
-    markdown = gpu_check.render_markdown(shaped)
+    markdown = gpu_report.render_markdown(shaped)
     for text in ("NVIDIA H200", "D2H 51.2 GB/s", "50.0 / 52.0", "47.00 GiB", "CUDA events"):
         assert text in markdown, text
 
