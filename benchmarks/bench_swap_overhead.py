@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from bench_torch_peer import Model, build_modules
+from torch_peer_model import Model, build_modules
 
 from ppswap.backends.torch import BACKEND as TORCH
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, module_state_tensors

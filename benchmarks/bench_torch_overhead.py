@@ -31,16 +31,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench_torch_peer import (
-    Model,
-    PeerRunner,
-    build_modules,
-    launch,
-    model_data,
-    mse,
-    ppswap_source,
-    run_worker,
-)
+from bench_torch_peer import launch, ppswap_source, run_worker
+from torch_peer_model import Model, PeerRunner, build_modules, model_data, mse
 
 TINY = Model(dim=8, blocks=2, micro=2, micro_batch=1, seq=8)
 MICROS = (2, 16)

@@ -79,6 +79,10 @@ ranks, median over rounds.
 Also checked in every run: ppswap's per-micro-batch losses equal torch's (rtol 1e-6) and
 swap on equals swap off bit for bit. ``--quick``: a smaller model, one warm-up round and
 two measured rounds (checks the pipeline, not for publishing).
+
+The model, its batch, the saved-bytes counter and torch's runner are in
+``torch_peer_model.py``; the summary, the markdown and the headline in
+``torch_peer_report.py``.
 """
 
 from __future__ import annotations
@@ -87,16 +91,17 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from torch_peer_model import MODELS, QUICK, Model, PeerRunner, build_modules, model_data, mse
+from torch_peer_report import CONTENDERS, LOSS_RTOL, headline, markdown, summarize, thread_seconds
 
 from ppswap.scheduler.config import ScheduleName
 from ppswap.scheduler.cost import build_orders
@@ -106,42 +111,14 @@ from ppswap.swap.manager import SWAP_MIN_BYTES
 if TYPE_CHECKING:
     from ppswap.results import RunResult
 
+__all__ = ["ROOT", "SCHEDULES", "launch", "main", "ppswap_source", "run_worker", "worker"]
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES: tuple[tuple[str, ScheduleName], ...] = (
     ("GPipe", "gpipe"),
     ("1F1B", "1f1b"),
     ("Interleaved vpp2", "interleaved_1f1b"),
 )
-CONTENDERS = ("torch", "ppswap", "ppswap+swap")
-TARGETS = {"ppswap": 1.10, "ppswap+swap": 1.15}
-LOSS_RTOL = 1e-6
-
-
-@dataclass(frozen=True)
-class Model:
-    """The model and batch: ``blocks`` blocks of width ``dim`` split over the stages;
-    ``micro`` micro-batches of ``micro_batch`` sequences of ``seq`` tokens; weights and
-    batch in ``dtype`` (a torch dtype's name)."""
-
-    dim: int
-    blocks: int
-    micro: int
-    micro_batch: int
-    seq: int
-    dtype: str = "float32"
-
-    @property
-    def hidden(self) -> int:
-        return 4 * self.dim
-
-
-MODELS = {
-    "small": Model(dim=128, blocks=8, micro=8, micro_batch=8, seq=16),
-    "wide": Model(dim=256, blocks=8, micro=8, micro_batch=8, seq=16),
-}
-"""``--model``: ``small`` is the default; ``wide`` computes four times as much per chunk
-on twice the saved bytes and the same saved tensors."""
-QUICK = Model(dim=64, blocks=8, micro=8, micro_batch=2, seq=8)
 
 
 # -- the worker: one pipeline rank under torchrun ------------------------------------------------
@@ -194,195 +171,6 @@ async def run_worker(measure: Callable[[Any], Awaitable[Any]], out: Path) -> int
         out.write_text(json.dumps(result, indent=2))
     dist.destroy_process_group()
     return 0
-
-
-class SavedBytes:
-    """Peak device bytes of the storages autograd saved for backward, by storage: a pack
-    hook holds each saved tensor's storage until autograd drops the packed handle; a
-    storage counts once (its whole size) however many saved views point into it.
-    ``exclude``: storages never counted (parameters, buffers). ``batches``: the storages
-    of the whole-batch inputs and targets; torch's micro-batches are views of them, which
-    count by their own extent, as ppswap's micro-batches (copies, one storage each) do."""
-
-    def __init__(self, exclude: set[int], batches: set[int]) -> None:
-        self.exclude = exclude
-        self.batches = batches
-        self.holders: dict[Hashable, int] = {}
-        self.sizes: dict[Hashable, int] = {}
-        self.resident = 0
-        self.peak = 0
-        self.enabled = False
-
-    def pack(self, tensor: Any) -> Any:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.exclude or storage.nbytes() == 0:
-            return tensor
-        if ptr in self.batches:  # a micro-batch: its own extent, keyed by its offset
-            key = (ptr, tensor.storage_offset())
-            return _Held(self, tensor, key, tensor.numel() * tensor.element_size())
-        return _Held(self, tensor, ptr, storage.nbytes())
-
-    @staticmethod
-    def unpack(packed: Any) -> Any:
-        return packed.tensor if isinstance(packed, _Held) else packed
-
-    def hold(self, ptr: Hashable, nbytes: int) -> None:
-        count = self.holders.get(ptr, 0)
-        if count == 0:
-            self.sizes[ptr] = nbytes
-            self.resident += nbytes
-            self.peak = max(self.peak, self.resident)
-        self.holders[ptr] = count + 1
-
-    def drop(self, ptr: Hashable) -> None:
-        count = self.holders[ptr] - 1
-        if count:
-            self.holders[ptr] = count
-            return
-        del self.holders[ptr]
-        self.resident -= self.sizes.pop(ptr)
-
-    @contextmanager
-    def counting(self) -> Iterator[None]:
-        """The hooks while ``enabled``; nothing otherwise (timed steps run without them)."""
-        if not self.enabled:
-            yield
-            return
-        import torch
-
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-            yield
-
-
-class _Held:
-    """A saved tensor held for backward; counted while autograd keeps this handle."""
-
-    __slots__ = ("counter", "ptr", "tensor")
-
-    def __init__(self, counter: SavedBytes, tensor: Any, ptr: Hashable, nbytes: int) -> None:
-        self.counter, self.tensor, self.ptr = counter, tensor, ptr
-        counter.hold(ptr, nbytes)
-
-    def __del__(self) -> None:
-        self.counter.drop(self.ptr)
-
-
-def build_modules(model: Model, stage_num: int, *, wrap: bool) -> list[Any]:
-    """``stage_num`` stage modules (``model.blocks // stage_num`` blocks each) from seed 0;
-    ``wrap``: each block ``swap_wrapper``-ed."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    from ppswap.swap import swap_wrapper
-
-    class Block(nn.Module):
-        """Pre-norm residual MLP block: ``x + fc2(gelu(fc1(norm(x))))``."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(model.dim)
-            self.fc1 = nn.Linear(model.dim, model.hidden)
-            self.fc2 = nn.Linear(model.hidden, model.dim)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-            return out
-
-    per_stage = model.blocks // stage_num
-    dtype = getattr(torch, model.dtype)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return [
-            nn.Sequential(
-                *(swap_wrapper(Block()) if wrap else Block() for _ in range(per_stage))
-            ).to(dtype)
-            for _ in range(stage_num)
-        ]
-
-
-def mse(output: Any, target: Any) -> Any:
-    import torch.nn.functional as F
-
-    return F.mse_loss(output, target)
-
-
-def model_data(model: Model) -> tuple[Any, Any]:
-    import torch
-
-    generator = torch.Generator().manual_seed(1)
-    shape = (model.micro * model.micro_batch, model.seq, model.dim)
-    dtype = getattr(torch, model.dtype)
-    x, y = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
-    return x.to(dtype), y.to(dtype)
-
-
-class PeerRunner:
-    """torch.distributed.pipelining for one schedule on this rank, with the saved-bytes
-    counter around every stage forward and the loss (off unless ``counter.enabled``)."""
-
-    def __init__(
-        self, schedule: str, model: Model, rank: int, pp: int, stage_num: int, batch: Sequence[Any]
-    ) -> None:
-        import torch
-        from torch import nn
-        from torch.distributed import pipelining
-
-        modules = build_modules(model, stage_num, wrap=False)
-        self.mine = [s for s in range(stage_num) if s % pp == rank]
-        self.modules = [modules[s] for s in self.mine]
-        self.has_first, self.has_last = 0 in self.mine, stage_num - 1 in self.mine
-        state = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
-        self.counter = SavedBytes(
-            {t.untyped_storage().data_ptr() for t in state},
-            {t.untyped_storage().data_ptr() for t in batch},
-        )
-        counter = self.counter
-
-        class Counted(nn.Module):
-            def __init__(self, inner: nn.Module) -> None:
-                super().__init__()
-                self.inner = inner
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                with counter.counting():
-                    out: torch.Tensor = self.inner(x)
-                return out
-
-        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            with counter.counting():
-                value: torch.Tensor = mse(output, target)
-            return value
-
-        cpu = torch.device("cpu")
-        stages: list[Any] = [
-            pipelining.PipelineStage(Counted(m), s, stage_num, cpu)
-            for s, m in zip(self.mine, self.modules, strict=True)
-        ]
-        if schedule == "interleaved_1f1b":
-            self.runner: Any = pipelining.ScheduleInterleaved1F1B(
-                stages, n_microbatches=model.micro, loss_fn=loss
-            )
-        else:
-            kind: Callable[..., Any] = {
-                "gpipe": pipelining.ScheduleGPipe,
-                "1f1b": pipelining.Schedule1F1B,
-            }[schedule]
-            self.runner = kind(stages[0], n_microbatches=model.micro, loss_fn=loss)
-
-    def zero_grad(self) -> None:
-        for module in self.modules:
-            module.zero_grad(set_to_none=True)
-
-    def step(self, x: Any, y: Any) -> list[float]:
-        losses: list[Any] = []
-        args = (x,) if self.has_first else ()
-        if self.has_last:
-            self.runner.step(*args, target=y, losses=losses)
-        else:
-            self.runner.step(*args)
-        return [float(loss.detach()) for loss in losses]
 
 
 async def _measure_schedule(
@@ -590,206 +378,6 @@ def ppswap_source() -> str:
     dirty = git("status", "--porcelain", "--", "ppswap")
     place = "" if where == ROOT else f" (imported from {where})"
     return f"{commit}{', with uncommitted changes in ppswap/' if dirty else ''}{place}"
-
-
-THREAD_PARTS = ("forward", "backward", "swap_prepare", "swap_finish", "copy", "exposed_wait")
-"""What ``thread_seconds`` splits a ppswap step into: compute-thread time by job kind
-(``backward`` includes ``backward_input`` and ``backward_weight``), the copy threads'
-busy time and the compute threads' time blocked in a SWAP_WAIT_* for a copy not done."""
-
-
-def thread_seconds(result: RunResult) -> dict[str, float]:
-    """Seconds of one run on the compute threads by job kind and on the copy threads
-    (wall time on each thread, as the runtime times them), summed over every rank."""
-    parts = dict.fromkeys(THREAD_PARTS, 0.0)
-    for stats in result.ranks:
-        for kind, seconds in stats.compute_job_s.items():
-            parts["backward" if kind.startswith("backward") else kind] += seconds
-        parts["copy"] += stats.copy_busy_s
-        parts["exposed_wait"] += stats.exposed_copy_wait_s
-    return parts
-
-
-def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per schedule: median step time per contender, ratios of medians, paired ratios."""
-    rows = []
-    for result in results:
-        times, cpu = result["times_s"], result["cpu_s"]
-        medians = {c: statistics.median(times[c]) for c in CONTENDERS}
-        cpu_medians = {c: statistics.median(cpu[c]) for c in CONTENDERS}
-        main_medians = {c: statistics.median(result["cpu_main_s"][c]) for c in CONTENDERS}
-        row: dict[str, Any] = {
-            "schedule": result["schedule"],
-            "median_s": medians,
-            "cpu_median_s": cpu_medians,
-            "cpu_main_median_s": main_medians,
-            "thread_median_s": {
-                c: {p: statistics.median(r[p] for r in runs) for p in THREAD_PARTS}
-                for c, runs in result["thread_s"].items()
-            },
-        }
-        for contender in CONTENDERS[1:]:
-            paired = [a / b for a, b in zip(times[contender], times["torch"], strict=True)]
-            row[f"{contender}/torch"] = medians[contender] / medians["torch"]
-            row[f"{contender}/torch paired"] = statistics.median(paired)
-            row[f"{contender}/torch cpu"] = cpu_medians[contender] / cpu_medians["torch"]
-        rows.append(row)
-    return rows
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.2f}"
-
-
-def _cut(before: float, after: float) -> str:
-    return f"{100 * (before - after) / before:.0f}%" if before else "-"
-
-
-def _verdict(ratio: float, target: float) -> str:
-    return "PASS" if ratio <= target else "FAIL"
-
-
-def markdown(report: dict[str, Any]) -> str:
-    model, rows, results = report["model"], report["summary"], report["results"]
-    params_per_block = 2 * model["dim"] * 4 * model["dim"] + 7 * model["dim"]
-    dtype = model.get("dtype", "float32")
-    itemsize = 2 if dtype == "bfloat16" else 4
-    kept = report.get("swap_min_bytes", SWAP_MIN_BYTES)
-    policy = report.get("swap_policy", "gap")
-    min_bytes = "" if kept == SWAP_MIN_BYTES else f", swap_min_bytes={kept}"
-    lines = [
-        f"pp{report['pp']}, one process per rank, gloo; {model['blocks']} blocks of width "
-        f"{model['dim']} (hidden {4 * model['dim']}, "
-        f"{params_per_block * itemsize / 2**20:.2f} MiB of parameters each) in {dtype}, "
-        f"split evenly over the stages; {model['micro']} micro-batches "
-        f"of {model['micro_batch']} x {model['seq']} tokens; ppswap with its default "
-        f'options but where named (p2p plain, swap_policy "{policy}"{min_bytes}); '
-        f"warm-up rounds: {report['warmup']}, measured rounds: {report['rounds']}, "
-        f"the contenders alternating; torch {report['torch']}; ppswap {report['ppswap']}.",
-        "",
-        f"Load average (1, 5, 15 min) before: {report['load_before']}; after: "
-        f"{report['load_after']}, on {report['cores']} logical cores. The {report['pp']} "
-        "ranks, ppswap's compute, copy and transport threads and whatever else runs on the "
-        "machine share those cores, so the wall clock also counts time spent waiting for "
-        "one; with the load above the core count, read the wall-clock ratios with the CPU "
-        "times below.",
-        "",
-        "Step time (median over rounds) and ppswap / torch (ratio of the medians; in "
-        "brackets the median of the per-round ratios):",
-        "",
-        "| schedule | torch ms | ppswap ms | ppswap+swap ms | ppswap / torch (target 1.10) "
-        "| ppswap+swap / torch (target 1.15) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        medians = row["median_s"]
-        cells = []
-        for contender in CONTENDERS[1:]:
-            ratio, paired = row[f"{contender}/torch"], row[f"{contender}/torch paired"]
-            verdict = _verdict(ratio, TARGETS[contender])
-            cells.append(f"{ratio:.2f}x ({paired:.2f}x) {verdict}")
-        lines.append(
-            f"| {row['schedule']} pp{report['pp']} m{model['micro']} | "
-            f"{1e3 * medians['torch']:.1f} | {1e3 * medians['ppswap']:.1f} | "
-            f"{1e3 * medians['ppswap+swap']:.1f} | {' | '.join(cells)} |"
-        )
-    lines += [
-        "",
-        "CPU time per step (process CPU time of every thread, summed over the ranks; "
-        "median over rounds): what each contender computes, less sensitive to other load "
-        "than the wall clock. In brackets the main thread's share: torch runs everything "
-        "there (compute, its schedule, posting P2P); ppswap's main thread is the event loop "
-        "(actors, transport calls), its compute runs on the compute thread and the rest on "
-        "the transport's waiting threads and the copy thread:",
-        "",
-        "| schedule | torch CPU ms | ppswap CPU ms | ppswap+swap CPU ms | ppswap / torch "
-        "| ppswap+swap / torch |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        cpu, main = row["cpu_median_s"], row["cpu_main_median_s"]
-        cells = [f"{1e3 * cpu[c]:.1f} ({1e3 * main[c]:.1f})" for c in CONTENDERS]
-        lines.append(
-            f"| {row['schedule']} pp{report['pp']} m{model['micro']} | {' | '.join(cells)} | "
-            f"{row['ppswap/torch cpu']:.2f}x | {row['ppswap+swap/torch cpu']:.2f}x |"
-        )
-    lines += [
-        "",
-        "Where ppswap's step goes: the compute threads' time by job kind (backward with "
-        "the chunk's release), the copy threads' busy time and the compute threads' time "
-        "blocked for a copy not done at its SWAP_WAIT_* (exposed), wall time on each "
-        "thread as the runtime times it (`RankStats.compute_job_s`, `copy_busy_s`, "
-        "`exposed_copy_wait_s`), summed over the ranks, median over rounds, ms; swap's "
-        "bookkeeping is in forward (capture), backward (unpack, release) and the swap "
-        "steps:",
-        "",
-        "| schedule | contender | forward | backward | swap prepare | swap finish | copy busy "
-        "| exposed wait |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        for contender, parts in row["thread_median_s"].items():
-            times_ms = " | ".join(f"{1e3 * parts[p]:.1f}" for p in THREAD_PARTS)
-            lines.append(f"| {row['schedule']} | {contender} | {times_ms} |")
-    lines += [
-        "",
-        "Peak saved-activation bytes per rank, counted the same way for both (distinct "
-        "storages held for backward, parameters excluded): torch by saved-tensor hooks, "
-        "ppswap by `RankStats.peak_saved_bytes` (with swap: not offloaded); predicted: "
-        "the planner's peak chunks times ppswap's measured bytes per chunk:",
-        "",
-        "| schedule | rank | torch MiB | ppswap MiB | ppswap+swap MiB | measured cut vs torch "
-        "| predicted chunks (no swap -> swap) | predicted swap MiB | predicted cut | "
-        "swap offloaded MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for result in results:
-        for rank in result["ranks"]:
-            swap = _mib(rank["swap_peak"])
-            if rank["swap_peak_min"] != rank["swap_peak"]:
-                swap = f"{_mib(rank['swap_peak_min'])}-{swap}"
-            lines.append(
-                f"| {result['schedule']} | {rank['rank']} | {_mib(rank['torch_peak'])} | "
-                f"{_mib(rank['ppswap_peak'])} | {swap} | "
-                f"{_cut(rank['torch_peak'], rank['swap_peak'])} | "
-                f"{rank['chunks_no_swap']} -> {rank['chunks_swap']} | "
-                f"{_mib(rank['predicted_swap'])} | "
-                f"{_cut(rank['chunks_no_swap'], rank['chunks_swap'])} | "
-                f"{_mib(rank['offloaded'])} |"
-            )
-    checks = [
-        f"{r['schedule']}: losses {'bit-identical' if r['losses_bit_identical'] else 'equal'}"
-        if r["losses_equal"]
-        else f"{r['schedule']}: losses DIFFER"
-        for r in results
-    ]
-    swap_same = all(r["swap_bit_identical"] for r in results)
-    lines += [
-        "",
-        f"Losses, ppswap against torch (rtol {LOSS_RTOL:g}): {'; '.join(checks)}. "
-        f"Swap on = off bit for bit: {'yes' if swap_same else 'NO'}.",
-        "",
-        headline(report),
-    ]
-    return "\n".join(lines)
-
-
-def headline(report: dict[str, Any]) -> str:
-    """One line: the ratios per schedule, the line ``run_all``'s headline quotes."""
-    parts = [
-        f"{row['schedule']} {row['ppswap/torch']:.2f}x / {row['ppswap+swap/torch']:.2f}x "
-        f"(CPU time {row['ppswap/torch cpu']:.2f}x / {row['ppswap+swap/torch cpu']:.2f}x)"
-        for row in report["summary"]
-    ]
-    return (
-        f"Against torch.distributed.pipelining (pp{report['pp']}, gloo, "
-        f"{report['model_name']} model: width {report['model']['dim']}, "
-        f"{report['model'].get('dtype', 'float32')}, "
-        f"swap_policy {report.get('swap_policy', 'gap')}, median step time, "
-        f"ppswap without / with swap over torch; targets 1.10x / 1.15x; load average "
-        f"{report['load_before'].split(',')[0]} on {report['cores']} cores): "
-        f"{', '.join(parts)}."
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
