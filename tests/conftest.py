@@ -1,10 +1,12 @@
 """Shared set-up: deterministic MindSpore context for every test, and the test lanes.
 
 Lanes: ``make test-fast`` runs ``pytest -m "not slow"`` (the development lane); ``make
-check`` runs everything. A test is ``slow`` when it is marked so itself, when it is marked
-``mpi`` or ``soak``, or when it lives in one of ``SLOW_FILES``: suites that launch
-processes (mpiexec, torchrun, the demo, the examples, a fresh interpreter) or search many
-configurations (hypothesis).
+check`` runs everything, then ``make test-torch``: the torch backend's tests and the
+framework-free ones in an environment without MindSpore and with NumPy 2, where a test
+marked ``mindspore`` (it runs MindSpore, in process or in a script) is skipped. A test is
+``slow`` when it is marked so itself, when it is marked ``mpi`` or ``soak``, or when it
+lives in one of ``SLOW_FILES``: suites that launch processes (mpiexec, torchrun, the demo,
+the examples, a fresh interpreter) or search many configurations (hypothesis).
 """
 
 from __future__ import annotations
@@ -61,9 +63,12 @@ def _frozen_imports() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    no_mindspore = pytest.mark.skip(reason="needs MindSpore, which this environment lacks")
     for item in items:
         relative = (
             item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
         )
         if relative in SLOW_FILES or any(item.get_closest_marker(m) for m in SLOW_MARKERS):
             item.add_marker(pytest.mark.slow)
+        if ms is None and item.get_closest_marker("mindspore"):
+            item.add_marker(no_mindspore)

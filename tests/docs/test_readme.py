@@ -24,6 +24,7 @@ def readme_program(section: str = "## Using it") -> str:
     return match.group(1)
 
 
+@pytest.mark.mindspore
 @pytest.mark.timeout(300)
 def test_the_using_it_program_runs_as_written(tmp_path: Path) -> None:
     script = tmp_path / "using_it.py"

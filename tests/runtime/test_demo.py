@@ -14,6 +14,7 @@ from ppswap.demo.report import format_report, step_time_line
 from ppswap.demo.run import DemoOptions, run_demo
 
 
+@pytest.mark.mindspore
 def test_demo_trains_and_swap_agrees(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = run_demo(DemoOptions(pp=2, micro=4, batch=8, steps=2, out_dir=tmp_path, plot=False))
     progress = capsys.readouterr().err

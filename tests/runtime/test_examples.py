@@ -13,7 +13,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script", ["module_swap.py", "tensor_swap.py", "torch_pipeline.py"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param("module_swap.py", marks=pytest.mark.mindspore),
+        pytest.param("tensor_swap.py", marks=pytest.mark.mindspore),
+        "torch_pipeline.py",
+    ],
+)
 def test_example_runs_and_offloads(script: str) -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script)],

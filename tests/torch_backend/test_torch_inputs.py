@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import mindspore as ms
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -22,6 +21,7 @@ Array = npt.NDArray[np.float32]
 async def test_a_torch_stage_mixed_with_a_mindspore_stage_is_refused() -> None:
     """One run, one framework: a torch stage next to a MindSpore stage is a TypeError that
     names each stage's framework, raised before anything runs."""
+    ms = pytest.importorskip("mindspore")  # make test-torch has none
     torch_stage = build_stages(2)[0]
     mindspore_stage = PipelineStage(ms.nn.Dense(8, 8), 1, 2)
     x, y = make_data()
