@@ -6,7 +6,8 @@ power-of-two scale multiplies every gradient exactly (checked bit for bit, swap 
 schedule families) and leaves the losses alone. The README's GradScaler recipe: its scale
 into the run, ``scaler.step`` unscales ``.grad`` and steps, which equals an unscaled run's
 plain step bit for bit; under float16 autocast a scale too large for float16 gives
-infinite gradients, and the scaler skips that step and lowers its scale.
+infinite gradients, and the scaler skips that step and lowers its scale. In one process
+``agree_on_overflow`` only reports (across processes: tests/torch_dist/test_torch_dist_amp.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch_support import Case, build_stages, grads_of, run_case
 
 from ppswap import PipelineStage
+from ppswap.backends.torch.amp import agree_on_overflow
 
 CASES = [
     Case("gpipe", pp=2, stage_num=2, micro=4),
@@ -84,3 +86,22 @@ async def test_float16_overflow_makes_the_scaler_skip_the_step() -> None:
     scaler.update()
     assert scaler.get_scale() == 2.0**99
     assert all(torch.equal(a, b) for a, b in zip(weights(stages), before, strict=True))
+
+
+@pytest.mark.asyncio
+async def test_agree_on_overflow_in_one_process_reports_and_leaves_the_gradients() -> None:
+    """Without torch.distributed (every stage here, one scaler sees every gradient) it is
+    this process's verdict and changes nothing; across processes: tests/torch_dist."""
+    case = CASES[0]
+    stages = build_stages(case.stage_num)
+    params = [p for s in stages for p in s.parameters]
+    await run_case(stages, case, swap=True)
+    grads = [p.grad.clone() for p in params]
+    assert agree_on_overflow(params) is False
+    params[-1].grad[0] = float("inf")
+    assert agree_on_overflow(params) is True
+    params[-1].grad[0] = grads[-1][0]
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+    assert agree_on_overflow([torch.zeros(3)]) is False  # no gradient: nothing overflowed
+    with pytest.raises(TypeError, match="parameters must be torch tensors, got str at index 1"):
+        agree_on_overflow([params[0], "weight"])  # type: ignore[list-item]
