@@ -15,14 +15,14 @@ design notes and the measured overhead. In short:
   ``2t + 1`` and land at the same offset into a page as they left (see
   ``RecvBufferPool``). Any shape and any dtype named by ``dtype.str`` arrives bit-exact;
   object and structured dtypes raise ``TypeError``.
-- Tags: P2P uses ``t = MessageKey.tag(num_stages, micro_count)`` on its own duplicate of
-  ``comm``; ``configure`` sets the layout and starts a new epoch. Consecutive epochs use
-  disjoint tag ranges while ``MPI.TAG_UB`` has room for several, so a message left over
-  from an earlier run never matches; where it has not (or after as many epochs as it has
-  room for), the epoch in the header makes such a message an error, never a wrong
-  tensor. Collectives exchange point-to-point messages on a second duplicate, tagged by
-  a hash of ``(op, group, key, call number, epoch)`` and checked against a digest in the
-  header.
+- Tags: P2P uses the layout of ``ppswap/core/p2p_tags.py`` over ``MPI.TAG_UB`` on its own
+  duplicate of ``comm``; ``configure`` sets the layout and starts a new epoch.
+  Consecutive epochs use disjoint tag ranges while the tags have room for several, so a
+  message left over from an earlier run never matches; where they have not (or after as
+  many epochs as they have room for), the epoch in the header makes such a message an
+  error, never a wrong tensor. Collectives exchange point-to-point messages on a second
+  duplicate, tagged by a hash of ``(op, group, key, call number, epoch)`` and checked
+  against a digest in the header.
 - ``send`` returns when MPI may reuse the buffer: for large payloads, once the receiver
   has posted its receive (rendezvous). A runtime must not make a rank's next receive wait
   for its own earlier send.
@@ -46,13 +46,8 @@ from mpi4py import MPI
 
 from ppswap.actors.mpi_requests import FIRST_BYTES, InFlightRequests, StartedRecv
 from ppswap.core.messages import MessageKey
-from ppswap.core.rank_args import (
-    check_int,
-    check_local,
-    check_message_key,
-    check_peer_call,
-    group_index,
-)
+from ppswap.core.p2p_tags import P2PTagLayout
+from ppswap.core.rank_args import check_int, check_local, check_peer_call, group_index
 from ppswap.core.transport import (
     RecvDone,
     SendDone,
@@ -69,7 +64,6 @@ from ppswap.core.wire import (
     decode_header,
     digest,
     encode_message,
-    p2p_identity,
     wire_array,
 )
 
@@ -77,7 +71,6 @@ __all__ = ["MPITransport"]
 
 Array = npt.NDArray[Any]
 
-_DEFAULT_MICRO_COUNT = 1 << 16
 _ABORT_GRACE_S = 0.5  # for mpiexec to forward what a failing rank printed (see abort)
 
 
@@ -123,11 +116,7 @@ class MPITransport:
         )
         tag_ub = self._p2p_comm.Get_attr(MPI.TAG_UB)
         self._tag_ub = int(tag_ub) if tag_ub is not None else 32767
-        self._num_stages = max(1, (self._tag_ub + 1) // (4 * _DEFAULT_MICRO_COUNT))
-        self._micro_count = _DEFAULT_MICRO_COUNT
-        self._epoch = 0
-        self._epoch_slots = 1  # disjoint tag ranges that consecutive epochs rotate through
-        self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
+        self._tags = P2PTagLayout(self._tag_ub + 1, "MPI tags")
         self._counters = WireCounters()
         self._recv_pool = RecvBufferPool(recv_pool_bytes)
         self._header_buffers: list[bytearray] = []  # free receive buffers of FIRST_BYTES
@@ -149,23 +138,12 @@ class MPITransport:
         return self._requests.closed
 
     def configure(self, num_stages: int, micro_count: int) -> None:
-        """Set the P2P tag layout for a run and start a new epoch (see the module doc).
+        """Set the P2P tag layout for a run and start a new epoch (``core/p2p_tags.py``).
 
         Every rank calls it with the same values before the run's first message. Raises
         ValueError when ``4 * num_stages * micro_count`` tags exceed ``MPI.TAG_UB``.
         """
-        check_int("num_stages", num_stages, 1, self._tag_ub + 1)
-        check_int("micro_count", micro_count, 1, self._tag_ub + 1)
-        if 4 * num_stages * micro_count - 1 > self._tag_ub:
-            raise ValueError(
-                f"num_stages={num_stages} and micro_count={micro_count} need "
-                f"{4 * num_stages * micro_count} MPI tags; this MPI allows {self._tag_ub + 1}"
-            )
-        self._num_stages = num_stages
-        self._micro_count = micro_count
-        self._epoch_slots = (self._tag_ub + 1) // (4 * num_stages * micro_count)
-        self._p2p_addresses.clear()
-        self._epoch += 1
+        self._tags.configure(num_stages, micro_count)
         self._counters.collective_calls.clear()
 
     # -- point to point (the Transport and CallbackTransport protocols) ---------------------
@@ -182,7 +160,7 @@ class MPITransport:
         if not self._p2p_call_ok(src, dst):
             self._check_p2p_call("src", src, "dst", dst)
         body = wire_array(payload, "payload")
-        tag, identity = self._p2p_address(key)
+        tag, identity = self._tags.address(key)
         done = partial(self._counters.sent_then, body.nbytes, on_done)
         return self._start_message(self._p2p_comm, dst, tag, identity, body, done)
 
@@ -190,13 +168,13 @@ class MPITransport:
         """``recv`` without a task: ``on_done`` gets the new array on the loop."""
         if not self._p2p_call_ok(dst, src):
             self._check_p2p_call("dst", dst, "src", src)
-        tag, identity = self._p2p_address(key)
+        tag, identity = self._tags.address(key)
         return StartedRecv(
             self._requests,
             self._p2p_comm,
             src,
             tag,
-            (self._epoch, identity),
+            (self._tags.epoch, identity),
             ("recv", key, "from rank", src),
             (self._header_buffers, self._recv_pool),
             partial(self._counters.received_then, on_done),
@@ -207,7 +185,7 @@ class MPITransport:
         if not self._p2p_call_ok(src, dst):
             self._check_p2p_call("src", src, "dst", dst)
         body = wire_array(payload, "payload")
-        tag, identity = self._p2p_address(key)
+        tag, identity = self._tags.address(key)
         await self._send_message(self._p2p_comm, dst, tag, identity, body)
         self._counters.count_sent(body.nbytes)
 
@@ -215,7 +193,7 @@ class MPITransport:
         """Wait for message ``key`` from rank ``src`` and return a new array holding it."""
         if not self._p2p_call_ok(dst, src):
             self._check_p2p_call("dst", dst, "src", src)
-        tag, identity = self._p2p_address(key)
+        tag, identity = self._tags.address(key)
         what = ("recv", key, "from rank", src)  # formatted only in an error message
         payload = await self._recv_message(self._p2p_comm, src, tag, identity, what)
         self._counters.received += 1
@@ -335,30 +313,10 @@ class MPITransport:
         check_local("rank", rank, self._rank)
         return group_index(group, self._rank, self._world_size)
 
-    def _p2p_address(self, key: MessageKey) -> tuple[int, int]:
-        """``(header tag, identity)`` of ``key`` in this run's layout (validated once)."""
-        if not isinstance(key, MessageKey):
-            raise TypeError(f"key must be a MessageKey, got {key!r}")
-        address = self._p2p_addresses.get(key)
-        if address is None:
-            address = self._p2p_addresses[key] = (self._new_p2p_tag(key), p2p_identity(key))
-        return address
-
-    def _new_p2p_tag(self, key: MessageKey) -> int:
-        check_message_key(key, self._num_stages, self._micro_count)
-        # each epoch uses its own range of tags (while the tag space has room for more
-        # than one), so that a message left over from an earlier run never matches a
-        # receive of this one: not the header, which the epoch in it would catch, and not
-        # the body, which carries no epoch (a body whose receive was cancelled after its
-        # header had arrived would otherwise be taken as the body of this run's message)
-        keys_per_epoch = 2 * self._num_stages * self._micro_count
-        slot = self._epoch % self._epoch_slots
-        return 2 * (slot * keys_per_epoch + key.tag(self._num_stages, self._micro_count))
-
     def _collective_tag(self, op: str, group: tuple[int, ...], key: str) -> tuple[int, int]:
         """``(tag, identity)`` of this rank's next ``op`` call on ``(group, key)``."""
         members, call = self._counters.next_call(op, group, key)
-        tag_hash = digest(op, members, key, call, self._epoch) % ((self._tag_ub + 1) // 2)
+        tag_hash = digest(op, members, key, call, self._tags.epoch) % ((self._tag_ub + 1) // 2)
         return 2 * tag_hash, digest(op, group, key, call)
 
     async def _exchange(
@@ -372,7 +330,7 @@ class MPITransport:
         """Send ``outgoing[j]`` to and receive from ``group[j]`` for every ``j``, at once
         (every message started, no task each). The first failure is raised as itself."""
         comm = self._coll_comm
-        header = (self._epoch, identity)
+        header = (self._tags.epoch, identity)
         buffers = (self._header_buffers, self._recv_pool)
         starts: list[Callable[[Callable[..., None]], Started]] = []
         for j, body in outgoing.items():
@@ -397,7 +355,7 @@ class MPITransport:
         separate_body = body.nbytes > INLINE_MAX_BYTES
         # MPI.buffer(...).address: 0.5 us, where body.ctypes.data takes 1.5-2.5
         page_offset = MPI.buffer(body).address % PAGE_BYTES if separate_body else 0
-        message = encode_message(self._epoch, identity, body, page_offset)
+        message = encode_message(self._tags.epoch, identity, body, page_offset)
         requests = [comm.Isend(message, dst, tag)]
         if separate_body:
             # [array, BYTE] sends the raw bytes of any dtype; 1 us cheaper than a uint8 view
@@ -417,7 +375,9 @@ class MPITransport:
         # header buffers are reused: a fresh 16 KiB allocation per message cost 1-2 us
         first = self._header_buffers.pop() if self._header_buffers else bytearray(FIRST_BYTES)
         await self._requests.complete([comm.Irecv(first, src, tag)], (first,), False, 0)
-        nbytes, dtype, shape, size, page_offset = decode_header(first, self._epoch, identity, what)
+        nbytes, dtype, shape, size, page_offset = decode_header(
+            first, self._tags.epoch, identity, what
+        )
         inline = first[size : size + nbytes] if nbytes <= INLINE_MAX_BYTES else None  # a copy
         self._header_buffers.append(first)
         if inline is not None:

@@ -141,9 +141,9 @@ def test_p2p_tags_are_distinct_and_consecutive_epochs_disjoint(
     transport: TorchDistTransport,
 ) -> None:
     keys = [MessageKey(d, s, m) for d in "FB" for s in range(4) for m in range(8)]
-    first = [transport._p2p_address(key)[0] for key in keys]
+    first = [transport._tags.address(key)[0] for key in keys]
     transport.configure(num_stages=4, micro_count=8)
-    second = [transport._p2p_address(key)[0] for key in keys]
+    second = [transport._tags.address(key)[0] for key in keys]
     for tags in (first, second):
         assert len(set(tags)) == len(keys)
         assert all(tag % 2 == 0 and 0 <= tag < P2P_TAGS for tag in tags)

@@ -10,8 +10,9 @@ the design and the measured figures. In short:
   checked at construction), a larger payload's raw bytes on tag ``2t + 1``
   (``distributed_io``).
 - gloo matches a receive by ``(source, tag)``, in posting order within a tag (verified,
-  torch 2.13). P2P tags ``t`` come from ``MessageKey.tag`` below 2**30, in a range per
-  epoch (``configure``); collectives use hashed tags from 2**30 up (tags are int32).
+  torch 2.13). P2P tags lie below 2**30, in the layout of ``ppswap/core/p2p_tags.py``
+  (a range per epoch, ``configure``); collectives use hashed tags from 2**30 up (tags
+  are int32).
 - Works are posted from the event loop and completed by daemon threads
   (``distributed_wait``: gloo's ``is_completed()`` stays False until ``wait()``). A
   posted gloo operation cannot be withdrawn: a cancelled one stays posted until matched,
@@ -43,13 +44,8 @@ import torch.distributed as dist
 
 from ppswap.backends.torch.distributed_io import DEFAULT_INLINE_MAX_BYTES, MessageIO
 from ppswap.core.messages import MessageKey
-from ppswap.core.rank_args import (
-    check_int,
-    check_local,
-    check_message_key,
-    check_peer_call,
-    group_index,
-)
+from ppswap.core.p2p_tags import P2PTagLayout
+from ppswap.core.rank_args import check_int, check_local, check_peer_call, group_index
 from ppswap.core.transport import (
     FINISHED,
     RecvDone,
@@ -59,14 +55,13 @@ from ppswap.core.transport import (
     complete_all,
     sum_contributions,
 )
-from ppswap.core.wire import WireCounters, digest, p2p_identity, wire_array
+from ppswap.core.wire import WireCounters, digest, wire_array
 
 __all__ = ["P2P_TAGS", "TorchDistTransport"]
 
 Array = npt.NDArray[Any]
 
 P2P_TAGS = 1 << 30  # P2P tags lie below, collective tags from here up to 2**31 - 1
-_DEFAULT_MICRO_COUNT = 1 << 16
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _CLOSE_GRACE_S = 3.0
 _INLINE_LIMIT = 64 << 20  # every posted receive holds a buffer of the inline limit
@@ -163,11 +158,7 @@ class TorchDistTransport:
         self.abort_on_failure = abort_on_failure
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
-        self._num_stages = max(1, P2P_TAGS // (4 * _DEFAULT_MICRO_COUNT))
-        self._micro_count = _DEFAULT_MICRO_COUNT
-        self._epoch = 0
-        self._epoch_slots = 1
-        self._p2p_addresses: dict[MessageKey, tuple[int, int]] = {}
+        self._tags = P2PTagLayout(P2P_TAGS)
         self._counters = WireCounters()
         self._io = MessageIO(self._groups, device, recv_pool_bytes, inline_max_bytes)
         self._device = device
@@ -192,24 +183,14 @@ class TorchDistTransport:
         return self._io.waiters.closed
 
     def configure(self, num_stages: int, micro_count: int) -> None:
-        """Set the P2P tag layout for a run and start a new epoch (see the module doc).
+        """Set the P2P tag layout for a run and start a new epoch (``core/p2p_tags.py``).
 
         Every rank calls it with the same values before the run's first message. Raises
         ValueError when ``4 * num_stages * micro_count`` tags exceed 2**30.
         """
-        check_int("num_stages", num_stages, 1, P2P_TAGS + 1)
-        check_int("micro_count", micro_count, 1, P2P_TAGS + 1)
-        if 4 * num_stages * micro_count > P2P_TAGS:
-            raise ValueError(
-                f"num_stages={num_stages} and micro_count={micro_count} need "
-                f"{4 * num_stages * micro_count} tags; at most {P2P_TAGS} allowed"
-            )
-        self._num_stages, self._micro_count = num_stages, micro_count
-        self._epoch_slots = P2P_TAGS // (4 * num_stages * micro_count)
-        self._p2p_addresses.clear()
+        self._tags.configure(num_stages, micro_count)
         self._to_self.clear()
         self._self_callbacks.clear()
-        self._epoch += 1
         self._counters.collective_calls.clear()
 
     # -- point to point (the Transport protocol) --------------------------------------------
@@ -225,14 +206,14 @@ class TorchDistTransport:
         """``send`` without a task (``CallbackTransport``): ``on_done`` on the loop."""
         self._check_p2p_call("src", src, "dst", dst)
         body = wire_array(payload, "payload")
-        tag, identity = self._p2p_address(key)
+        tag, identity = self._tags.address(key)
         if dst == self._rank:
             self._to_this_rank(src, key, body)
             on_done(None)
             return FINISHED
         what = ("send", key, "to rank", dst)
         done = partial(self._counters.sent_then, body.nbytes, on_done)
-        return self._io.start_send(dst, tag, (self._epoch, identity), body, what, done)
+        return self._io.start_send(dst, tag, (self._tags.epoch, identity), body, what, done)
 
     def start_recv(self, dst: int, src: int, key: MessageKey, on_done: RecvDone) -> Started:
         """``recv`` without a task (``CallbackTransport``): ``on_done`` on the loop."""
@@ -260,7 +241,7 @@ class TorchDistTransport:
         on_landed: Callable[[Array], object] | None,
     ) -> Started:
         self._check_p2p_call("dst", dst, "src", src)
-        tag, identity = self._p2p_address(key)
+        tag, identity = self._tags.address(key)
         if src == self._rank:
             if key in self._to_self:
                 self._counters.received += 1
@@ -272,24 +253,24 @@ class TorchDistTransport:
             return _SelfReceive(self._self_callbacks, key, on_done)
         what = ("recv", key, "from rank", src)
         done = partial(self._counters.received_then, on_done)
-        return self._io.start_recv(src, tag, (self._epoch, identity), what, done, on_landed)
+        return self._io.start_recv(src, tag, (self._tags.epoch, identity), what, done, on_landed)
 
     async def send(self, src: int, dst: int, key: MessageKey, payload: Array) -> None:
         """Send ``payload`` to rank ``dst``; returns once its buffer may be reused."""
         self._check_p2p_call("src", src, "dst", dst)
         body = wire_array(payload, "payload")
-        tag, identity = self._p2p_address(key)
+        tag, identity = self._tags.address(key)
         if dst == self._rank:
             self._to_this_rank(src, key, body)
             return
         what = ("send", key, "to rank", dst)
-        await self._io.send(dst, tag, (self._epoch, identity), body, what)
+        await self._io.send(dst, tag, (self._tags.epoch, identity), body, what)
         self._counters.count_sent(body.nbytes)
 
     async def recv(self, dst: int, src: int, key: MessageKey) -> Array:
         """Wait for message ``key`` from rank ``src`` and return a new array holding it."""
         self._check_p2p_call("dst", dst, "src", src)
-        tag, identity = self._p2p_address(key)
+        tag, identity = self._tags.address(key)
         if src == self._rank:
             if key not in self._to_self:
                 if key in self._self_waiters or key in self._self_callbacks:
@@ -303,7 +284,7 @@ class TorchDistTransport:
             payload = self._to_self.pop(key)
         else:
             what = ("recv", key, "from rank", src)
-            payload = await self._io.recv(src, tag, (self._epoch, identity), what)
+            payload = await self._io.recv(src, tag, (self._tags.epoch, identity), what)
         self._counters.received += 1
         return payload
 
@@ -424,19 +405,6 @@ class TorchDistTransport:
         if self._io.waiters.closed:
             raise RuntimeError("TorchDistTransport is closed")
 
-    def _p2p_address(self, key: MessageKey) -> tuple[int, int]:
-        """``(header tag, identity)`` of ``key`` in this run's layout (validated once)."""
-        if not isinstance(key, MessageKey):
-            raise TypeError(f"key must be a MessageKey, got {key!r}")
-        address = self._p2p_addresses.get(key)
-        if address is None:
-            check_message_key(key, self._num_stages, self._micro_count)
-            keys_per_epoch = 2 * self._num_stages * self._micro_count
-            slot = self._epoch % self._epoch_slots  # each epoch in its own tag range
-            tag = 2 * (slot * keys_per_epoch + key.tag(self._num_stages, self._micro_count))
-            address = self._p2p_addresses[key] = (tag, p2p_identity(key))
-        return address
-
     def _check_p2p_call(self, local_name: str, local: object, peer_name: str, peer: object) -> None:
         """Raise unless the transport is open, ``local`` is this rank and ``peer`` a rank."""
         self._check_open()
@@ -457,9 +425,9 @@ class TorchDistTransport:
         a digest of ``(op, group, key, call number)``. The first failure is raised as itself.
         """
         members, call = self._counters.next_call(op, group, key)
-        tag = P2P_TAGS + 2 * (digest(op, members, key, call, self._epoch) % (P2P_TAGS // 2))
+        tag = P2P_TAGS + 2 * (digest(op, members, key, call, self._tags.epoch) % (P2P_TAGS // 2))
         identity = digest(op, group, key, call)
-        header = (self._epoch, identity)
+        header = (self._tags.epoch, identity)
         if self._device is None:  # gloo: every message started, no task each
             starts: list[Callable[[Callable[..., None]], Started]] = []
             for j, body in outgoing.items():
