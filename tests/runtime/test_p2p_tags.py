@@ -52,9 +52,9 @@ def test_bad_layouts_and_keys_are_refused_by_name() -> None:
         layout.configure(num_stages=0, micro_count=1)
     assert layout.epoch == 0  # nothing changed
     layout.configure(num_stages=2, micro_count=4)
-    with pytest.raises(ValueError, match="key.micro=4 out of range"):
+    with pytest.raises(ValueError, match=r"key\.micro=4 out of range"):
         layout.address(MessageKey("F", 1, 4))
-    with pytest.raises(ValueError, match="key.direction='X'"):
+    with pytest.raises(ValueError, match=r"key\.direction='X'"):
         layout.address(MessageKey("X", 0, 0))
     with pytest.raises(TypeError, match="key must be a MessageKey"):
         layout.address(("F", 0, 0))  # type: ignore[arg-type]
