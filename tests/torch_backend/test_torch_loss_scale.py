@@ -7,17 +7,20 @@ schedule families) and leaves the losses alone. The README's GradScaler recipe: 
 into the run, ``scaler.step`` unscales ``.grad`` and steps, which equals an unscaled run's
 plain step bit for bit; under float16 autocast a scale too large for float16 gives
 infinite gradients, and the scaler skips that step and lowers its scale. In one process
-``agree_on_overflow`` only reports (across processes: tests/torch_dist/test_torch_dist_amp.py).
+``agree_on_overflow`` only reports and ``clip_grad_norm_`` is torch's (across processes:
+tests/torch_dist/test_torch_dist_optim.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from torch_support import Case, build_stages, grads_of, run_case
 
 from ppswap import PipelineStage
-from ppswap.backends.torch.amp import agree_on_overflow
+from ppswap.backends.torch.optim import agree_on_overflow, clip_grad_norm_
 
 CASES = [
     Case("gpipe", pp=2, stage_num=2, micro=4),
@@ -105,3 +108,24 @@ async def test_agree_on_overflow_in_one_process_reports_and_leaves_the_gradients
     assert agree_on_overflow([torch.zeros(3)]) is False  # no gradient: nothing overflowed
     with pytest.raises(TypeError, match="parameters must be torch tensors, got str at index 1"):
         agree_on_overflow([params[0], "weight"])  # type: ignore[list-item]
+
+
+@pytest.mark.asyncio
+async def test_clip_grad_norm_in_one_process_is_torchs() -> None:
+    """Without torch.distributed it is ``torch.nn.utils.clip_grad_norm_`` over the stages'
+    gradients, bit for bit; bad arguments are refused before any gradient changes."""
+    case = CASES[0]
+    stages = build_stages(case.stage_num)
+    params = [p for s in stages for p in s.parameters]
+    await run_case(stages, case, swap=True)
+    grads = [p.grad.clone() for p in params]
+    for max_norm, norm_type in ((-1.0, 2.0), (math.inf, 2.0), ("1", 2.0), (1.0, 0.0), (1.0, True)):
+        with pytest.raises(ValueError, match="allowed"):
+            clip_grad_norm_(params, max_norm, norm_type)  # type: ignore[arg-type]
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for ref, grad in zip(reference, grads, strict=True):
+        ref.grad = grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(reference, 0.01)
+    assert torch.equal(clip_grad_norm_(params, 0.01), expected) and expected > 0.01
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(params, reference, strict=True))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ppswap.backends.torch.amp import agree_on_overflow
+from ppswap.backends.torch.optim import agree_on_overflow
 
 SCALE = 2.0**8
 LR = 0.5
