@@ -4,9 +4,9 @@ Every rank holds its own parameters (a stage's), an SGD optimizer and a
 ``torch.amp.GradScaler`` at scale 2^8, and gets gradients as a run leaves them, scaled;
 the last rank's hold an inf. Three rounds, each from the same weights and scale:
 
-- ``alone``: each scaler decides for itself. Rank 0 steps (its weights move, its scale
-  stays 2^8 until its growth interval), the last rank skips and halves: the ranks part
-  ways. This is the failure ``agree_on_overflow`` exists for; the round checks it happens.
+- ``alone``: each scaler decides for itself. Every rank but the last steps (its weights
+  move, its scale stays 2^8 until its growth interval), the last skips and halves: the
+  ranks part ways. This is the failure ``agree_on_overflow`` exists for; the round checks it happens.
 - ``agreed``: ``agree_on_overflow`` before ``scaler.step``: every rank reports True, no
   weight moves, every scale is 2^7.
 - ``finite``: no inf anywhere: every rank reports False, every rank steps exactly as an
