@@ -6,7 +6,8 @@ the last rank's hold an inf. Three rounds, each from the same weights and scale:
 
 - ``alone``: each scaler decides for itself. Every rank but the last steps (its weights
   move, its scale stays 2^8 until its growth interval), the last skips and halves: the
-  ranks part ways. This is the failure ``agree_on_overflow`` exists for; the round checks it happens.
+  ranks part ways. This is the failure ``agree_on_overflow`` exists for; the round checks
+  it happens.
 - ``agreed``: ``agree_on_overflow`` before ``scaler.step``: every rank reports True, no
   weight moves, every scale is 2^7.
 - ``finite``: no inf anywhere: every rank reports False, every rank steps exactly as an
