@@ -22,11 +22,12 @@ exchange. Only public torch API; a ``GradScaler``'s own state is not touched.
   did not, this one's first gradient is filled with NaN, so that its scaler skips and
   backs off as every other process does.
 - :func:`clip_grad_norm_`: ``torch.nn.utils.clip_grad_norm_`` over every process's
-  gradients. Each process's norm over its own gradients is torch's; the job's norm joins
-  them (the sum of their ``norm_type``-th powers, in float64; the largest for ``inf``),
-  and every process scales its gradients by the same ``max_norm / (norm + 1e-6)``, capped
-  at 1. Gradients count once each: a parameter two processes share (tied embeddings,
-  its ``.grad`` all-reduced between them) counts in both.
+  gradients, from torch's own two halves of it. Each process takes the norm of its own
+  gradients (``get_total_norm``); the job's norm joins them (the sum of their
+  ``norm_type``-th powers, in float64; the largest for ``inf``); every process scales its
+  gradients by it (``clip_grads_with_norm_``). Gradients count once each: a parameter
+  two processes share (tied embeddings, its ``.grad`` all-reduced between them) counts
+  in both.
 """
 
 from __future__ import annotations
@@ -87,12 +88,7 @@ def clip_grad_norm_(
     if not _distributed():
         norm: torch.Tensor = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         return norm
-    device = grads[0].device if grads else torch.device("cpu")
-    if grads:
-        norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]
-        local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    else:
-        local = torch.zeros((), device=device)
+    local = torch.nn.utils.get_total_norm(grads, norm_type)
     joined = local.to(_collective_device(group), torch.float64).reshape(1)
     if math.isinf(norm_type):
         dist.all_reduce(joined, op=dist.ReduceOp.MAX, group=group)
@@ -101,11 +97,8 @@ def clip_grad_norm_(
         joined.pow_(norm_type)
         dist.all_reduce(joined, op=dist.ReduceOp.SUM, group=group)
         total = joined[0].pow(1.0 / norm_type)
-    total_norm: torch.Tensor = total.to(device, local.dtype)
-    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    with torch.no_grad():
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.device, grad.dtype))
+    total_norm: torch.Tensor = total.to(local.device, local.dtype)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm
 
 
