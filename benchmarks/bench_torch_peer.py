@@ -4,6 +4,7 @@
                                           [--warmup 2] [--quick] [--json PATH]
                                           [--swap-policy gap|peak] [--swap-min-bytes N]
                                           [--dtype float32|bfloat16] [--timeout-s 360]
+                                          [--cpus 0,1]
 
 The same per-stage torch model, batch, micro-batches and loss run one training step
 (forward and backward of every micro-batch, no optimizer) per round under three
@@ -38,7 +39,11 @@ two widths (``--model``):
 ``--dtype bfloat16``: the modules and the batch in bfloat16 (half the saved bytes; given
 to ppswap as torch tensors, numpy has no bfloat16).
 
-Every process uses one intra-op thread.
+Every process uses one intra-op thread. ``--cpus``: the job runs on these logical CPUs
+only (the driver sets its own affinity before it launches torchrun; every process and
+thread inherits it), so the same machine can be measured with fewer cores, for instance
+``--cpus 0`` (both ranks on one core: the step time is then the CPU work of both ranks)
+against the default, every core this process may use.
 
 Step time: all ranks meet at a barrier, rank 0 starts its clock, every rank runs the step,
 all meet at a barrier again and rank 0 stops its clock (the barrier's own cost falls on
@@ -380,6 +385,21 @@ def ppswap_source() -> str:
     return f"{commit}{', with uncommitted changes in ppswap/' if dirty else ''}{place}"
 
 
+def parse_cpus(text: str, parser: argparse.ArgumentParser) -> set[int]:
+    """``--cpus``' comma-separated logical CPUs, each one this process may use."""
+    allowed = os.sched_getaffinity(0)
+    try:
+        cpus = {int(part) for part in text.split(",")}
+    except ValueError:
+        parser.error(f"--cpus must be comma-separated CPU numbers, got {text!r}")
+    if not cpus <= allowed:
+        parser.error(
+            f"--cpus {text}: {sorted(cpus - allowed)} not among this process's CPUs "
+            f"{sorted(allowed)}"
+        )
+    return cpus
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
@@ -409,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
         default="float32",
         help="the modules' and the batch's dtype (float32)",
     )
+    parser.add_argument(
+        "--cpus",
+        type=str,
+        default=None,
+        help="run the job on these logical CPUs only, comma-separated (every CPU this "
+        "process may use)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument(
         "--timeout-s",
@@ -429,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     model = replace(QUICK if args.quick else MODELS[args.model], dtype=args.dtype)
     if model.blocks % (2 * args.pp):
         parser.error(f"--pp {args.pp}: {model.blocks} blocks do not split over {2 * args.pp}")
+    if args.cpus is not None:
+        os.sched_setaffinity(0, parse_cpus(args.cpus, parser))
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 15)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     load_before = os.getloadavg()
@@ -453,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         "swap_min_bytes": args.swap_min_bytes,
         "swap_policy": args.swap_policy,
         "torch": metadata.version("torch"),
-        "cores": os.cpu_count(),
+        "cores": len(os.sched_getaffinity(0)),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "cpus_given": args.cpus,
         "ppswap": ppswap_source(),
         "load_before": ", ".join(f"{v:.2f}" for v in load_before),
         "load_after": ", ".join(f"{v:.2f}" for v in os.getloadavg()),

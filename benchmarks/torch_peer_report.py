@@ -110,7 +110,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"the contenders alternating; torch {report['torch']}; ppswap {report['ppswap']}.",
         "",
         f"Load average (1, 5, 15 min) before: {report['load_before']}; after: "
-        f"{report['load_after']}, on {report['cores']} logical cores. The {report['pp']} "
+        f"{report['load_after']}, on {_cores(report)}. The {report['pp']} "
         "ranks, ppswap's compute, copy and transport threads and whatever else runs on the "
         "machine share those cores, so the wall clock also counts time spent waiting for "
         "one; with the load above the core count, read the wall-clock ratios with the CPU "
@@ -229,6 +229,14 @@ def headline(report: dict[str, Any]) -> str:
         f"{report['model'].get('dtype', 'float32')}, "
         f"swap_policy {report.get('swap_policy', 'gap')}, median step time, "
         f"ppswap without / with swap over torch; targets 1.10x / 1.15x; load average "
-        f"{report['load_before'].split(',')[0]} on {report['cores']} cores): "
+        f"{report['load_before'].split(',')[0]} on {_cores(report)}): "
         f"{', '.join(parts)}."
     )
+
+
+def _cores(report: dict[str, Any]) -> str:
+    """ "2 logical cores", or the CPUs the job was held to (``--cpus``)."""
+    cores = report["cores"]
+    text = f"{cores} logical core{'' if cores == 1 else 's'}"
+    held = report.get("cpus_given")
+    return f"{text} (--cpus {held})" if held else text

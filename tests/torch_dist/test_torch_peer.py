@@ -62,6 +62,8 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
     command = [sys.executable, script, "--quick", "--json", str(out), "--timeout-s", "240"]
     command += ["--swap-min-bytes", "4096"]  # LayerNorm statistics stay: the cuts below hold
     command += ["--swap-policy", "peak"]
+    cpus = sorted(os.sched_getaffinity(0))
+    command += ["--cpus", ",".join(map(str, cpus))]  # every CPU: the flag's path, no slowdown
     process = subprocess.Popen(
         command,
         cwd=REPO,
@@ -80,6 +82,7 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["pp"] == 2 and report["quick"] and report["swap_min_bytes"] == 4096
     assert report["swap_policy"] == "peak"
+    assert report["cpus"] == cpus and report["cores"] == len(cpus)
     assert '(p2p plain, swap_policy "peak", swap_min_bytes=4096);' in output
     assert [r["schedule"] for r in report["summary"]] == ["GPipe", "1F1B", "Interleaved vpp2"]
     for row in report["summary"]:
@@ -130,3 +133,19 @@ def test_overhead_benchmark_splits_both_contenders_into_per_micro_and_fixed_cost
         assert row["fixed_ms"] + 2 * row["per_micro_ms"] == pytest.approx(row["m2_ms"])
         assert row["fixed_ms"] + 16 * row["per_micro_ms"] == pytest.approx(row["m16_ms"])
     assert "| ppswap |" in result.stdout and "ppswap over torch:" in result.stdout
+
+
+def test_benchmark_refuses_cpus_it_may_not_use() -> None:
+    unusable = max(os.sched_getaffinity(0)) + 1
+    for value, message in (
+        (str(unusable), f"--cpus {unusable}: [{unusable}] not among this process's CPUs"),
+        ("0,x", "--cpus must be comma-separated CPU numbers, got '0,x'"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "benchmarks/bench_torch_peer.py", "--cpus", value],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2 and message in result.stderr, result.stderr
