@@ -11,6 +11,13 @@
 # folder the device tool brings back) or out/gpu_check, and a copy of its output into
 # gpu_check.log there. Bounded: the check starts no section after 240 s, and the command is
 # stopped at GPU_CHECK_TIMEOUT_S (default 290 s). Exits with the check's status.
+#
+# GPU_RUN_PEER=1: afterwards, benchmarks/bench_torch_peer.py on the machine's CPUs (gloo,
+# no GPU), once on every core and once held to two (--cpus, the first two this shell may
+# use, as on this project's own machine), into torch_peer_all.* and torch_peer_2cpu.*
+# there, each stopped at 150 s, with GPU_RUN_PEER_OPTIONS added (say "--model wide"). It
+# measures how ppswap's step over torch.distributed.pipelining's depends on the cores a
+# rank has, which the 2-core machine cannot show.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-$repo/out/gpu_check}"
@@ -62,4 +69,17 @@ command -v timeout >/dev/null 2>&1 && limit=(timeout -k 10 "${GPU_CHECK_TIMEOUT_
 PYTHONPATH="$deps:$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
     ${limit[@]+"${limit[@]}"} "$py" "$repo/benchmarks/gpu_check.py" --out "$out" "$@" 2>&1 \
     | tee "$out/gpu_check.log"
-exit "${PIPESTATUS[0]}"
+status="${PIPESTATUS[0]}"
+
+if [ "${GPU_RUN_PEER:-0}" = "1" ]; then
+    two="$("$py" -c 'import os; print(",".join(map(str, sorted(os.sched_getaffinity(0))[:2])))')"
+    for run in "all:" "2cpu:--cpus $two"; do
+        name="${run%%:*}"
+        # shellcheck disable=SC2086  # the options split into words on purpose
+        PYTHONPATH="$deps:$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+            "$py" "$repo/benchmarks/bench_torch_peer.py" ${run#*:} ${GPU_RUN_PEER_OPTIONS:-} \
+            --timeout-s 150 --json "$out/torch_peer_$name.json" >"$out/torch_peer_$name.md" 2>&1
+        echo "gpu_run: bench_torch_peer ($name) exited $?: $(tail -n 3 "$out/torch_peer_$name.md" | head -n 1)"
+    done
+fi
+exit "$status"

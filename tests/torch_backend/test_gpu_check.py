@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,36 @@ def run_cpu_mode(out: Path, *options: str) -> tuple[dict[str, Any], str, str]:
     report = json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))
     markdown = (out / "gpu_check.md").read_text(encoding="utf-8")
     return report, markdown, done.stdout
+
+
+def test_gpu_run_sh_runs_the_check_then_the_peer_on_all_cpus_and_on_two(
+    tmp_path: Path,
+) -> None:
+    """The device's one command, with this Python (it lacks nothing, so no wheel is
+    needed), the peer runs asked for (``--quick``: the flags' path, not figures)."""
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "GPU_RUN_PEER": "1",
+        "GPU_RUN_PEER_OPTIONS": "--quick",
+    }
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_run.sh", "--steps", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert json.loads((tmp_path / "gpu_check.json").read_text(encoding="utf-8"))["models"]
+    cpus = sorted(os.sched_getaffinity(0))
+    for name, held in (("all", cpus), ("2cpu", cpus[:2])):
+        assert f"gpu_run: bench_torch_peer ({name}) exited 0: Against" in done.stdout
+        report = json.loads((tmp_path / f"torch_peer_{name}.json").read_text(encoding="utf-8"))
+        assert report["quick"] and report["cpus"] == held, (name, report["cpus"])
 
 
 @pytest.fixture(scope="module")
