@@ -15,7 +15,7 @@
 # GPU_RUN_PEER=1: afterwards, benchmarks/bench_torch_peer.py on the machine's CPUs (gloo,
 # no GPU), once on every core and once held to two (--cpus, the first two this shell may
 # use, as on this project's own machine), into torch_peer_all.* and torch_peer_2cpu.*
-# there, each stopped at 150 s, with GPU_RUN_PEER_OPTIONS added (say "--model wide"). It
+# there, each stopped at 90 s, with GPU_RUN_PEER_OPTIONS added (say "--model wide"). It
 # measures how ppswap's step over torch.distributed.pipelining's depends on the cores a
 # rank has, which the 2-core machine cannot show.
 set -uo pipefail
@@ -78,7 +78,7 @@ if [ "${GPU_RUN_PEER:-0}" = "1" ]; then
         # shellcheck disable=SC2086  # the options split into words on purpose
         PYTHONPATH="$deps:$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
             "$py" "$repo/benchmarks/bench_torch_peer.py" ${run#*:} ${GPU_RUN_PEER_OPTIONS:-} \
-            --timeout-s 150 --json "$out/torch_peer_$name.json" >"$out/torch_peer_$name.md" 2>&1
+            --timeout-s 90 --json "$out/torch_peer_$name.json" >"$out/torch_peer_$name.md" 2>&1
         echo "gpu_run: bench_torch_peer ($name) exited $?: $(tail -n 3 "$out/torch_peer_$name.md" | head -n 1)"
     done
 fi

@@ -235,7 +235,7 @@ def headline(report: dict[str, Any]) -> str:
 
 
 def _cores(report: dict[str, Any]) -> str:
-    """ "2 logical cores", or the CPUs the job was held to (``--cpus``)."""
+    """The cores the job ran on ("2 logical cores"), and the CPUs given to ``--cpus``."""
     cores = report["cores"]
     text = f"{cores} logical core{'' if cores == 1 else 's'}"
     held = report.get("cpus_given")
