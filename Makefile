@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo check lint typecheck test test-torch test-fast bench plan clean
+.PHONY: demo check lint typecheck test test-torch test-torch-oldest test-fast bench plan clean
 
 # The editable install keeps setuptools' default (lenient) mode, so modules added to ppswap/
 # are importable without reinstalling; that mode always ends with an informational
@@ -22,12 +22,13 @@ $(STAMP): pyproject.toml
 # The torch backend alone: no MindSpore and NumPy 2 (the numpy<2 pin is MindSpore's, not
 # the core's or the torch backend's), in a second environment of its own.
 TORCH_VENV := .venv-torch
+TORCH_PIN := 2.13.0
 TORCH_STAMP := $(TORCH_VENV)/.installed
 $(TORCH_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --upgrade pip
 	PYTHONWARNINGS='ignore:Editable installation' $(TORCH_VENV)/bin/pip install --quiet \
-		-e '.[torch,plot,test]' 'torch==2.13.0' 'numpy>=2'
+		-e '.[torch,plot,test]' 'torch==$(TORCH_PIN)' 'numpy>=2'
 	touch $(TORCH_STAMP)
 
 demo: $(STAMP)
@@ -60,6 +61,12 @@ test-torch: $(TORCH_STAMP)
 	@$(TORCH_VENV)/bin/pytest -q -p no:cacheprovider $(TORCH_TESTS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
+# The same lane on the oldest torch ppswap supports, the GPU machine's (2.11.0: from PyPI, a
+# CUDA build of several GB, which runs on the CPU here). Not part of check: run it before
+# a session on the GPU machine (docs/gpu.md).
+test-torch-oldest:
+	$(MAKE) test-torch TORCH_VENV=.venv-torch-2.11 TORCH_PIN=2.11.0
+
 # The development lane: every test not marked slow (tests/conftest.py says which are).
 test-fast: $(STAMP)
 	@$(BIN)/pytest -q -p no:cacheprovider -m "not slow"; rc=$$?; \
@@ -72,4 +79,4 @@ plan: $(STAMP)
 	$(BIN)/ppswap plan --schedule gpipe --pp 4 --micro 8 --swap
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(TORCH_VENV) .venv-torch-2.11 .mypy_cache .ruff_cache .pytest_cache
