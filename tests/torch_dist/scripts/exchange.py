@@ -231,12 +231,28 @@ def mismatched_inline_limit(rank: int) -> None:
 def os_threads() -> list[str]:
     """The names of this process's threads, Python's and native ones, less gloo's TCP
     event loop: a peer's traffic the test leaves unreceived (``stale_message``) can keep
-    that one until the process ends; it runs no Python."""
+    that one until the process ends; it runs no Python. torch 2.13 names it
+    ``gloo_tcp_loop``; torch 2.11 leaves it unnamed, so there it is the thread other than
+    this one that sits in ``epoll_wait`` (it polls with a 10 ms timeout; gloo's worker
+    threads and ppswap's waiting threads block on futexes)."""
     names = []
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{task}/comm") as comm:
-            names.append(comm.read().strip())
-    return [name for name in names if name != "gloo_tcp_loop"]
+            name = comm.read().strip()
+        if name == "gloo_tcp_loop" or (
+            int(task) != threading.get_native_id() and _in_epoll_wait(task)
+        ):
+            continue
+        names.append(name)
+    return names
+
+
+def _in_epoll_wait(task: str) -> bool:
+    try:
+        with open(f"/proc/self/task/{task}/wchan") as wchan:
+            return wchan.read().strip() == "do_epoll_wait"
+    except OSError:  # the thread ended meanwhile, or the kernel hides wchan
+        return False
 
 
 def check_nothing_left(before: list[str]) -> None:
