@@ -4,7 +4,7 @@
                                           [--warmup 2] [--quick] [--json PATH]
                                           [--swap-policy gap|peak] [--swap-min-bytes N]
                                           [--dtype float32|bfloat16] [--timeout-s 360]
-                                          [--cpus 0,1]
+                                          [--cores N]
 
 The same per-stage torch model, batch, micro-batches and loss run one training step
 (forward and backward of every micro-batch, no optimizer) per round under three
@@ -39,11 +39,11 @@ two widths (``--model``):
 ``--dtype bfloat16``: the modules and the batch in bfloat16 (half the saved bytes; given
 to ppswap as torch tensors, numpy has no bfloat16).
 
-Every process uses one intra-op thread. ``--cpus``: the job runs on these logical CPUs
-only (the driver sets its own affinity before it launches torchrun; every process and
-thread inherits it), so the same machine can be measured with fewer cores, for instance
-``--cpus 0`` (both ranks on one core: the step time is then the CPU work of both ranks)
-against the default, every core this process may use.
+Every process uses one intra-op thread. ``--cores N``: the job runs on the first ``N``
+logical CPUs this process may use only (the driver sets its own affinity before it
+launches torchrun; every process and thread inherits it), so the same machine can be
+measured with fewer cores, for instance ``--cores 1`` (both ranks on one core: the step
+time is then the CPU work of both ranks) against the default, every one of them.
 
 Step time: all ranks meet at a barrier, rank 0 starts its clock, every rank runs the step,
 all meet at a barrier again and rank 0 stops its clock (the barrier's own cost falls on
@@ -385,21 +385,6 @@ def ppswap_source() -> str:
     return f"{commit}{', with uncommitted changes in ppswap/' if dirty else ''}{place}"
 
 
-def parse_cpus(text: str, parser: argparse.ArgumentParser) -> set[int]:
-    """``--cpus``' comma-separated logical CPUs, each one this process may use."""
-    allowed = os.sched_getaffinity(0)
-    try:
-        cpus = {int(part) for part in text.split(",")}
-    except ValueError:
-        parser.error(f"--cpus must be comma-separated CPU numbers, got {text!r}")
-    if not cpus <= allowed:
-        parser.error(
-            f"--cpus {text}: {sorted(cpus - allowed)} not among this process's CPUs "
-            f"{sorted(allowed)}"
-        )
-    return cpus
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
@@ -430,11 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the modules' and the batch's dtype (float32)",
     )
     parser.add_argument(
-        "--cpus",
-        type=str,
+        "--cores",
+        type=int,
         default=None,
-        help="run the job on these logical CPUs only, comma-separated (every CPU this "
-        "process may use)",
+        help="run the job on the first N logical CPUs this process may use (all of them)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument(
@@ -456,8 +440,14 @@ def main(argv: list[str] | None = None) -> int:
     model = replace(QUICK if args.quick else MODELS[args.model], dtype=args.dtype)
     if model.blocks % (2 * args.pp):
         parser.error(f"--pp {args.pp}: {model.blocks} blocks do not split over {2 * args.pp}")
-    if args.cpus is not None:
-        os.sched_setaffinity(0, parse_cpus(args.cpus, parser))
+    if args.cores is not None:
+        allowed = sorted(os.sched_getaffinity(0))
+        if not 1 <= args.cores <= len(allowed):
+            parser.error(
+                f"--cores must be in 1..{len(allowed)} (the CPUs this process may use: "
+                f"{allowed}), got {args.cores}"
+            )
+        os.sched_setaffinity(0, allowed[: args.cores])
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 15)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     load_before = os.getloadavg()
@@ -484,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": metadata.version("torch"),
         "cores": len(os.sched_getaffinity(0)),
         "cpus": sorted(os.sched_getaffinity(0)),
-        "cpus_given": args.cpus,
+        "cores_given": args.cores,
         "ppswap": ppswap_source(),
         "load_before": ", ".join(f"{v:.2f}" for v in load_before),
         "load_after": ", ".join(f"{v:.2f}" for v in os.getloadavg()),

@@ -13,11 +13,11 @@
 # stopped at GPU_CHECK_TIMEOUT_S (default 290 s). Exits with the check's status.
 #
 # GPU_RUN_PEER=1: afterwards, benchmarks/bench_torch_peer.py on the machine's CPUs (gloo,
-# no GPU), once on every core and once held to two (--cpus, the first two this shell may
-# use, as on this project's own machine), into torch_peer_all.* and torch_peer_2cpu.*
-# there, each stopped at 90 s, with GPU_RUN_PEER_OPTIONS added (say "--model wide"). It
-# measures how ppswap's step over torch.distributed.pipelining's depends on the cores a
-# rank has, which the 2-core machine cannot show.
+# no GPU), once on every core and once held to two (--cores 2, as on this project's own
+# machine), into torch_peer_all.* and torch_peer_2cpu.* there, each stopped at 90 s, with
+# GPU_RUN_PEER_OPTIONS added (say "--model wide"). It measures how ppswap's step over
+# torch.distributed.pipelining's depends on the cores a rank has, which the 2-core machine
+# cannot show.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-$repo/out/gpu_check}"
@@ -72,8 +72,7 @@ PYTHONPATH="$deps:$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
 status="${PIPESTATUS[0]}"
 
 if [ "${GPU_RUN_PEER:-0}" = "1" ]; then
-    two="$("$py" -c 'import os; print(",".join(map(str, sorted(os.sched_getaffinity(0))[:2])))')"
-    for run in "all:" "2cpu:--cpus $two"; do
+    for run in "all:" "2cpu:--cores 2"; do
         name="${run%%:*}"
         # shellcheck disable=SC2086  # the options split into words on purpose
         PYTHONPATH="$deps:$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \

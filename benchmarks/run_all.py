@@ -228,6 +228,19 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         json_out=True,
     ),
     Benchmark(
+        "torch-peer-one-core",
+        "bench_torch_peer.py",
+        "Against torch.distributed.pipelining on one core (the small model)",
+        "The first comparison with the whole job held to one core (`--cores 1`): the two "
+        "ranks' work then runs one after the other, so the step-time ratio is the ratio of "
+        "the work each contender does, without the cost of ppswap's extra threads on cores "
+        'where each rank has one (`docs/torch_dist.md`, "Cores per rank").',
+        args=("--cores", "1"),
+        quick_args=("--quick", "--cores", "1"),
+        limit_s=600.0,
+        json_out=True,
+    ),
+    Benchmark(
         "torch-overhead",
         "bench_torch_overhead.py",
         "Against torch.distributed.pipelining without compute: per micro-batch and per step",

@@ -235,8 +235,7 @@ def headline(report: dict[str, Any]) -> str:
 
 
 def _cores(report: dict[str, Any]) -> str:
-    """The cores the job ran on ("2 logical cores"), and the CPUs given to ``--cpus``."""
+    """The cores the job ran on ("2 logical cores"), and ``--cores`` where it was given."""
     cores = report["cores"]
     text = f"{cores} logical core{'' if cores == 1 else 's'}"
-    held = report.get("cpus_given")
-    return f"{text} (--cpus {held})" if held else text
+    return f"{text} (--cores {cores})" if report.get("cores_given") else text

@@ -63,7 +63,7 @@ def test_quick_benchmark_reports_every_figure(tmp_path: Path) -> None:
     command += ["--swap-min-bytes", "4096"]  # LayerNorm statistics stay: the cuts below hold
     command += ["--swap-policy", "peak"]
     cpus = sorted(os.sched_getaffinity(0))
-    command += ["--cpus", ",".join(map(str, cpus))]  # every CPU: the flag's path, no slowdown
+    command += ["--cores", str(len(cpus))]  # every CPU: the flag's path, no slowdown
     process = subprocess.Popen(
         command,
         cwd=REPO,
@@ -135,14 +135,13 @@ def test_overhead_benchmark_splits_both_contenders_into_per_micro_and_fixed_cost
     assert "| ppswap |" in result.stdout and "ppswap over torch:" in result.stdout
 
 
-def test_benchmark_refuses_cpus_it_may_not_use() -> None:
-    unusable = max(os.sched_getaffinity(0)) + 1
-    for value, message in (
-        (str(unusable), f"--cpus {unusable}: [{unusable}] not among this process's CPUs"),
-        ("0,x", "--cpus must be comma-separated CPU numbers, got '0,x'"),
-    ):
+def test_benchmark_refuses_more_cores_than_it_may_use() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    for value in (len(cpus) + 1, 0):
+        message = f"--cores must be in 1..{len(cpus)} (the CPUs this process may use: {cpus}), "
+        message += f"got {value}"
         result = subprocess.run(
-            [sys.executable, "benchmarks/bench_torch_peer.py", "--cpus", value],
+            [sys.executable, "benchmarks/bench_torch_peer.py", "--cores", str(value)],
             cwd=REPO,
             capture_output=True,
             text=True,
