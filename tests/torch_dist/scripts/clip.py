@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-from finish import leave_passed
+from default_group import check, run_on_default_group
 
 from ppswap.backends.torch.optim import clip_grad_norm_
 
@@ -33,11 +32,6 @@ def parameters_of(rank: int) -> list[torch.nn.Parameter]:
         param.grad = torch.randn(shape, generator=generator) * (rank + 1)
         params.append(param)
     return params
-
-
-def check(condition: bool, what: str) -> None:
-    if not condition:
-        raise AssertionError(f"rank {dist.get_rank()}: {what}")
 
 
 def one_case(rank: int, size: int, norm_type: float, max_norm: float) -> None:
@@ -61,18 +55,11 @@ def one_case(rank: int, size: int, norm_type: float, max_norm: float) -> None:
     print(f"rank {rank} norm={norm_type} max_norm={max_norm} OK", flush=True)
 
 
-def main() -> None:
-    dist.init_process_group(backend="gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    try:
-        for norm_type in (2.0, math.inf):
-            for max_norm in (0.5, 1e6):
-                one_case(rank, size, norm_type, max_norm)
-        print(f"rank {rank} OK", flush=True)
-    finally:
-        dist.destroy_process_group()
+def every_case(rank: int, size: int) -> None:
+    for norm_type in (2.0, math.inf):
+        for max_norm in (0.5, 1e6):
+            one_case(rank, size, norm_type, max_norm)
 
 
 if __name__ == "__main__":
-    main()
-    leave_passed()
+    run_on_default_group(every_case)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from finish import leave_passed
+from default_group import check, run_on_default_group
 
 from ppswap.backends.torch.optim import agree_on_overflow
 
@@ -52,11 +52,6 @@ def set_grads(params: list[torch.nn.Parameter], rank: int, poisoned: bool) -> li
     return unscaled
 
 
-def check(condition: bool, what: str) -> None:
-    if not condition:
-        raise AssertionError(f"rank {dist.get_rank()}: {what}")
-
-
 def one_round(rank: int, last: bool, name: str) -> None:
     params, optimizer, scaler = fresh(rank)
     before = [p.detach().clone() for p in params]
@@ -83,18 +78,11 @@ def one_round(rank: int, last: bool, name: str) -> None:
     print(f"rank {rank} {name} OK", flush=True)
 
 
-def main() -> None:
-    dist.init_process_group(backend="gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    try:
-        for name in ("alone", "agreed", "finite"):
-            one_round(rank, rank == size - 1, name)
-            dist.barrier()
-        print(f"rank {rank} OK", flush=True)
-    finally:
-        dist.destroy_process_group()
+def every_round(rank: int, size: int) -> None:
+    for name in ("alone", "agreed", "finite"):
+        one_round(rank, rank == size - 1, name)
+        dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
-    leave_passed()
+    run_on_default_group(every_round)
