@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import weakref
 
 from ppswap.backends.base import Backend, CopyEngine, StorageRef, ViewKey
 from ppswap.backends.types import Tensor
@@ -48,7 +49,8 @@ class GroupPhase(enum.Enum):
 class EntryTable:
     """The entries of one chunk's group, keyed by exact view (see the module docstring).
 
-    ``owner`` answers backward's unpack for the entries (the group itself); ``backend``
+    ``owner`` answers backward's unpack for the entries (the group itself, held weakly by
+    the table and its entries: no reference cycle keeps a released group alive); ``backend``
     reads the tensors, ``engine`` says where their bytes are read from when they move,
     ``check`` how in-place modification is checked (``ppswap.swap.tensor``).
     """
@@ -79,7 +81,7 @@ class EntryTable:
         self.chunk = (self.stage, self.micro)
         self.group_swap = check_bool("group_swap", group_swap)
         self.accounting = accounting if accounting is not None else SwapAccounting()
-        self._owner = owner
+        self._owner: weakref.ref[EntryOwner] = weakref.ref(owner)
         self._lock = threading.RLock()
         self._phase = GroupPhase.COLLECTING
         self._entries: list[SwapTensor] = []

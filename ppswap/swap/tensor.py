@@ -17,7 +17,9 @@ A :class:`SwapTensor` is the *handle* the autograd graph keeps (the pack hook re
 the graph never holds the device tensor itself, which is what lets ``finish_offload``
 really release memory. Backward's unpack calls :meth:`SwapTensor.materialize`, which
 returns the live tensor or, through its owner (the group), waits for or performs the load
-(the safety net). A materialized tensor is a view rebuilt into the loaded bytes of its
+(the safety net). An entry refers to its group weakly (the group owns its entries, not the
+reverse), so a released chunk's records are freed by reference counting, not left for
+the garbage collector. A materialized tensor is a view rebuilt into the loaded bytes of its
 storage's span (``ppswap.swap.spans``): it has the captured shape, strides, offset and
 dtype, shares that memory with the other restored views of its storage, and is
 bit-identical.
@@ -39,6 +41,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
 
@@ -250,7 +253,8 @@ class SwapTensor:
     ``key`` is the exact view identity, ``bulk`` whether it is copied through a group
     bucket (``group_swap=True``), ``pinned`` whether it must never leave the device,
     ``selected`` whether anyone asked for it to be swapped (unselected ones are pinned
-    when the forward ends).
+    when the forward ends). ``owner`` is a weak reference to the group (module docstring):
+    once the group is gone, :meth:`materialize` raises as for a released group.
     """
 
     __slots__ = (
@@ -268,7 +272,7 @@ class SwapTensor:
     def __init__(
         self,
         *,
-        owner: EntryOwner,
+        owner: weakref.ref[EntryOwner],
         tag: str,
         key: ViewKey,
         storage: Storage,
@@ -292,7 +296,7 @@ class SwapTensor:
         backend: Backend,
         tensor: Tensor,
         *,
-        owner: EntryOwner,
+        owner: weakref.ref[EntryOwner],
         group: str,
         tag: str,
         key: ViewKey,
@@ -352,7 +356,16 @@ class SwapTensor:
         # this unpack (or waits in the backward that runs it).
         if storage._state is SwapState.DEVICE and device is not None and not storage.released:
             return device
-        return self._owner.materialize(self)
+        owner = self._owner()
+        if owner is None:
+            raise SwapStateError(
+                group=storage.group,
+                tag=self.tag,
+                from_state="released",
+                to_state=SwapState.DEVICE,
+                detail="backward unpacked a tensor of a group that no longer exists",
+            )
+        return owner.materialize(self)
 
     def check_unchanged(self, backend: Backend, when: str) -> None:
         """Raise :class:`SwapError` if the storage or version changed since capture

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
+import weakref
 
 import mindspore as ms
 import pytest
@@ -97,6 +99,28 @@ def test_swap_tensor_transitions_through_its_group(manager, engine, copy_thread)
     with pytest.raises(SwapStateError, match=r"'g2'.*'x'.*DEVICE -> HOST"):
         entry.transition(SwapState.HOST)
     assert "DEVICE" in repr(entry)
+
+
+def test_an_entry_outliving_its_released_group_frees_it_and_refuses_to_load(manager, copy_thread):
+    """An entry refers to its group weakly: once the group is released and dropped (the
+    graph may still hold the entry), reference counting frees the group, with the
+    collector off, and the entry's unpack raises instead of loading."""
+    group = manager.create_group("gone", 0, 0, engine=EmulatedDevice())
+    entry = group.register(seeded((8,), 4) * 2, tag="kept")
+    group.seal()
+    copy_thread.run_now(group.prepare_offload())
+    group.finish_offload()
+    assert entry.state is SwapState.HOST
+    freed = weakref.ref(manager.remove_group("gone"))
+    gc.disable()
+    try:
+        freed().release()
+        del group
+        assert freed() is None
+    finally:
+        gc.enable()
+    with pytest.raises(SwapStateError, match=r"'gone'.*'kept'.*no longer exists"):
+        entry.materialize()
 
 
 def test_entry_tags_are_unique_in_a_group(manager, engine):
