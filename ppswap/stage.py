@@ -221,7 +221,7 @@ class PipelineStage:
         stage (the target, or its ``target_parts`` parts, are the last inputs of the
         record, so each micro-batch's is distinct); the module alone on a last stage
         without ``loss_fn`` in a forward-only run (its outputs are the result)."""
-        is_scalar_tensor = self._is_scalar_tensor
+        backend = self.backend  # not a method of self: the stage keeps this closure
         tensor_name = self.backend.tensor_name
         call = self._module_caller(input_keys)
         if self.is_last and not (forward_only and loss_fn is None):
@@ -246,7 +246,7 @@ class PipelineStage:
                         f"loss_fn {_name_of(loss_fn)} raised {type(exc).__name__} on an output "
                         f"of shape {_shape_of(output)} and {target_of} {shapes}: {exc}"
                     ) from exc
-                if not is_scalar_tensor(loss):
+                if not (backend.is_tensor(loss) and backend.shape_of(loss) == ()):
                     raise PipelineInputError(
                         f"loss_fn {_name_of(loss_fn)} must return a scalar {tensor_name} "
                         f"(shape ()), got {_described(loss)}"
@@ -302,9 +302,6 @@ class PipelineStage:
                 ) from exc
 
         return call
-
-    def _is_scalar_tensor(self, value: object) -> bool:
-        return self.backend.is_tensor(value) and self.backend.shape_of(value) == ()
 
     def abort_run(self, releasable: Callable[[int, int], bool] | None = None) -> None:
         """Drop every chunk of a failed or cancelled run (its graphs and saved tensors).

@@ -11,12 +11,17 @@ The dump (``FlightRecorder.dump``, carried by every ``PipelineHangError``) lists
 ``pending`` probe), then the statistics of every registered channel (buffered items,
 open ends, tasks blocked on either end: ``anyio`` memory object streams), then the
 process-wide status probes (the compute thread's current job, the transport's counters).
+The actors' probes and the channels are held weakly: the recorder observes a run's
+actors, which refer to it, and a strong reference back would keep every finished run's
+actors (and what they hold) alive in a reference cycle until the garbage collector
+finds it.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -77,8 +82,8 @@ class FlightRecorder:
         self._origin = time.perf_counter()
         self._events: dict[tuple[int, str], deque[tuple[float, tuple[object, ...]]]] = {}
         self._spans: list[TraceSpan] = []
-        self._pending: dict[tuple[int, str], Callable[[], list[str]]] = {}
-        self._channels: dict[tuple[int, str], ChannelLike] = {}
+        self._pending: dict[tuple[int, str], weakref.WeakMethod[Callable[[], list[str]]]] = {}
+        self._channels: dict[tuple[int, str], weakref.ref[ChannelLike]] = {}
         self._status: dict[str, Callable[[], str]] = {}
 
     @property
@@ -155,12 +160,14 @@ class FlightRecorder:
         self.add_span(rank, actor, name, start, **args)
 
     def register_pending(self, rank: int, actor: str, probe: Callable[[], list[str]]) -> None:
-        """Let an actor report what it is waiting for in a dump."""
-        self._pending[(rank, actor)] = probe
+        """Let an actor report what it is waiting for in a dump. ``probe`` is a bound
+        method of the actor (held weakly: an actor that is gone reports nothing)."""
+        self._pending[(rank, actor)] = weakref.WeakMethod(probe)
 
     def register_channel(self, rank: int, name: str, channel: ChannelLike) -> None:
-        """Report ``channel``'s statistics in a dump, as ``rank``'s channel ``name``."""
-        self._channels[(rank, name)] = channel
+        """Report ``channel``'s statistics in a dump, as ``rank``'s channel ``name``
+        (held weakly: a channel that is gone reports nothing)."""
+        self._channels[(rank, name)] = weakref.ref(channel)
 
     def register_status(self, name: str, probe: Callable[[], str]) -> None:
         """Report ``probe()`` in a dump under ``name`` (process-wide state)."""
@@ -182,14 +189,18 @@ class FlightRecorder:
             for at, parts in list(self._events.get((rank, actor), ())):
                 text = " ".join(_text(part) for part in parts)
                 lines.append(f"    {(at - self._origin) * 1e3:10.3f}ms {text}")
-            probe = self._pending.get((rank, actor))
+            probe_ref = self._pending.get((rank, actor))
+            probe = None if probe_ref is None else probe_ref()
             if probe is not None:
                 for item in probe():
                     lines.append(f"    pending: {item}")
         if self._channels:
             lines.append("channels:")
-            for (rank, name), channel in sorted(self._channels.items(), key=lambda kv: kv[0]):
-                lines.append(f"  rank {rank} {name}: {describe_channel(channel.statistics())}")
+            for (rank, name), channel_ref in sorted(self._channels.items(), key=lambda kv: kv[0]):
+                channel = channel_ref()
+                if channel is not None:
+                    stats = describe_channel(channel.statistics())
+                    lines.append(f"  rank {rank} {name}: {stats}")
         if self._status:
             lines.append("process:")
             for name, status in self._status.items():

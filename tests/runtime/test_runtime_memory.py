@@ -9,8 +9,11 @@ the planner only contributes chunk counts.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
+from cyclic_garbage import collector_off, ppswap_cyclic_garbage
 from mindspore import Tensor, nn
 
 from ppswap import PipelineStage, run_schedule
@@ -158,3 +161,35 @@ async def test_swap_without_counting_counts_only_on_ranks_that_swap() -> None:
         else:
             assert seen[False][rank] == [False] * MICRO
             assert uncounted.peak_saved_bytes == 0 < counted.peak_saved_bytes
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+async def test_a_finished_run_leaves_nothing_of_ppswap_to_the_garbage_collector(
+    schedule: str,
+) -> None:
+    """With the collector off, stages built, run with and without swap, and dropped leave
+    no ppswap object in a reference cycle: actors, swap groups, entries and chunk records
+    are freed by reference counting when the run ends, the stages when the caller drops
+    them (tests/torch_backend/test_torch_memory.py has the torch version)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2 * MICRO, DIM)).astype(np.float32)
+    y = rng.standard_normal((2 * MICRO, DIM)).astype(np.float32)
+    stage_num = PP if schedule == "gpipe" else 2 * PP
+    with collector_off():
+        modules = build_mlp_stages(stage_num, dim=DIM, blocks_per_stage=2, wrap=swap_wrapper)
+        stages = [PipelineStage(m, i, stage_num) for i, m in enumerate(modules)]
+        for swap in (False, True):
+            result = await run_schedule(
+                stages,
+                schedule,
+                micro_batch_num=MICRO,
+                inputs=x,
+                targets=y,
+                loss_fn=mse_loss,
+                swap=swap,
+                pp=PP,
+            )
+            assert sum(rank.offloaded_bytes for rank in result.ranks) > 0 or not swap
+        del modules, stages, result
+        assert ppswap_cyclic_garbage() == Counter()
