@@ -23,6 +23,7 @@ from torch_support import (
     mse_loss,
     predictions,
     run_case,
+    sharded_stages,
 )
 
 from ppswap import run_schedule
@@ -269,6 +270,21 @@ async def test_a_finished_run_leaves_nothing_of_ppswap_to_the_garbage_collector(
         stages = build_stages(case.stage_num)
         for swap in (False, True):
             result = await run_case(stages, case, swap=swap)
+            assert sum(r.offloaded_bytes for r in result.ranks) > 0 or not swap
+        del stages, result
+        assert ppswap_cyclic_garbage() == Counter()
+
+
+@pytest.mark.asyncio
+async def test_an_fsdp_run_leaves_nothing_of_ppswap_to_the_garbage_collector() -> None:
+    """The same for dp2 x pp2 with every replica's stage ``fully_shard()``-ed: the FSDP
+    steps' state goes with the run, the sharded stages with the caller's reference."""
+    case = Case("gpipe", pp=2, stage_num=2, micro=4)
+    x, y = make_data(2 * case.micro)
+    with collector_off():
+        stages = sharded_stages(case.stage_num, DeviceMesh(pp=case.pp, dp=2))
+        for swap in (False, True):
+            result = await run_case(stages, case, swap=swap, inputs=x, targets=y)
             assert sum(r.offloaded_bytes for r in result.ranks) > 0 or not swap
         del stages, result
         assert ppswap_cyclic_garbage() == Counter()
