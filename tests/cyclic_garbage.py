@@ -13,19 +13,17 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ppswap.scheduler.lowering import collector_paused
+
 
 @contextmanager
 def collector_off() -> Iterator[None]:
-    """The block runs with the garbage collector off (what it leaves unreachable stays
-    for :func:`ppswap_cyclic_garbage` to find); the collector's state is restored after."""
+    """The block runs with the garbage collector off, after one collection (what the block
+    leaves unreachable stays for :func:`ppswap_cyclic_garbage` to find); the collector's
+    state is restored after."""
     gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def ppswap_cyclic_garbage() -> Counter[str]:

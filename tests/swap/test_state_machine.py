@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import threading
 import weakref
 
 import mindspore as ms
 import pytest
+from cyclic_garbage import collector_off
 from mindspore import ops
 from swap_support import GatedDevice, seeded, wait_until
 
@@ -112,13 +112,10 @@ def test_an_entry_outliving_its_released_group_frees_it_and_refuses_to_load(mana
     group.finish_offload()
     assert entry.state is SwapState.HOST
     freed = weakref.ref(manager.remove_group("gone"))
-    gc.disable()
-    try:
+    with collector_off():
         freed().release()
         del group
         assert freed() is None
-    finally:
-        gc.enable()
     with pytest.raises(SwapStateError, match=r"'gone'.*'kept'.*no longer exists"):
         entry.materialize()
 
