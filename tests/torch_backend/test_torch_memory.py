@@ -263,9 +263,8 @@ async def test_a_finished_run_leaves_nothing_of_ppswap_to_the_garbage_collector(
     """With the collector off, stages built, run with and without swap, and dropped leave
     no ppswap object in a reference cycle: the run's actors, swap groups, entries and chunk
     records are freed by reference counting when it ends, and the stages (with the
-    parameters they hold) when the caller drops them. A cycle would keep them until some
-    later collection; a run used to leave about 350 such objects without swap and 150
-    more per swapped chunk, and a last stage kept itself alive through its loss closure."""
+    parameters and gradients they hold) when the caller drops them. A cycle would keep
+    them, and what they hold, until some later collection."""
     with collector_off():
         stages = build_stages(case.stage_num)
         for swap in (False, True):
