@@ -64,8 +64,9 @@ test-torch: $(TORCH_STAMP)
 # The same lane on the oldest torch ppswap supports, the GPU machine's (2.11.0: from PyPI, a
 # CUDA build of several GB, which runs on the CPU here). Not part of check: run it before
 # a session on the GPU machine (docs/gpu.md).
+TORCH_OLDEST_VENV := .venv-torch-2.11
 test-torch-oldest:
-	$(MAKE) test-torch TORCH_VENV=.venv-torch-2.11 TORCH_PIN=2.11.0
+	$(MAKE) test-torch TORCH_VENV=$(TORCH_OLDEST_VENV) TORCH_PIN=2.11.0
 
 # The development lane: every test not marked slow (tests/conftest.py says which are).
 test-fast: $(STAMP)
@@ -79,4 +80,4 @@ plan: $(STAMP)
 	$(BIN)/ppswap plan --schedule gpipe --pp 4 --micro 8 --swap
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) .venv-torch-2.11 .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(TORCH_VENV) $(TORCH_OLDEST_VENV) .mypy_cache .ruff_cache .pytest_cache
