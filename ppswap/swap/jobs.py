@@ -89,6 +89,7 @@ class CopyJob:
                     detail="a copy job runs once",
                 )
             self._phase = JobPhase.RUNNING
+            self._on_cancel = None  # a started job is never cancelled: its plan can go
         try:
             if self._work is not None:
                 self._work()
