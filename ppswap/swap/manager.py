@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from ppswap.backends.base import Backend, CopyEngine, StorageRef
@@ -157,6 +158,8 @@ class Collection:
         self._parameter_ids = {id(t) for held in self._parameters.values() for t in held}
         for tensor in tensors_in(backend, list(protected)):
             self._protected[backend.storage_of(tensor).ptr] = tensor
+        # Held until close(), which drops it: the function refers to this collection.
+        self._pack: Callable[..., Any] | None = self._make_pack()
 
     def tensors_in(self, obj: object) -> Iterator[Tensor]:
         """The tensors of ``obj`` (see :func:`tensors_in`)."""
@@ -235,9 +238,17 @@ class Collection:
         swap when ``capture`` is set and ``policy_fn`` agrees, or when its storage was
         registered (before or, via :meth:`SwapGroup.select_storage`, after this save).
 
-        One closure per region, its lookups bound once: it runs for every tensor a
-        forward saves.
+        Every region of the collection shares one pack function, its lookups bound once
+        (it runs for every tensor a forward saves, and the autograd graph keeps each
+        region's hook until the backward): a region's hook is that function with the
+        region's arguments bound.
         """
+        if self._pack is None:
+            raise SwapError("a capture region entered after its chunk's forward ended")
+        return partial(self._pack, capture, policy_fn, group_swap, label)
+
+    def _make_pack(self) -> Callable[..., Any]:
+        """The collection's pack function (:meth:`pack_hook`), region arguments first."""
         backend = self.backend
         is_tensor, storage_of, is_lazy_view = (
             backend.is_tensor,
@@ -248,7 +259,13 @@ class Collection:
         resident = self._resident
         min_bytes = self.min_bytes
 
-        def pack(tensor: Any) -> Any:
+        def pack(
+            capture: bool,
+            policy_fn: PolicyFn | None,
+            group_swap: bool | None,
+            label: str | None,
+            tensor: Any,
+        ) -> Any:
             if not is_tensor(tensor):
                 return tensor
             info = storage_of(tensor)
@@ -304,6 +321,7 @@ class Collection:
         """End of the forward: forget registrations, protections, handles, the group and the
         sink (drop references: MindSpore may keep the pack hook, and with it this object)."""
         self._closed = True
+        self._pack = None
         self._registered.clear()
         self._protected.clear()
         self._parameters.clear()
