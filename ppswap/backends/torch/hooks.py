@@ -36,12 +36,17 @@ class SavedTensorModifiedError(RuntimeError):
 
 class Saved:
     """What the graph keeps for one saved tensor: the swap layer's packed value, the
-    tensor's version when it was saved and a weak reference to the tensor itself (to
-    recognise it when unpack returns it; a weak one, so a swapped tensor is still freed)."""
+    tensor's version when it was saved, and how to recognise the tensor when unpack
+    returns it: ``origin`` is a weak reference to it (a weak one, so a swapped tensor is
+    still freed), or None where the packed value is the tensor itself (the graph holds
+    it anyway). ``version`` is None for a tensor type without weak references: not
+    checked."""
 
     __slots__ = ("origin", "packed", "version")
 
-    def __init__(self, packed: Any, origin: weakref.ref[torch.Tensor] | None, version: int):
+    def __init__(
+        self, packed: Any, origin: weakref.ref[torch.Tensor] | None, version: int | None
+    ) -> None:
         self.packed = packed
         self.origin = origin
         self.version = version
@@ -58,23 +63,30 @@ class CheckedHooks:
         self._pack, self._unpack = pack, unpack
 
     def pack(self, tensor: torch.Tensor) -> Saved:
-        version: int = tensor._version
+        version: int | None = tensor._version
+        packed = self._pack(tensor)
+        if packed is tensor:
+            return Saved(packed, None, version)
         try:
             origin: weakref.ref[torch.Tensor] | None = weakref.ref(tensor)
         except TypeError:  # a tensor type without weak references: not checked
-            origin = None
-        return Saved(self._pack(tensor), origin, version)
+            origin, version = None, None
+        return Saved(packed, origin, version)
 
     def unpack(self, saved: Saved) -> torch.Tensor:
-        tensor: torch.Tensor = self._unpack(saved.packed)
+        packed = saved.packed
+        tensor: torch.Tensor = self._unpack(packed)
+        version = saved.version
+        if version is None or int(tensor._version) == version:
+            return tensor
         origin = saved.origin
-        if origin is not None and tensor is origin() and int(tensor._version) != saved.version:
-            tag = getattr(saved.packed, "tag", None)
+        if tensor is (packed if origin is None else origin()):
+            tag = getattr(packed, "tag", None)
             named = f" {tag!r}" if isinstance(tag, str) else ""
             raise SavedTensorModifiedError(
                 f"a tensor saved for backward{named} (shape {tuple(tensor.shape)}, "
                 f"{tensor.dtype}) was modified in place after its forward saved it (version "
-                f"{saved.version} -> {int(tensor._version)}): its backward would read the "
+                f"{version} -> {int(tensor._version)}): its backward would read the "
                 "modified values (torch refuses this too: 'one of the variables needed for "
                 "gradient computation has been modified by an inplace operation'); modify a "
                 ".clone() instead, or use the out-of-place operation"
