@@ -262,17 +262,17 @@ class EntryTable:
         span's bytes through; none: it stays on device) and, where the version counter
         does not work, its views' reference digests."""
         engine = self.engine
-        requests = [(s.members[0][0].storage.device, s.start, s.nbytes) for s in spans]
+        requests = [(s.entries[0].storage.device, s.start, s.nbytes) for s in spans]
         for span, source in zip(spans, engine.span_sources(requests), strict=True):
-            for entry, _ in span.members[1:]:
+            for entry in span.entries[1:]:
                 if source is not None:
                     break
                 (source,) = engine.span_sources([(entry.storage.device, span.start, span.nbytes)])
             span.source = source
             if source is None:
                 continue
-            fingerprint = span.members[0][0].storage.fingerprint
-            if fingerprint is None or fingerprint.version is None:
+            fingerprint = span.entries[0].storage.fingerprint
+            if fingerprint is None or fingerprint[2] is None:  # no version counter
                 host = engine.host_view(source)
                 if host is not None:
                     span.take_digests(host, self.check)

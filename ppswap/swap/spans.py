@@ -122,44 +122,50 @@ def view_array(span: HostArray, offset: int, key: ViewKey) -> HostArray:
     )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StorageSpan:
     """The used bytes of one storage in a group, and the views (entries) in them.
 
     ``start`` / ``nbytes``: the byte range of the storage (``storage_ptr``) that moves;
-    ``members``: each entry with its view's byte offset in the span (``entries``: the
-    entries alone, in the same order). ``bulk``: packed into a host bucket (every member
-    asked for ``group_swap``). ``source``: what the copy thread reads the span's device
-    bytes from (from the end of the forward to ``finish_offload``); ``host``: the host
-    copy (a ``uint8`` array: a pooled buffer of its own, or a slice of ``host_bucket``),
-    from ``finish_offload`` to the load.
-    ``dense``: per member, its byte count where its elements are C-contiguous (the
-    digests then read them straight from the span's bytes), else None. ``digests``: the
-    members' reference digests (taken when the forward ends), None where the version
-    counter is the check.
+    ``entries``: the views, ``offsets``: each one's byte offset in the span (in the same
+    order). ``bulk``: packed into a host bucket (every entry asked for ``group_swap``).
+    ``source``: what the copy thread reads the span's device bytes from (from the end of
+    the forward to ``finish_offload``); ``host``: the host copy (a ``uint8`` array: a
+    pooled buffer of its own, or a slice of ``host_bucket``), from ``finish_offload`` to
+    the load. ``dense``: per entry, its byte count where its elements are C-contiguous
+    (the digests then read them straight from the span's bytes), else None.
+    ``digests``: the entries' reference digests (taken when the forward ends), None where
+    the version counter is the check.
+
+    ``offsets`` and ``dense`` are tuples of ints: the garbage collector stops tracking
+    them at its first pass, so a span that lives from its forward to its backward keeps
+    one tracked container (``entries``) besides itself.
     """
 
     storage_ptr: int
     start: int
     nbytes: int
-    members: list[tuple[SwapTensor, int]]
-    bulk: bool
     entries: list[SwapTensor]
-    dense: list[int | None]
+    offsets: tuple[int, ...]
+    bulk: bool
+    dense: tuple[int | None, ...]
     source: Any = None
     host: HostArray | None = None
     host_bucket: Any = None
     digests: list[int] | None = None
 
     @classmethod
-    def of(cls, storage_ptr: int, entries: Sequence[SwapTensor]) -> StorageSpan:
-        """The span of ``entries`` (every captured view of one storage)."""
+    def of(cls, storage_ptr: int, entries: list[SwapTensor]) -> StorageSpan:
+        """The span of ``entries`` (every captured view of one storage); the span keeps
+        that list as its ``entries``, not a copy (the group's list of the storage's views,
+        which no longer changes once the forward has ended)."""
         if len(entries) == 1:  # one view (every span on MindSpore): no zips or comprehensions
             (entry,) = entries
             key = entry.key
-            start, nbytes, (offset,) = span_layout(storage_ptr, (key,))
-            members, dense = [(entry, offset)], [dense_nbytes(key)]
-            span = cls(storage_ptr, start, nbytes, members, entry.bulk, [entry], dense)
+            start, nbytes, offsets = span_layout(storage_ptr, (key,))
+            span = cls(
+                storage_ptr, start, nbytes, entries, (offsets[0],), entry.bulk, (dense_nbytes(key),)
+            )
             entry.storage.span = span
             return span
         start, nbytes, offsets = span_layout(storage_ptr, [e.key for e in entries])
@@ -167,23 +173,30 @@ class StorageSpan:
             storage_ptr=storage_ptr,
             start=start,
             nbytes=nbytes,
-            members=list(zip(entries, offsets, strict=True)),
+            entries=entries,
+            offsets=tuple(offsets),
             bulk=all(e.bulk for e in entries),
-            entries=list(entries),
-            dense=[dense_nbytes(e.key) for e in entries],
+            dense=tuple(dense_nbytes(e.key) for e in entries),
         )
         for entry in entries:
             entry.storage.span = span
         return span
 
     @property
+    def members(self) -> list[tuple[SwapTensor, int]]:
+        """Each entry with its view's byte offset in the span."""
+        return list(zip(self.entries, self.offsets, strict=True))
+
+    @property
     def state(self) -> SwapState:
         """The members' state (they move together)."""
-        return self.members[0][0].state
+        return self.entries[0].state
 
     def places(self) -> list[tuple[int, ViewKey]]:
         """``(offset, key)`` per member: what ``CopyEngine.restore_views`` rebuilds."""
-        return [(offset, entry.key) for entry, offset in self.members]
+        return [
+            (offset, entry.key) for entry, offset in zip(self.entries, self.offsets, strict=True)
+        ]
 
     def movable(self) -> bool:
         """Whether the span may leave the device now: no member pinned, all on device."""
@@ -200,19 +213,23 @@ class StorageSpan:
 
     def views(self, array: HostArray) -> list[HostArray]:
         """Each member's elements in ``array`` (a contiguous ``uint8`` copy of the span)."""
-        return [view_array(array, offset, entry.key) for entry, offset in self.members]
+        return [
+            view_array(array, offset, entry.key)
+            for entry, offset in zip(self.entries, self.offsets, strict=True)
+        ]
 
     def digests_of(self, array: HostArray, mode: CheckMode) -> list[int]:
         """Each member's content digest in ``array`` (a contiguous ``uint8`` copy of the
         span): ``content_digest`` of its elements, read in place where they are dense."""
-        if len(self.members) == 1:
-            ((entry, offset),) = self.members
-            nbytes = self.dense[0]
+        entries, offsets, dense = self.entries, self.offsets, self.dense
+        if len(entries) == 1:
+            nbytes, offset = dense[0], offsets[0]
             if nbytes is not None:
-                return [digest_bytes(array[offset : offset + nbytes], entry.key.itemsize, mode)]
+                itemsize = entries[0].key.itemsize
+                return [digest_bytes(array[offset : offset + nbytes], itemsize, mode)]
         return [
             view_digest(array, offset, entry.key, mode, nbytes)
-            for (entry, offset), nbytes in zip(self.members, self.dense, strict=True)
+            for entry, offset, nbytes in zip(entries, offsets, dense, strict=True)
         ]
 
     def take_digests(self, array: HostArray, mode: CheckMode) -> None:
@@ -228,7 +245,7 @@ class StorageSpan:
         if array is None or expected is None:
             return
         found = self.digests_of(array, mode)
-        for (entry, _), before, now in zip(self.members, expected, found, strict=True):
+        for entry, before, now in zip(self.entries, expected, found, strict=True):
             if before != now:
                 raise SwapError(
                     f"group {entry.group!r} tensor {entry.tag!r} was modified in place "
@@ -238,5 +255,5 @@ class StorageSpan:
     def __repr__(self) -> str:
         return (
             f"StorageSpan(storage_ptr={self.storage_ptr:#x}, start={self.start}, "
-            f"nbytes={self.nbytes}, views={len(self.members)})"
+            f"nbytes={self.nbytes}, views={len(self.entries)})"
         )
