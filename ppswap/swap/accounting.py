@@ -32,14 +32,6 @@ Chunk = tuple[int, int]
 DeviceBlock = tuple[str, int]
 
 
-class _BlockRecord:
-    __slots__ = ("holders", "nbytes")
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.holders: dict[Hashable, Chunk] = {}
-
-
 @dataclass(frozen=True)
 class UnpackCounters:
     """How often backward's unpack had to use the safety net.
@@ -59,7 +51,11 @@ class SwapAccounting:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._blocks: dict[DeviceBlock, _BlockRecord] = {}
+        # Per block held: its holders (each with its chunk) and its size. Two dicts, not a
+        # record object per block: a block lives from its chunk's forward to its backward,
+        # and every object that lives that long adds to the garbage collector's passes.
+        self._blocks: dict[DeviceBlock, dict[Hashable, Chunk]] = {}
+        self._block_bytes: dict[DeviceBlock, int] = {}
         self._resident = 0
         self._peak = 0
         self._offloaded = 0
@@ -92,15 +88,15 @@ class SwapAccounting:
     ) -> None:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        record = self._blocks.get(block)
-        if record is None:
-            record = _BlockRecord(nbytes)
-            self._blocks[block] = record
+        held = self._blocks.get(block)
+        if held is None:
+            held = self._blocks[block] = {}
+            self._block_bytes[block] = nbytes
             self._resident += nbytes
             if self._resident > self._peak:
                 self._peak = self._resident
         for holder in holders:
-            record.holders[holder] = chunk
+            held[holder] = chunk
 
     def hold_blocks(
         self, blocks: Iterable[tuple[DeviceBlock, int, Iterable[Hashable]]], chunk: Chunk
@@ -122,19 +118,19 @@ class SwapAccounting:
                 self._drop(block, holder)
 
     def _drop(self, block: DeviceBlock, holder: Hashable) -> None:
-        record = self._blocks.get(block)
-        if record is None or holder not in record.holders:
+        held = self._blocks.get(block)
+        if held is None or holder not in held:
             return
-        del record.holders[holder]
-        if not record.holders:
+        del held[holder]
+        if not held:
             del self._blocks[block]
-            self._resident -= record.nbytes
+            self._resident -= self._block_bytes.pop(block)
 
     def chunks_holding(self, block: DeviceBlock) -> frozenset[Chunk]:
         """The chunks that currently hold ``block`` on device."""
         with self._lock:
-            record = self._blocks.get(block)
-            return frozenset(record.holders.values()) if record else frozenset()
+            held = self._blocks.get(block)
+            return frozenset(held.values()) if held else frozenset()
 
     def is_held(self, block: DeviceBlock) -> bool:
         """Whether any holder holds ``block`` on device (one dict lookup, atomic under the
@@ -146,8 +142,8 @@ class SwapAccounting:
         if block not in self._blocks:  # the common case, asked once per saved tensor: one
             return False  # dict lookup (atomic under the GIL), no lock
         with self._lock:
-            record = self._blocks.get(block)
-            return record is not None and any(c != chunk for c in record.holders.values())
+            held = self._blocks.get(block)
+            return held is not None and any(c != chunk for c in held.values())
 
     def add_offloaded(self, nbytes: int) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ dtype, shares that memory with the other restored views of its storage, and is
 bit-identical.
 
 In-place modification (docs/swap.md has the measured trade-off): at capture the storage's
-address and size and the framework's version counter are recorded (:class:`Fingerprint`)
+address and size and the framework's version counter are recorded (:data:`Fingerprint`)
 and compared again before the copy and before the device reference is dropped. Where the
 counter works (torch) that is the whole check. Where it does not (MindSpore 2.10 never
 bumps ``_version``), content digests stand in, by :class:`CheckMode`: ``"sampled"`` (the
@@ -43,7 +43,7 @@ import functools
 import math
 import weakref
 import zlib
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import numpy as np
 
@@ -67,6 +67,7 @@ __all__ = [
     "ViewKey",
     "content_digest",
     "digest_bytes",
+    "fingerprint_changes",
     "sample_rows",
 ]
 
@@ -100,27 +101,22 @@ LEGAL_TRANSITIONS: dict[SwapState, SwapState] = {
 }
 
 
-class Fingerprint(NamedTuple):
-    """What is checked before D2H and before the device tensor is dropped: the storage's
-    address and size, and the framework's version counter (None where it has none)."""
+Fingerprint = tuple[int, int, int | None]
+"""What is checked before D2H and before the device tensor is dropped: the storage's
+address and size, and the framework's version counter (None where it has none). A plain
+tuple of ints: the garbage collector stops tracking it at its first pass (a fingerprint
+lives from its chunk's forward to its offload)."""
 
-    storage_ptr: int
-    storage_nbytes: int
-    version: int | None
+_FINGERPRINT_FIELDS = ("storage_ptr", "storage_nbytes", "version")
 
-    @classmethod
-    def of(cls, backend: Backend, tensor: Tensor, storage: StorageRef | None = None) -> Fingerprint:
-        info = storage if storage is not None else backend.storage_of(tensor)
-        return cls(info.ptr, info.nbytes, backend.version_of(tensor))
 
-    def differences(self, other: Fingerprint) -> list[str]:
-        """Human-readable list of what changed from ``self`` to ``other``."""
-        changed = []
-        for name in ("storage_ptr", "storage_nbytes", "version"):
-            before, after = getattr(self, name), getattr(other, name)
-            if before != after:
-                changed.append(f"{name} {before!r} -> {after!r}")
-        return changed
+def fingerprint_changes(before: Fingerprint, after: Fingerprint) -> list[str]:
+    """Human-readable list of what changed from ``before`` to ``after``."""
+    return [
+        f"{name} {old!r} -> {new!r}"
+        for name, old, new in zip(_FINGERPRINT_FIELDS, before, after, strict=True)
+        if old != new
+    ]
 
 
 def content_digest(array: HostArray, mode: CheckMode = "sampled") -> int:
@@ -316,7 +312,7 @@ class SwapTensor:
             shape=key.shape,
             dtype=key.dtype,
             device=tensor,
-            fingerprint=Fingerprint(ptr, storage_info.nbytes, backend.version_of(tensor)),
+            fingerprint=(ptr, storage_info.nbytes, backend.version_of(tensor)),
             device_block=("storage", ptr),
         )
         return cls(
@@ -378,7 +374,7 @@ class SwapTensor:
         ptr, nbytes = backend.storage_of(device)
         version = backend.version_of(device)
         if (ptr, nbytes, version) != expected:
-            changes = expected.differences(Fingerprint(ptr, nbytes, version))
+            changes = fingerprint_changes(expected, (ptr, nbytes, version))
             raise SwapError(
                 f"group {self.group!r} tensor {self.tag!r}: its storage changed after "
                 f"capture ({'; '.join(changes)}) {when}; refusing to offload"
