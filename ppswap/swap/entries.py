@@ -218,7 +218,7 @@ class EntryTable:
                 del self._spans[storage_ptr]  # a pinned storage is never copied
                 span.source = None
                 for entry in span.entries:
-                    entry.storage.span = None
+                    entry.span = None
             return pinned
 
     def seal(self) -> None:
@@ -240,7 +240,7 @@ class EntryTable:
             spans = []
             for ptr, entries in self._by_storage.items():
                 for entry in entries:
-                    device = entry.storage.device
+                    device = entry.device
                     if not entry.selected or entry.pinned or device is None or not can_move(device):
                         for same_storage in entries:  # it stays: so do all its views
                             same_storage.pinned = True
@@ -252,7 +252,7 @@ class EntryTable:
                 if span.source is None:
                     for entry in span.entries:
                         entry.pinned = True
-                        entry.storage.span = None
+                        entry.span = None
                 else:
                     self._spans[span.storage_ptr] = span
             self._phase = GroupPhase.SEALED
@@ -262,16 +262,16 @@ class EntryTable:
         span's bytes through; none: it stays on device) and, where the version counter
         does not work, its views' reference digests."""
         engine = self.engine
-        requests = [(s.entries[0].storage.device, s.start, s.nbytes) for s in spans]
+        requests = [(s.entries[0].device, s.start, s.nbytes) for s in spans]
         for span, source in zip(spans, engine.span_sources(requests), strict=True):
             for entry in span.entries[1:]:
                 if source is not None:
                     break
-                (source,) = engine.span_sources([(entry.storage.device, span.start, span.nbytes)])
+                (source,) = engine.span_sources([(entry.device, span.start, span.nbytes)])
             span.source = source
             if source is None:
                 continue
-            fingerprint = span.entries[0].storage.fingerprint
+            fingerprint = span.entries[0].fingerprint
             if fingerprint is None or fingerprint[2] is None:  # no version counter
                 host = engine.host_view(source)
                 if host is not None:

@@ -140,7 +140,7 @@ class SwapGroup(EntryTable):
             for slot in slots:
                 slot.span.transition(SwapState.D2H)
                 for entry in slot.span.entries:
-                    entry.storage.job = job
+                    entry.job = job
             self._offload_slots = slots
             self._offload_buckets = buckets
             self._offload_job = job
@@ -173,7 +173,7 @@ class SwapGroup(EntryTable):
                 span.host_bucket = bucket_of.get(id(slot))
                 span.source = None
                 for entry in span.entries:
-                    entry.storage.job = None
+                    entry.job = None
                     _forget_device(entry, dropped)
             self.accounting.drop_all(dropped)
             for bucket in self._offload_buckets:
@@ -239,8 +239,8 @@ class SwapGroup(EntryTable):
                 span.transition(SwapState.H2D)
                 span.host, span.host_bucket = None, None
                 for entry in span.entries:
-                    entry.storage.device_block = slot.block
-                    entry.storage.job = job
+                    entry.device_block = slot.block
+                    entry.job = job
             self._load_slots = {s.span: s for s in slots}
             self._load_job = job
             self._phase = GroupPhase.LOAD_PREPARED
@@ -297,8 +297,8 @@ class SwapGroup(EntryTable):
         views = self.engine.restore_views(loaded, span.places())
         span.transition(SwapState.DEVICE)
         for entry, view in zip(span.entries, views, strict=True):
-            entry.storage.device = view
-            entry.storage.job = None
+            entry.device = view
+            entry.job = None
 
     # -- backward's unpack (the safety net) ---------------------------------------------
 
@@ -310,32 +310,31 @@ class SwapGroup(EntryTable):
         (bounded), then finish the load of the entry's span. Either way the other views
         of the storage come back with it. A released group raises :class:`SwapStateError`.
         """
-        storage = entry.storage
         with self._lock:
-            state = storage.state
-            if storage.released:
+            state = entry.state
+            if entry.released:
                 raise self._released(entry, "backward unpacked a tensor of a released group")
             if state is SwapState.DEVICE or state is SwapState.D2H:
-                assert storage.device is not None
+                assert entry.device is not None
                 if state is SwapState.D2H:
                     self.accounting.count_device_fallback()
-                return storage.device
-            span = storage.span
+                return entry.device
+            span = entry.span
             assert span is not None
             if state is SwapState.HOST:
                 self._load_now(span)
-                assert storage.device is not None
-                return storage.device
-            job = storage.job
+                assert entry.device is not None
+                return entry.device
+            job = entry.job
         assert job is not None
         was_pending = not job.done.is_set()
         job.wait(self.wait_timeout_s)
         with self._lock:
-            if storage.released:
+            if entry.released:
                 raise self._released(entry, "the group was released while backward waited")
-            if storage.state is SwapState.DEVICE:
-                assert storage.device is not None
-                return storage.device
+            if entry.state is SwapState.DEVICE:
+                assert entry.device is not None
+                return entry.device
             self._raise_if_failed(job)
             slot = self._load_slots[span]
             self._complete_load(span, slot.loaded)
@@ -343,8 +342,8 @@ class SwapGroup(EntryTable):
             slot.loaded = None
             if was_pending:
                 self.accounting.count_waited_load()
-            assert storage.device is not None
-            return storage.device
+            assert entry.device is not None
+            return entry.device
 
     def _released(self, entry: SwapTensor, detail: str) -> SwapStateError:
         return SwapStateError(
@@ -364,7 +363,7 @@ class SwapGroup(EntryTable):
         span.transition(SwapState.H2D)
         block = self.accounting.new_loaded_block()
         for entry in span.entries:
-            entry.storage.device_block = block
+            entry.device_block = block
         self.accounting.hold_all(block, span.nbytes, span.entries, self.chunk)
         span.host, span.host_bucket = None, None
         if bucket is None:
@@ -429,9 +428,9 @@ class SwapGroup(EntryTable):
         dropped: list[tuple[DeviceBlock, SwapTensor]] = []
         for entry in self._entries:
             _forget_device(entry, dropped)
-            entry.storage.span = None
-            entry.storage.job = None
-            entry.storage.released = True
+            entry.span = None
+            entry.job = None
+            entry.released = True
         self.accounting.drop_all(dropped)
         self._by_key.clear()
         self._by_storage.clear()
@@ -450,8 +449,7 @@ class SwapGroup(EntryTable):
 def _forget_device(entry: SwapTensor, dropped: list[tuple[DeviceBlock, SwapTensor]]) -> None:
     """Drop ``entry``'s device tensor; add the block it held to ``dropped`` (the caller
     gives all of them back to the accounting at once)."""
-    storage = entry.storage
-    if storage.device_block is not None:
-        dropped.append((storage.device_block, entry))
-    storage.device = None
-    storage.device_block = None
+    if entry.device_block is not None:
+        dropped.append((entry.device_block, entry))
+    entry.device = None
+    entry.device_block = None

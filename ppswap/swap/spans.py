@@ -166,7 +166,7 @@ class StorageSpan:
             span = cls(
                 storage_ptr, start, nbytes, entries, (offsets[0],), entry.bulk, (dense_nbytes(key),)
             )
-            entry.storage.span = span
+            entry.span = span
             return span
         start, nbytes, offsets = span_layout(storage_ptr, [e.key for e in entries])
         span = cls(
@@ -179,7 +179,7 @@ class StorageSpan:
             dense=tuple(dense_nbytes(e.key) for e in entries),
         )
         for entry in entries:
-            entry.storage.span = span
+            entry.span = span
         return span
 
     @property
@@ -201,7 +201,7 @@ class StorageSpan:
     def movable(self) -> bool:
         """Whether the span may leave the device now: no member pinned, all on device."""
         for entry in self.entries:
-            if entry.pinned or entry.storage.state is not SwapState.DEVICE:
+            if entry.pinned or entry.state is not SwapState.DEVICE:
                 return False
         return True
 
@@ -209,7 +209,7 @@ class StorageSpan:
         """Move every member to ``to_state`` (legal moves only; all or, on a refused
         move, the members before it)."""
         for entry in self.entries:
-            entry.storage.transition(to_state)
+            entry.transition(to_state)
 
     def views(self, array: HostArray) -> list[HostArray]:
         """Each member's elements in ``array`` (a contiguous ``uint8`` copy of the span)."""

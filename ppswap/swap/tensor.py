@@ -1,4 +1,5 @@
-"""SwapTensor and Storage: one captured saved tensor and the state machine of its bytes.
+"""Storage and SwapTensor: the state machine of a captured saved tensor's bytes, and the
+handle (a Storage) that the autograd graph keeps for it.
 
 States and the only legal moves (anything else raises :class:`SwapStateError`)::
 
@@ -243,14 +244,17 @@ class EntryOwner(Protocol):
     def materialize(self, entry: SwapTensor) -> Tensor: ...
 
 
-class SwapTensor:
-    """Handle of one captured saved tensor, held by the autograd graph (see module doc).
+class SwapTensor(Storage):
+    """Handle of one captured saved tensor, held by the autograd graph (see module doc):
+    the :class:`Storage` state of its bytes and what the group knows of the view.
 
     ``key`` is the exact view identity, ``bulk`` whether it is copied through a group
     bucket (``group_swap=True``), ``pinned`` whether it must never leave the device,
     ``selected`` whether anyone asked for it to be swapped (unselected ones are pinned
     when the forward ends). ``owner`` is a weak reference to the group (module docstring):
-    once the group is gone, :meth:`materialize` raises as for a released group.
+    once the group is gone, :meth:`materialize` raises as for a released group. One object
+    per captured view: it lives from the view's forward to its backward, and every object
+    that lives that long adds to the garbage collector's passes.
     """
 
     __slots__ = (
@@ -261,26 +265,35 @@ class SwapTensor:
         "key",
         "pinned",
         "selected",
-        "storage",
-        "tag",
     )
 
     def __init__(
         self,
         *,
         owner: weakref.ref[EntryOwner],
+        group: str,
         tag: str,
         key: ViewKey,
-        storage: Storage,
         bulk: bool,
         chunk: tuple[int, int],
+        device: Tensor | None = None,
+        fingerprint: Fingerprint | None = None,
+        device_block: tuple[str, int] | None = None,
         selected: bool = True,
         pinned: bool = False,
     ) -> None:
+        super().__init__(
+            group=group,
+            tag=tag,
+            nbytes=math.prod(key.shape) * key.itemsize,
+            shape=key.shape,
+            dtype=key.dtype,
+            device=device,
+            fingerprint=fingerprint,
+            device_block=device_block,
+        )
         self._owner = owner
-        self.tag = tag
         self.key = key
-        self.storage = storage
         self.bulk = bulk
         self.chunk = chunk
         self.pinned = pinned
@@ -305,57 +318,32 @@ class SwapTensor:
         """A new DEVICE entry holding ``tensor`` with its capture fingerprint; its storage
         is held on device as the block ``("storage", address)``."""
         ptr = storage_info.ptr
-        storage = Storage(
+        return cls(
+            owner=owner,
             group=group,
             tag=tag,
-            nbytes=math.prod(key.shape) * key.itemsize,
-            shape=key.shape,
-            dtype=key.dtype,
+            key=key,
+            bulk=bulk,
+            chunk=chunk,
             device=tensor,
             fingerprint=(ptr, storage_info.nbytes, backend.version_of(tensor)),
             device_block=("storage", ptr),
-        )
-        return cls(
-            owner=owner,
-            tag=tag,
-            key=key,
-            storage=storage,
-            bulk=bulk,
-            chunk=chunk,
             selected=selected,
             pinned=pinned,
         )
 
-    @property
-    def state(self) -> SwapState:
-        return self.storage.state
-
-    @property
-    def group(self) -> str:
-        return self.storage.group
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the view's data (what is copied), not of its whole storage."""
-        return self.storage.nbytes
-
-    def transition(self, to_state: SwapState) -> SwapState:
-        """Move this tensor's storage to ``to_state`` (legal moves only)."""
-        return self.storage.transition(to_state)
-
     def materialize(self) -> Tensor:
         """The tensor for backward: live, waited for, or loaded now (never partial)."""
-        storage = self.storage
-        device = storage.device
+        device = self.device
         # A tensor on device (never moved, or loaded and finished) needs no lock: its
         # state, device tensor and release change only on the compute thread, which runs
         # this unpack (or waits in the backward that runs it).
-        if storage._state is SwapState.DEVICE and device is not None and not storage.released:
+        if self._state is SwapState.DEVICE and device is not None and not self.released:
             return device
         owner = self._owner()
         if owner is None:
             raise SwapStateError(
-                group=storage.group,
+                group=self.group,
                 tag=self.tag,
                 from_state="released",
                 to_state=SwapState.DEVICE,
@@ -366,9 +354,8 @@ class SwapTensor:
     def check_unchanged(self, backend: Backend, when: str) -> None:
         """Raise :class:`SwapError` if the storage or version changed since capture
         (compute thread; O(1))."""
-        storage = self.storage
-        device = storage.device
-        expected = storage.fingerprint
+        device = self.device
+        expected = self.fingerprint
         if device is None or expected is None:
             raise SwapError(f"group {self.group!r} tensor {self.tag!r} lost its device tensor")
         ptr, nbytes = backend.storage_of(device)
@@ -384,5 +371,5 @@ class SwapTensor:
         pin = ", pinned" if self.pinned else ""
         return (
             f"SwapTensor(group={self.group!r}, tag={self.tag!r}, state={self.state.name}, "
-            f"shape={self.storage.shape}, nbytes={self.nbytes}{pin})"
+            f"shape={self.shape}, nbytes={self.nbytes}{pin})"
         )

@@ -101,7 +101,7 @@ def test_storage_stays_alive_while_its_offload_is_in_flight(manager, copy_thread
     with pytest.raises(SwapStateError, match=r"D2H -> HOST"):
         session.finish_offload(0, 0)
     moving = _moving(session)
-    assert all(e.state is SwapState.D2H and e.storage.device is not None for e in moving)
+    assert all(e.state is SwapState.D2H and e.device is not None for e in moving)
     # Churn the allocator while the copy runs: nothing the copy reads may be reused.
     churn = [ops.ones((64, 256), ms.float32) * 7.0 for _ in range(32)]
     for t in churn:
@@ -140,8 +140,8 @@ def test_no_reference_lingers_after_finish_offload(make_session, copy_thread):
     job = copy_thread.run_now(session.prepare_offload(0, 0))
     session.finish_offload(0, 0)
     for entry in _moving(session):
-        assert entry.storage.device is None and entry.storage.device_block is None
-        assert entry.storage.job is None
+        assert entry.device is None and entry.device_block is None
+        assert entry.job is None
     group = session.manager.get_group(session.group_name(0, 0))
     assert not group._offload_slots  # the staging numpy views (they pin device memory)
     assert job._work is None  # the finished job dropped its closure (and the views in it)
@@ -319,7 +319,7 @@ def test_saved_views_under_autograd_restore_right(make_session, copy_thread, gro
     full_round_trip(session, 0, 0, copy_thread)
     for entry in entries:
         key = (entry.key.storage_ptr, entry.key.offset, entry.key.shape, entry.key.strides)
-        restored = entry.storage.device.asnumpy()
+        restored = entry.device.asnumpy()
         assert restored.shape == entry.key.shape
         assert restored.tobytes() == np.ascontiguousarray(seen[key]).tobytes()
     assert_bit_identical(expected, backward(vjp_fn))
@@ -403,10 +403,10 @@ def test_group_packing_keeps_aliases_intact(manager, copy_thread):
     assert all(e.pinned for e in aliased)
     full_round_trip(session, 0, 0, copy_thread)
     moved = [e for e in group.entries() if not e.pinned]
-    assert moved and len({id(e.storage.host_bucket) for e in moved}) >= 1
+    assert moved and len({id(e.host_bucket) for e in moved}) >= 1
     assert session.stats().offloaded_bytes == sum(e.nbytes for e in moved)
     for entry in aliased:
-        assert entry.storage.device.untyped_storage().data_ptr() == out_ptr
+        assert entry.device.untyped_storage().data_ptr() == out_ptr
     assert out.asnumpy().tobytes() == out_bytes
     assert out.untyped_storage().data_ptr() == out_ptr
     dx, dw = vjp_fn(ops.ones_like(out))

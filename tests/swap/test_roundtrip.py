@@ -61,7 +61,7 @@ def test_round_trip_gradients_bit_identical(make_session, copy_thread, name, gro
     released = session.finish_offload(0, 0)
     assert released > 0
     assert {e.state for e in moving} == {SwapState.HOST}
-    assert all(e.storage.device is None for e in moving)
+    assert all(e.device is None for e in moving)
     assert {e.state for e in staying} <= {SwapState.DEVICE}
 
     copy_thread.run_now(session.prepare_load(0, 0))
@@ -108,10 +108,10 @@ def test_small_buckets_split_a_group_and_restore_exactly(manager, copy_thread, n
     copy_thread.run_now(job)
     session.finish_offload(0, 0)
     moving = [e for e in group.entries() if not e.pinned]
-    buckets = {id(e.storage.host_bucket) for e in moving}
+    buckets = {id(e.host_bucket) for e in moving}
     assert len(buckets) > 1, "bucket_bytes=1024 must split the group"
     for entry in moving:
-        bucket = entry.storage.host_bucket
+        bucket = entry.host_bucket
         assert bucket.nbytes <= 1024 or len(bucket.members) == 1
     copy_thread.run_now(session.prepare_load(0, 0))
     session.finish_load(0, 0)
@@ -165,7 +165,7 @@ def test_an_offload_refused_by_its_check_leaves_no_host_buffer_lent(
     spans = group.spans()
     assert len(spans) > 2
     job = session.prepare_offload(0, 0)
-    spans[0].entries[0].storage.device.asnumpy()[:] += 1.0  # on CPU a view: in place
+    spans[0].entries[0].device.asnumpy()[:] += 1.0  # on CPU a view: in place
     copy_thread.run_now(job)
     assert isinstance(job.error, SwapError) and "modified in place" in str(job.error)
     assert session.engine.pool_stats().lent > 0

@@ -226,7 +226,7 @@ def _refused_offload(session, copy_thread, match):
     with pytest.raises(SwapError, match=match):
         session.finish_offload(0, 0)
     moving = [e for e in group.entries() if not e.pinned]
-    assert moving and all(e.storage.device is not None for e in moving)  # nothing dropped
+    assert moving and all(e.device is not None for e in moving)  # nothing dropped
     assert {e.state for e in moving} == {SwapState.D2H}
 
 
@@ -291,7 +291,7 @@ def test_modification_after_the_copy_keeps_the_device_tensor(make_session, copy_
     saved.asnumpy()[:] *= 2.0
     with pytest.raises(SwapError, match="modified in place after its copy"):
         session.finish_offload(0, 0)
-    assert all(e.storage.device is not None for e in group.entries() if not e.pinned)
+    assert all(e.device is not None for e in group.entries() if not e.pinned)
     release_forward(vjp_fn)
 
 

@@ -131,7 +131,7 @@ def _input(*shape: int) -> torch.Tensor:
 def _assert_views_of_one_block(span: StorageSpan) -> None:
     """Every view of ``span`` is back as a view of one storage holding the span, at its
     offset in the span, with its shape, strides, dtype and address alignment."""
-    restored = [entry.storage.device for entry in span.entries]
+    restored = [entry.device for entry in span.entries]
     assert all(isinstance(t, torch.Tensor) for t in restored)
     storages = {t.untyped_storage().data_ptr() for t in restored}
     assert len(storages) == 1
@@ -162,7 +162,7 @@ def test_views_of_one_storage_move_once_and_come_back_as_views_of_one_block(
     shared = next(s for s in spans if s is not qkv and len(s.members) == 3)
     assert [offset for _, offset in shared.members] == [0, 0, 0]  # tanh's, flat, flat.t()
     for span in spans:  # each span is its whole storage here
-        device = span.entries[0].storage.device
+        device = span.entries[0].device
         assert span.start == 0 and span.nbytes == device.untyped_storage().nbytes()
     span_bytes = sum(s.nbytes for s in spans)
     view_bytes = sum(e.nbytes for s in spans for e in s.entries)
@@ -234,7 +234,7 @@ def test_a_span_covers_only_the_bytes_its_views_use(
     expected = _reference(module, x)
     record = _collect(session, module, x)
     (span,) = _spans(session)
-    storage_bytes = span.entries[0].storage.device.untyped_storage().nbytes()
+    storage_bytes = span.entries[0].device.untyped_storage().nbytes()
     assert storage_bytes == 6 * 64 * 4
     assert (span.start, span.nbytes) == (16 * 4, (5 * 64 + 48) * 4 - 16 * 4)
     assert [offset for _, offset in span.members] == [0, 16 * 4]
@@ -245,7 +245,7 @@ def test_a_span_covers_only_the_bytes_its_views_use(
     session.prepare_load(0, 0).run()
     session.finish_load(0, 0)
     _assert_views_of_one_block(span)
-    assert [e.storage.device.storage_offset() for e in span.entries] == [0, 16]
+    assert [e.device.storage_offset() for e in span.entries] == [0, 16]
     assert session.stats().resident_saved_bytes == resident - (storage_bytes - span.nbytes)
     assert session.stats().offloaded_bytes == span.nbytes
 
@@ -273,7 +273,7 @@ def test_a_write_through_one_view_is_seen_by_the_per_view_digests(
         x = _input(BATCH, SEQ, DIM)
         _collect(session, module, x)
         shared = next(s for s in _spans(session) if [o for _, o in s.members] == [0, 0, 0])
-        victim = shared.entries[-1].storage.device
+        victim = shared.entries[-1].device
         job = session.prepare_offload(0, 0)
         if when == "before the copy":
             with torch.no_grad():
@@ -286,6 +286,6 @@ def test_a_write_through_one_view_is_seen_by_the_per_view_digests(
                 victim[0, 0] += 1.0
         with pytest.raises(SwapError, match=message):
             session.finish_offload(0, 0)
-        assert all(e.storage.device is not None for e in shared.entries)  # nothing dropped
+        assert all(e.device is not None for e in shared.entries)  # nothing dropped
     finally:
         session.abort()

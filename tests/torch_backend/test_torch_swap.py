@@ -129,12 +129,12 @@ def test_strided_saved_views_come_back_with_their_strides_bit_identical(
 
     session.prepare_offload(0, 0).run()
     session.finish_offload(0, 0)
-    assert all(e.state is SwapState.HOST and e.storage.device is None for e in moving)
+    assert all(e.state is SwapState.HOST and e.device is None for e in moving)
     assert session.stats().offloaded_bytes == sum(e.nbytes for e in moving)
     session.prepare_load(0, 0).run()
     session.finish_load(0, 0)
     for entry in moving:
-        restored = entry.storage.device
+        restored = entry.device
         assert isinstance(restored, torch.Tensor)
         assert tuple(restored.shape) == entry.key.shape
         assert tuple(restored.stride()) == entry.key.strides
@@ -258,7 +258,7 @@ def test_in_place_modification_after_capture_is_refused_by_version(
     every entry still holds its device tensor."""
     record, hidden, params = _with_handle_on_saved(session)
     moving = _moving(session)
-    assert any(e.storage.device is hidden for e in moving)
+    assert any(e.device is hidden for e in moving)
     if when == "before the offload":
         with torch.no_grad():
             hidden.add_(1.0)
@@ -274,7 +274,7 @@ def test_in_place_modification_after_capture_is_refused_by_version(
         ):
             session.finish_offload(0, 0)
         assert {e.state for e in moving} == {SwapState.D2H}
-    assert all(e.storage.device is not None for e in moving)
+    assert all(e.device is not None for e in moving)
     TORCH.autograd.release(record, params)
 
 
@@ -357,7 +357,7 @@ def test_lazily_conjugated_and_negated_saved_views_stay_on_device(
 
     record = _collect(session, _loss_of(block), x, params)
     group = session.manager.get_group(session.group_name(0, 0))
-    devices = [e.storage.device for e in group.entries()]
+    devices = [e.device for e in group.entries()]
     assert not any(t.is_conj() or t.is_neg() for t in devices)
     # z itself stays on device with them: pinned, or never an entry (the chunk's ledger)
     assert product.z_storage and not any(
@@ -400,7 +400,7 @@ def test_a_saved_sparse_tensor_is_left_to_the_graph(session: PipelineSwapSession
 
     record = _collect(session, _loss_of(block), x, params)
     moving = _moving(session)
-    assert moving and all(e.storage.device.layout is torch.strided for e in moving)
+    assert moving and all(e.device.layout is torch.strided for e in moving)
     _round_trip(session)
     assert session.stats().offloaded_bytes == sum(e.nbytes for e in moving)
     got = _backward(record, params)
