@@ -117,3 +117,13 @@ def test_collecting_targets_a_named_group(manager):
         assert current_collection() is collection and collection.group is group
     assert current_collection() is None
     assert group.phase.value == "sealed"
+
+
+def test_a_closed_collection_refuses_a_new_capture_region():
+    """A collection's regions share its pack function, which close() drops (it refers to
+    the collection): a region entered after the forward ended is refused, naming why."""
+    collection = Collection(MINDSPORE, group=None)
+    collection.pack_hook(capture=True)  # a region during the forward
+    collection.close()
+    with pytest.raises(SwapError, match="after its chunk's forward ended"):
+        collection.pack_hook(capture=True)
