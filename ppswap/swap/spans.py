@@ -137,9 +137,9 @@ class StorageSpan:
     ``digests``: the entries' reference digests (taken when the forward ends), None where
     the version counter is the check.
 
-    ``offsets`` and ``dense`` are tuples of ints: the garbage collector stops tracking
-    them at its first pass, so a span that lives from its forward to its backward keeps
-    one tracked container (``entries``) besides itself.
+    ``offsets``, ``dense`` and ``digests`` are tuples of ints: the garbage collector stops
+    tracking them at its first pass, so a span that lives from its forward to its backward
+    keeps one tracked container (``entries``) besides itself.
     """
 
     storage_ptr: int
@@ -152,7 +152,7 @@ class StorageSpan:
     source: Any = None
     host: HostArray | None = None
     host_bucket: Any = None
-    digests: list[int] | None = None
+    digests: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, storage_ptr: int, entries: list[SwapTensor]) -> StorageSpan:
@@ -235,7 +235,7 @@ class StorageSpan:
     def take_digests(self, array: HostArray, mode: CheckMode) -> None:
         """Record each member's reference digest from ``array`` (the span's device bytes
         as the host sees them, when the forward ended)."""
-        self.digests = self.digests_of(array, mode)
+        self.digests = tuple(self.digests_of(array, mode))
 
     def verify(self, array: HostArray | None, mode: CheckMode, where: str) -> None:
         """Raise ``SwapError`` if a member's elements in ``array`` (a copy of the span)
