@@ -7,12 +7,11 @@ for the MindSpore version of the exact check.
 
 from __future__ import annotations
 
-import gc
 from collections import Counter
 
 import pytest
 import torch
-from cyclic_garbage import collector_off, ppswap_cyclic_garbage
+from cyclic_garbage import collector_off, ppswap_cyclic_garbage, promoted
 from torch import nn
 from torch_support import (
     Case,
@@ -313,8 +312,7 @@ def _promoted_by_one_chunk(swap: bool) -> tuple[int, int]:
         eligible={(0, 0)} if swap else set(),
         count_saved=swap,
     )
-    with collector_off():
-        before = len(gc.get_objects(generation=2))
+    with promoted() as kept:
         with session.collection_context(0, 0, protected=[x], parameters=state):
             out, record = TORCH.autograd.record(module, [x])
         moved = 0
@@ -324,12 +322,10 @@ def _promoted_by_one_chunk(swap: bool) -> tuple[int, int]:
             session.prepare_load(0, 0).run()
             session.finish_load(0, 0)
             moved = len(session.manager.get_group(session.group_name(0, 0)).spans())
-        gc.collect(1)
-        promoted = len(gc.get_objects(generation=2)) - before
-        TORCH.autograd.backward(record, torch.ones_like(out), list(module.parameters()))
-        session.release_chunk(0, 0)
+    TORCH.autograd.backward(record, torch.ones_like(out), list(module.parameters()))
+    session.release_chunk(0, 0)
     session.close()
-    return promoted, moved
+    return kept.count, moved
 
 
 def test_a_swapped_chunk_keeps_few_objects_for_the_collector_until_its_backward() -> None:
