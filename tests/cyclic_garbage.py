@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
+
+from ppswap.backends.base import Backend
 from ppswap.scheduler.lowering import collector_paused
+from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, module_state_tensors
 
 
 @contextmanager
@@ -67,3 +72,45 @@ def promoted() -> Iterator[Promoted]:
         yield found
         gc.collect(1)
         found.count = len(gc.get_objects(generation=2)) - before
+
+
+def promoted_by_one_chunk(backend: Backend, module: Any, x: Any, *, swap: bool) -> tuple[int, int]:
+    """What :func:`promoted` counts for one chunk of ``module`` (a stage) on input ``x`` in a
+    swap session of ``backend``: its forward and, with ``swap``, its offload and load
+    (what the chunk keeps until its backward); and how many storages it moved. The
+    backward and the release run after the count."""
+    session = PipelineSwapSession(
+        SwapManager(backend),
+        EmulatedDevice(),
+        rank=0,
+        generation=1,
+        eligible={(0, 0)} if swap else set(),
+        count_saved=swap,
+    )
+    state = module_state_tensors(module)
+    with promoted() as kept:
+        with session.collection_context(0, 0, protected=[x], parameters=state):
+            out, record = backend.autograd.record(module, (x,))
+        moved = 0
+        if swap:
+            session.prepare_offload(0, 0).run()
+            session.finish_offload(0, 0)
+            session.prepare_load(0, 0).run()
+            session.finish_load(0, 0)
+            moved = len(session.manager.get_group(session.group_name(0, 0)).spans())
+    seed = backend.from_host(np.ones(backend.shape_of(out), np.float32), like=out)
+    backend.autograd.backward(record, seed, backend.trainable_parameters(module))
+    session.release_chunk(0, 0)
+    session.close()
+    return kept.count, moved
+
+
+def swap_tracked_per_storage(backend: Backend, build: Callable[[], Any], x: Any) -> float:
+    """Tracked objects a swapped chunk of a stage made by ``build`` keeps until its
+    backward beyond what the same chunk keeps without swap, per storage moved (after one
+    swapped chunk that fills the caches and pools)."""
+    promoted_by_one_chunk(backend, build(), x, swap=True)
+    plain, _ = promoted_by_one_chunk(backend, build(), x, swap=False)
+    swapped, moved = promoted_by_one_chunk(backend, build(), x, swap=True)
+    assert moved > 0
+    return (swapped - plain) / moved
