@@ -149,7 +149,6 @@ class Collection:
         self._protected: dict[int, Tensor] = {}
         self._registered: dict[int, _Registration] = {}
         self._resident: list[ResidentTensor] = []  # handles packed during this forward
-        self._closed = False
         for tensor in tensors_in(backend, list(parameters)):
             self._parameters.setdefault(backend.storage_of(tensor).ptr, []).append(tensor)
         # The same objects a swap_wrapper's module state lists again (the stage passes its
@@ -158,7 +157,8 @@ class Collection:
         self._parameter_ids = {id(t) for held in self._parameters.values() for t in held}
         for tensor in tensors_in(backend, list(protected)):
             self._protected[backend.storage_of(tensor).ptr] = tensor
-        # Held until close(), which drops it: the function refers to this collection.
+        # Held until close(), which drops it (the function refers to this collection):
+        # None once the forward has ended.
         self._pack: Callable[..., Any] | None = self._make_pack()
 
     def tensors_in(self, obj: object) -> Iterator[Tensor]:
@@ -207,7 +207,7 @@ class Collection:
         autograd saved it before this call (its producer saved its output) or saves it
         later in the chunk's forward. Parameters are ignored (never swapped).
         """
-        if self._closed:
+        if self._pack is None:
             raise SwapError("swap_tensor_wrapper called after its chunk's forward ended")
         if self.backend.is_parameter(tensor):
             return
@@ -320,7 +320,6 @@ class Collection:
     def close(self) -> None:
         """End of the forward: forget registrations, protections, handles, the group and the
         sink (drop references: MindSpore may keep the pack hook, and with it this object)."""
-        self._closed = True
         self._pack = None
         self._registered.clear()
         self._protected.clear()
