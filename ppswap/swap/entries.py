@@ -154,22 +154,22 @@ class EntryTable:
                     existing.selected = True
                     existing.bulk = bulk
                 return existing
-            ptr = info.ptr
-            entry = SwapTensor.capture(
-                backend,
+            ptr, nbytes = info
+            entries = self._entries
+            entry = SwapTensor(
+                self._owner,
+                self.name,
+                self._unique_tag(tag or f"t{len(entries)}"),
+                key,
+                bulk,
+                self.chunk,
                 tensor,
-                owner=self._owner,
-                group=self.name,
-                tag=self._unique_tag(tag or f"t{len(self._entries)}"),
-                key=key,
-                bulk=bulk,
-                chunk=self.chunk,
-                storage_info=info,
-                selected=selected,
-                pinned=ptr in self._pinned_storages,
+                (ptr, nbytes, backend.version_of(tensor)),
+                selected,
+                ptr in self._pinned_storages,
             )
-            self.accounting.hold(("storage", ptr), info.nbytes, entry, self.chunk)
-            self._entries.append(entry)
+            self.accounting.hold(("storage", ptr), nbytes, entry, self.chunk)
+            entries.append(entry)
             self._by_key[key] = entry
             held = self._by_storage.get(ptr)
             if held is None:

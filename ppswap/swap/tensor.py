@@ -269,68 +269,40 @@ class SwapTensor(Storage):
 
     def __init__(
         self,
-        *,
         owner: weakref.ref[EntryOwner],
         group: str,
         tag: str,
         key: ViewKey,
         bulk: bool,
         chunk: tuple[int, int],
-        device: Tensor | None = None,
-        fingerprint: Fingerprint | None = None,
-        device_block: tuple[str, int] | None = None,
+        device: Tensor,
+        fingerprint: Fingerprint,
         selected: bool = True,
         pinned: bool = False,
     ) -> None:
-        super().__init__(
-            group=group,
-            tag=tag,
-            nbytes=math.prod(key.shape) * key.itemsize,
-            shape=key.shape,
-            dtype=key.dtype,
-            device=device,
-            fingerprint=fingerprint,
-            device_block=device_block,
-        )
+        """A new DEVICE entry holding ``device`` (the captured view, ``key``) with its
+        capture ``fingerprint``; its storage is held on device as the block
+        ``("storage", address)``. Every field is set here, not through
+        :meth:`Storage.__init__`: one is made per saved tensor a forward captures."""
+        self.group = group
+        self.tag = tag
+        shape = key.shape
+        self.nbytes = math.prod(shape) * key.itemsize
+        self.shape = shape
+        self.dtype = key.dtype
+        self._state = SwapState.DEVICE
+        self.device = device
+        self.device_block = ("storage", key.storage_ptr)
+        self.span = None
+        self.job = None
+        self.fingerprint = fingerprint
+        self.released = False
         self._owner = owner
         self.key = key
         self.bulk = bulk
         self.chunk = chunk
         self.pinned = pinned
         self.selected = selected
-
-    @classmethod
-    def capture(
-        cls,
-        backend: Backend,
-        tensor: Tensor,
-        *,
-        owner: weakref.ref[EntryOwner],
-        group: str,
-        tag: str,
-        key: ViewKey,
-        bulk: bool,
-        chunk: tuple[int, int],
-        storage_info: StorageRef,
-        selected: bool = True,
-        pinned: bool = False,
-    ) -> SwapTensor:
-        """A new DEVICE entry holding ``tensor`` with its capture fingerprint; its storage
-        is held on device as the block ``("storage", address)``."""
-        ptr = storage_info.ptr
-        return cls(
-            owner=owner,
-            group=group,
-            tag=tag,
-            key=key,
-            bulk=bulk,
-            chunk=chunk,
-            device=tensor,
-            fingerprint=(ptr, storage_info.nbytes, backend.version_of(tensor)),
-            device_block=("storage", ptr),
-            selected=selected,
-            pinned=pinned,
-        )
 
     def materialize(self) -> Tensor:
         """The tensor for backward: live, waited for, or loaded now (never partial)."""
