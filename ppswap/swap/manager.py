@@ -89,14 +89,27 @@ def activate(collection: Collection | None) -> Iterator[Collection | None]:
 def tensors_in(backend: Backend, obj: object) -> Iterator[Tensor]:
     """The tensors of ``obj``: a tensor, or tuples/lists/dict values nested; others
     skipped."""
-    if backend.is_tensor(obj):
+    is_tensor = backend.is_tensor
+    if is_tensor(obj):
         yield obj
+        return
+    if isinstance(obj, dict):
+        items: Iterable[object] = obj.values()
     elif isinstance(obj, tuple | list):
-        for item in obj:
+        items = obj
+    else:
+        return
+    for item in items:  # a tensor per item is the common case: no nested generator
+        if is_tensor(item):
+            yield item
+        else:
             yield from tensors_in(backend, item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from tensors_in(backend, item)
+
+
+def _sequence(tensors: Iterable[Tensor]) -> tuple[Tensor, ...] | list[Tensor]:
+    """``tensors`` itself where it is a tuple or list (what a stage passes), else a list
+    of it (an iterator is read once)."""
+    return tensors if isinstance(tensors, tuple | list) else list(tensors)
 
 
 class SavedTensorSink(Protocol):
@@ -149,14 +162,21 @@ class Collection:
         self._protected: dict[int, Tensor] = {}
         self._registered: dict[int, _Registration] = {}
         self._resident: list[ResidentTensor] = []  # handles packed during this forward
-        for tensor in tensors_in(backend, list(parameters)):
-            self._parameters.setdefault(backend.storage_of(tensor).ptr, []).append(tensor)
+        storage_of, by_storage = backend.storage_of, self._parameters
         # The same objects a swap_wrapper's module state lists again (the stage passes its
         # whole module state): ``module_state`` skips them without reading their storage.
         # Held in ``_parameters`` for the whole forward, so their ids cannot be reused.
-        self._parameter_ids = {id(t) for held in self._parameters.values() for t in held}
-        for tensor in tensors_in(backend, list(protected)):
-            self._protected[backend.storage_of(tensor).ptr] = tensor
+        self._parameter_ids: set[int] = set()
+        for tensor in tensors_in(backend, _sequence(parameters)):
+            ptr = storage_of(tensor).ptr
+            held = by_storage.get(ptr)
+            if held is None:
+                by_storage[ptr] = [tensor]
+            else:
+                held.append(tensor)
+            self._parameter_ids.add(id(tensor))
+        for tensor in tensors_in(backend, _sequence(protected)):
+            self._protected[storage_of(tensor).ptr] = tensor
         # Held until close(), which drops it (the function refers to this collection):
         # None once the forward has ended.
         self._pack: Callable[..., Any] | None = self._make_pack()
