@@ -162,10 +162,17 @@ class StorageSpan:
         if len(entries) == 1:  # one view (every span on MindSpore): no zips or comprehensions
             (entry,) = entries
             key = entry.key
-            start, nbytes, offsets = span_layout(storage_ptr, (key,))
-            span = cls(
-                storage_ptr, start, nbytes, entries, (offsets[0],), entry.bulk, (dense_nbytes(key),)
-            )
+            dense = dense_nbytes(key)
+            if dense:  # C-contiguous with elements: its bytes from its first one (span_layout)
+                first = key.offset * key.itemsize
+                start = _span_start(storage_ptr, first, key.itemsize)
+                span = cls(
+                    storage_ptr, start, first + dense - start, entries, (first - start,),
+                    entry.bulk, (dense,),
+                )  # fmt: skip
+            else:
+                start, nbytes, offsets = span_layout(storage_ptr, (key,))
+                span = cls(storage_ptr, start, nbytes, entries, (offsets[0],), entry.bulk, (dense,))
             entry.span = span
             return span
         start, nbytes, offsets = span_layout(storage_ptr, [e.key for e in entries])
