@@ -121,18 +121,20 @@ def _dtype_named(name: str) -> torch.dtype:
     return dtype
 
 
-def _numpy_of(tensor: torch.Tensor) -> HostArray:
+def _numpy_of(tensor: torch.Tensor, *, detach: bool = False) -> HostArray:
     """A CPU tensor's numpy view (bfloat16: through ``int16``, module docstring); a
-    TypeError naming the dtype where numpy has none."""
+    TypeError naming the dtype where numpy has none. ``detach``: of a tensor that may
+    require grad (``numpy(force=True)``: one call instead of ``detach()`` and ``numpy()``;
+    a view, for a CPU tensor that is not a lazily conjugated or negated view)."""
     if tensor.dtype is torch.bfloat16:
         if BFLOAT16 is None:
             raise TypeError(
                 f"a torch.bfloat16 tensor cannot be read as a numpy array: {BFLOAT16_MISSING}"
             )
-        bits: HostArray = tensor.view(torch.int16).numpy()
+        bits: HostArray = tensor.view(torch.int16).numpy(force=detach)
         return bits.view(BFLOAT16)
     try:
-        array: HostArray = tensor.numpy()
+        array: HostArray = tensor.numpy(force=detach)
     except TypeError as exc:
         raise TypeError(
             f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)} cannot be read as a "
@@ -288,7 +290,7 @@ class TorchBackend:
             and _numpy_dtype_of(tensor.dtype) is not None
             and not self.is_lazy_view(tensor)
         ):
-            elements = _numpy_of(tensor.detach())
+            elements = _numpy_of(tensor, detach=True)
             if elements.flags.c_contiguous:  # so reshape(-1) is a view, never a copy
                 dense: HostArray = elements.reshape(-1).view(np.uint8)
                 return dense
