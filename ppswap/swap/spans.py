@@ -166,10 +166,8 @@ class StorageSpan:
             if dense:  # C-contiguous with elements: its bytes from its first one (span_layout)
                 first = key.offset * key.itemsize
                 start = _span_start(storage_ptr, first, key.itemsize)
-                span = cls(
-                    storage_ptr, start, first + dense - start, entries, (first - start,),
-                    entry.bulk, (dense,),
-                )  # fmt: skip
+                nbytes, offset = first + dense - start, first - start
+                span = cls(storage_ptr, start, nbytes, entries, (offset,), entry.bulk, (dense,))
             else:
                 start, nbytes, offsets = span_layout(storage_ptr, (key,))
                 span = cls(storage_ptr, start, nbytes, entries, (offsets[0],), entry.bulk, (dense,))

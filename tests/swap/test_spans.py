@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -27,8 +28,15 @@ from swap_support import (
 from ppswap.backends.base import ViewKey
 from ppswap.backends.cpu_engine import contiguous_strides
 from ppswap.swap import swap_wrapper
-from ppswap.swap.spans import SPAN_ALIGNMENT, dense_nbytes, span_layout, view_array, view_digest
-from ppswap.swap.tensor import content_digest
+from ppswap.swap.spans import (
+    SPAN_ALIGNMENT,
+    StorageSpan,
+    dense_nbytes,
+    span_layout,
+    view_array,
+    view_digest,
+)
+from ppswap.swap.tensor import SwapTensor, content_digest
 
 
 def _key(offset: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int = 4):
@@ -112,6 +120,42 @@ def test_a_view_read_out_of_its_span_has_the_original_elements(offset, shape, or
         assert content_digest(got, mode) == content_digest(view, mode)
         assert content_digest(np.ascontiguousarray(view), mode) == content_digest(view, mode)
         assert view_digest(span, place, key, mode, dense_nbytes(key)) == content_digest(view, mode)
+
+
+class _NoOwner:
+    def materialize(self, entry: SwapTensor) -> object:
+        raise AssertionError("not unpacked here")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    offset=st.integers(0, 40),
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    order=st.integers(0, 5),
+    odd_unit_stride=st.integers(-3, 7),
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    base=st.sampled_from([0, 2, 8, 24, 64]),
+)
+def test_the_span_of_one_view_is_laid_out_as_span_layout_does(
+    offset, shape, order, odd_unit_stride, itemsize, base
+):
+    """``StorageSpan.of`` lays one C-contiguous view out inline: the same start, size and
+    offset as ``span_layout`` for every single view (transposed, with size-1 dimensions
+    of any stride, without elements, of any element size)."""
+    axes = list(itertools.permutations(range(len(shape))))[order % math.factorial(len(shape))]
+    contiguous = contiguous_strides(tuple(shape))
+    shape_t = tuple(shape[i] for i in axes)
+    strides_t = tuple(
+        odd_unit_stride if shape[i] == 1 else contiguous[i] for i in axes
+    )  # a dimension of size 1 may carry any stride (torch keeps what the op left)
+    ptr = 0x1000 + base
+    key = ViewKey(ptr, offset, shape_t, strides_t, f"u{itemsize}", itemsize)
+    owner = _NoOwner()
+    entry = SwapTensor(weakref.ref(owner), "g", "t0", key, False, (0, 0), None, (ptr, 0, None))
+    span = StorageSpan.of(ptr, [entry])
+    start, nbytes, offsets = span_layout(ptr, [key])
+    assert (span.start, span.nbytes, span.offsets) == (start, nbytes, tuple(offsets))
+    assert span.dense == (dense_nbytes(key),) and entry.span is span
 
 
 @pytest.mark.parametrize("group_swap", [False, True])
