@@ -187,7 +187,6 @@ class Storage:
 
     def __init__(
         self,
-        *,
         group: str,
         tag: str,
         nbytes: int,
@@ -282,21 +281,19 @@ class SwapTensor(Storage):
     ) -> None:
         """A new DEVICE entry holding ``device`` (the captured view, ``key``) with its
         capture ``fingerprint``; its storage is held on device as the block
-        ``("storage", address)``. Every field is set here, not through
-        :meth:`Storage.__init__`: one is made per saved tensor a forward captures."""
-        self.group = group
-        self.tag = tag
+        ``("storage", address)``. Arguments by position: one entry is made per saved
+        view a forward captures."""
         shape = key.shape
-        self.nbytes = math.prod(shape) * key.itemsize
-        self.shape = shape
-        self.dtype = key.dtype
-        self._state = SwapState.DEVICE
-        self.device = device
-        self.device_block = ("storage", key.storage_ptr)
-        self.span = None
-        self.job = None
-        self.fingerprint = fingerprint
-        self.released = False
+        super().__init__(
+            group,
+            tag,
+            math.prod(shape) * key.itemsize,
+            shape,
+            key.dtype,
+            device,
+            fingerprint,
+            ("storage", key.storage_ptr),
+        )
         self._owner = owner
         self.key = key
         self.bulk = bulk
