@@ -1,6 +1,6 @@
 """Swap's own Python per chunk on torch, with the compute made negligible.
 
-    python benchmarks/bench_swap_overhead.py [--sessions 25] [--repeats 7]
+    python benchmarks/bench_swap_overhead.py [--sessions 25] [--repeats 7] [--model tiny|small]
 
 ``bench_swap_check.py`` times swap beside a real chunk's compute, where run-to-run noise
 on a shared 2-core machine is as large as a tenth of swap's cost, so a change that saves
@@ -29,6 +29,12 @@ the 2-core machine agree within about 10% (the no-swap figure moves with them: c
 ratio too), against 20% or more for swap's share of a real chunk, so this is the figure
 to compare when changing the swap layer's hot path.
 
+``--model small`` runs the same stage at ``bench_torch_peer``'s own size (width 128, 8
+sequences of 16 tokens per micro-batch, 2.5 MiB moved per chunk): what swap adds there
+also holds what grows with the bytes (the copies, which run inline here; the pages glibc
+returns once swap frees a storage and the next operations fault in again, docs/swap.md),
+so it is not the figure for the swap layer's own Python.
+
 ``--contend-us B`` adds what a pipeline's other threads do to the compute thread: a thread
 of the same process that sleeps ``--contend-period-us`` (GIL released, as the event loop
 in ``epoll``), then runs ``B`` us of Python (GIL held, as the loop handling a message), for
@@ -48,13 +54,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch_peer_model import Model, build_modules
+from torch_peer_model import MODELS, Model, build_modules
 
 from ppswap.backends.torch import BACKEND as TORCH
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, module_state_tensors
 
 TINY = Model(dim=16, blocks=8, micro=8, micro_batch=1, seq=4)
 """Two stages of four blocks; the second is measured (as ``bench_torch_peer`` at pp2)."""
+SIZES = {"tiny": TINY, "small": MODELS["small"]}
 STAGE = 1
 MICROS_PER_SESSION = 4
 PHASES = ("forward", "offload", "load", "backward", "release")
@@ -63,14 +70,14 @@ PHASES = ("forward", "offload", "load", "backward", "release")
 class Chunks:
     """The measured stage, its engine and inputs, kept across rounds (as a run keeps them)."""
 
-    def __init__(self) -> None:
-        self.module = build_modules(TINY, 2, wrap=True)[STAGE]
+    def __init__(self, model: Model = TINY) -> None:
+        self.module = build_modules(model, 2, wrap=True)[STAGE]
         self.params = tuple(self.module.parameters())
         self.state = module_state_tensors(self.module)
         self.engine = EmulatedDevice()
         generator = torch.Generator().manual_seed(0)
         self.inputs = [
-            torch.randn((TINY.micro_batch, TINY.seq, TINY.dim), generator=generator)
+            torch.randn((model.micro_batch, model.seq, model.dim), generator=generator)
             for _ in range(MICROS_PER_SESSION)
         ]
         self.captured = 0
@@ -184,15 +191,19 @@ def contention(burst_us: float, period_us: float) -> Iterator[None]:
 
 
 def measure(
-    sessions: int, repeats: int, burst_us: float = 0.0, period_us: float = 200.0
+    sessions: int,
+    repeats: int,
+    burst_us: float = 0.0,
+    period_us: float = 200.0,
+    model: Model = TINY,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     with contention(burst_us, period_us):
-        return _measure(sessions, repeats)
+        return _measure(sessions, repeats, model)
 
 
-def _measure(sessions: int, repeats: int) -> dict[str, Any]:
-    chunks = Chunks()
+def _measure(sessions: int, repeats: int, model: Model) -> dict[str, Any]:
+    chunks = Chunks(model)
     chunks.run(True, 3)  # warm-up: pools, caches, first-call costs
     chunks.run(False, 3)
     rounds: dict[bool, list[dict[str, float]]] = {False: [], True: []}
@@ -234,13 +245,20 @@ def main() -> None:
         help="a thread runs this many us of Python every --contend-period-us (0: none)",
     )
     parser.add_argument("--contend-period-us", type=float, default=200.0, help="(200)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="the stage's size: tiny (width 16, the default) or bench_torch_peer's small",
+    )
     args = parser.parse_args()
     if args.contend_us < 0 or args.contend_period_us <= 0:
         parser.error(
             f"--contend-us must be >= 0 and --contend-period-us > 0, got {args.contend_us} "
             f"and {args.contend_period_us}"
         )
-    report = measure(args.sessions, args.repeats, args.contend_us, args.contend_period_us)
+    model = SIZES[args.model]
+    report = measure(args.sessions, args.repeats, args.contend_us, args.contend_period_us, model)
     none, swap = report["phases"][False], report["phases"][True]
     print("| phase | no swap us | swap us | added us |")
     print("|---|---:|---:|---:|")
@@ -253,8 +271,9 @@ def main() -> None:
     print()
     print(
         f"Per chunk: {report['captured']} captured saved tensors in {report['storages']} "
-        f"storages moved; swap adds {added:.0f} us, {added / report['storages']:.0f} us per "
-        "storage moved. Compute-thread CPU "
+        f"storages moved (width {model.dim}, {model.micro_batch} x {model.seq} tokens); swap "
+        f"adds {added:.0f} us, {added / report['storages']:.0f} us per storage moved. "
+        "Compute-thread CPU "
         f"(time.thread_time), garbage collector off while timed, medians of "
         f"{args.repeats} rounds of {args.sessions * MICROS_PER_SESSION} chunks."
         + (

@@ -23,11 +23,25 @@ def test_the_overhead_benchmark_reports_every_phase_beside_a_contending_thread()
     assert result.returncode == 0, result.stdout + result.stderr
     for phase in ("forward", "offload", "load", "backward", "release"):
         assert re.search(rf"^\| {phase} \| \d+ \| \d+ \| [+-]\d+ \|$", result.stdout, re.M)
-    added = re.search(r"23 storages moved; swap adds (\d+) us", result.stdout)
+    added = re.search(
+        r"23 storages moved \(width 16, 1 x 4 tokens\); swap adds (\d+) us", result.stdout
+    )
     assert added is not None and int(added.group(1)) > 0, result.stdout
     assert "A thread ran 20 us of Python every 100 us beside them." in result.stdout
     floor = re.search(r"the forward takes (\d+) us, [+-]\d+ us over no swap", result.stdout)
     assert floor is not None and int(floor.group(1)) > 0, result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_overhead_benchmark_runs_at_the_peer_models_own_size() -> None:
+    command = [sys.executable, "benchmarks/bench_swap_overhead.py", "--sessions", "1"]
+    command += ["--repeats", "1", "--model", "small"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stdout + result.stderr
+    added = re.search(
+        r"23 storages moved \(width 128, 8 x 16 tokens\); swap adds (\d+) us", result.stdout
+    )
+    assert added is not None and int(added.group(1)) > 0, result.stdout
 
 
 def test_the_contention_options_are_checked_before_any_work() -> None:
