@@ -163,7 +163,7 @@ class StorageSpan:
             (entry,) = entries
             key = entry.key
             dense = dense_nbytes(key)
-            if dense:  # C-contiguous with elements: its bytes from its first one (span_layout)
+            if dense:  # C-contiguous, with elements: span_layout's result, computed inline
                 first = key.offset * key.itemsize
                 start = _span_start(storage_ptr, first, key.itemsize)
                 nbytes, offset = first + dense - start, first - start
