@@ -156,6 +156,7 @@ class EntryTable:
                 return existing
             ptr, nbytes = info
             entries = self._entries
+            block = ("storage", ptr)  # the storage's block (accounting.py), held while on device
             entry = SwapTensor(
                 self._owner,
                 self.name,
@@ -165,10 +166,11 @@ class EntryTable:
                 self.chunk,
                 tensor,
                 (ptr, nbytes, backend.version_of(tensor)),
+                block,
                 selected,
                 ptr in self._pinned_storages,
             )
-            self.accounting.hold(("storage", ptr), nbytes, entry, self.chunk)
+            self.accounting.hold(block, nbytes, entry, self.chunk)
             entries.append(entry)
             self._by_key[key] = entry
             held = self._by_storage.get(ptr)

@@ -276,13 +276,13 @@ class SwapTensor(Storage):
         chunk: tuple[int, int],
         device: Tensor,
         fingerprint: Fingerprint,
+        device_block: tuple[str, int],
         selected: bool = True,
         pinned: bool = False,
     ) -> None:
         """A new DEVICE entry holding ``device`` (the captured view, ``key``) with its
-        capture ``fingerprint``; its storage is held on device as the block
-        ``("storage", address)``. Arguments by position: one entry is made per saved
-        view a forward captures."""
+        capture ``fingerprint``; its storage is held on device as ``device_block``.
+        Arguments by position: one entry is made per saved view a forward captures."""
         shape = key.shape
         super().__init__(
             group,
@@ -292,7 +292,7 @@ class SwapTensor(Storage):
             key.dtype,
             device,
             fingerprint,
-            ("storage", key.storage_ptr),
+            device_block,
         )
         self._owner = owner
         self.key = key

@@ -151,7 +151,8 @@ def test_the_span_of_one_view_is_laid_out_as_span_layout_does(
     ptr = 0x1000 + base
     key = ViewKey(ptr, offset, shape_t, strides_t, f"u{itemsize}", itemsize)
     owner = _NoOwner()
-    entry = SwapTensor(weakref.ref(owner), "g", "t0", key, False, (0, 0), None, (ptr, 0, None))
+    fingerprint, block = (ptr, 0, None), ("storage", ptr)
+    entry = SwapTensor(weakref.ref(owner), "g", "t0", key, False, (0, 0), None, fingerprint, block)
     span = StorageSpan.of(ptr, [entry])
     start, nbytes, offsets = span_layout(ptr, [key])
     assert (span.start, span.nbytes, span.offsets) == (start, nbytes, tuple(offsets))
