@@ -3,9 +3,11 @@
 ``scripts/peer_pipelining.py`` under ``torchrun --standalone --nproc_per_node N`` (N = 2
 and 4): the same seeded stage modules, batch, micro-batches and loss under
 torch.distributed.pipelining (``PipelineStage`` with ``ScheduleGPipe``, ``Schedule1F1B``,
-``ScheduleInterleaved1F1B`` at vpp 2) and under ppswap over ``TorchDistTransport``. Without
-swap ppswap's per-micro-batch losses equal torch's (rtol 1e-6) and so do the gradients of
-every stage on every rank (rtol 1e-5); with swap they are bit-identical to ppswap without.
+``ScheduleInterleaved1F1B`` at vpp 2) and under ppswap over ``TorchDistTransport``. On
+every rank torch runs ppswap's compute order, step for step (recorded from its stages).
+Without swap ppswap's per-micro-batch losses equal torch's (rtol 1e-6) and so do the
+gradients of every stage on every rank (rtol 1e-5); with swap they are bit-identical to
+ppswap without.
 The same in bfloat16 (the modules and the batch; below one bfloat16 ulp, so bit for bit).
 The launch runs in its own process group with a deadline and is killed whole on timeout.
 
@@ -45,10 +47,12 @@ def test_losses_and_gradients_equal_torch_pipelining(ranks: int) -> None:
     for case in CASES:
         stage_num = 2 * ranks if case.startswith("interleaved_1f1b") else ranks
         grads = 6 * 2 * stage_num // ranks  # 2 blocks of 6 parameter tensors per stage
+        steps = 2 * 8 * stage_num // ranks  # a forward and a backward per micro-batch and stage
         for rank in range(ranks):
             losses = "8 losses (bit-identical|equal)" if rank == ranks - 1 else "losses not held"
             pattern = (
-                rf"rank {rank} OK: {case} pp{ranks} stages {stage_num}: {losses}[^,]*, "
+                rf"rank {rank} OK: {case} pp{ranks} stages {stage_num}: torch's order is "
+                rf"ppswap's \({steps} compute steps\), {losses}[^,]*, "
                 rf"{grads} gradients equal .*?, swap on = off"
             )
             assert re.search(pattern, result.output), (pattern, result.output)

@@ -17,7 +17,10 @@ How the two combine micro-batch losses: ppswap's gradients are those of the mean
 with ``scale_grads=True`` (the default) sum the micro-batches' gradients and divide by
 ``MICRO``. Both report one loss per micro-batch, unscaled.
 
-Checked on every rank: the last stage's per-micro-batch losses equal (rtol 1e-6; the
+Checked on every rank: torch ran this rank's forwards and backwards in ppswap's compute
+order (``compute_order``: the same stage, micro-batch and kind, step for step, recorded
+from torch's ``forward_one_chunk`` / ``backward_one_chunk`` calls), so the two contenders
+run the same schedule; the last stage's per-micro-batch losses equal (rtol 1e-6; the
 script also reports whether they are bit-identical), every gradient of this rank's stages
 equal (rtol 1e-5, atol 1e-5 of the tensor's largest magnitude: the two scale the
 micro-batch gradients at different points; in bfloat16 that tolerance is below one ulp,
@@ -33,7 +36,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -50,6 +53,9 @@ from torch.distributed.pipelining import (
 
 from ppswap import PipelineStage, RunResult, run_schedule
 from ppswap.backends.torch.distributed import TorchDistTransport
+from ppswap.scheduler.config import ScheduleConfig, ScheduleName
+from ppswap.scheduler.schedules import compute_order
+from ppswap.scheduler.steps import StepKind
 from ppswap.swap import swap_wrapper
 
 DIM = 32
@@ -106,15 +112,45 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)
 
 
+Computed = tuple[int, str, int]
+"""One compute step as run: (stage, "F" or "B", micro-batch)."""
+
+
+def recording(
+    method: Callable[..., Any], stage: int, kind: str, ran: list[Computed]
+) -> Callable[..., Any]:
+    """``method`` (a torch stage's ``forward_one_chunk`` / ``backward_one_chunk``, whose
+    first argument is the micro-batch), appending ``(stage, kind, micro)`` to ``ran``."""
+
+    def call(micro: int, *args: Any, **kwargs: Any) -> Any:
+        ran.append((stage, kind, micro))
+        return method(micro, *args, **kwargs)
+
+    return call
+
+
+def planned_order(schedule: ScheduleName, rank: int, pp: int) -> list[Computed]:
+    """ppswap's compute order of ``rank`` for this script's configuration."""
+    vpp = 2 if schedule == "interleaved_1f1b" else 1
+    config = ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=MICRO)
+    kinds = {StepKind.FWD: "F", StepKind.BWD: "B"}
+    return [(step.stage, kinds[step.kind], step.micro) for step in compute_order(config, rank)]
+
+
 def run_peer(
     schedule: str, rank: int, pp: int, stage_num: int, x: torch.Tensor, y: torch.Tensor
-) -> tuple[list[float], dict[int, list[torch.Tensor]]]:
-    """One step of torch.distributed.pipelining: the last stage's losses (empty elsewhere)
-    and this rank's gradients per stage index."""
+) -> tuple[list[float], dict[int, list[torch.Tensor]], list[Computed]]:
+    """One step of torch.distributed.pipelining: the last stage's losses (empty elsewhere),
+    this rank's gradients per stage index and its forwards and backwards as torch ran them."""
     modules = build_modules(stage_num, wrap=False, dtype=x.dtype)
     mine = [s for s in range(stage_num) if s % pp == rank]
     cpu = torch.device("cpu")
     stages = [TorchStage(modules[s], s, stage_num, cpu) for s in mine]
+    ran: list[Computed] = []
+    for stage in stages:  # instance attributes: the schedules call them through the stage
+        index = stage.stage_index
+        stage.forward_one_chunk = recording(stage.forward_one_chunk, index, "F", ran)  # type: ignore[method-assign]
+        stage.backward_one_chunk = recording(stage.backward_one_chunk, index, "B", ran)  # type: ignore[method-assign]
     kinds: dict[str, Callable[..., Any]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     if schedule == "interleaved_1f1b":
         runner: Any = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO, loss_fn=mse)
@@ -134,7 +170,7 @@ def run_peer(
         ]
         for s in mine
     }
-    return [float(loss.detach()) for loss in losses], grads
+    return [float(loss.detach()) for loss in losses], grads, ran
 
 
 async def run_ppswap(
@@ -214,11 +250,23 @@ async def check(name: str, transport: TorchDistTransport) -> list[str]:
     stage_num = 2 * pp if schedule == "interleaved_1f1b" else pp
     x, y = make_data(dtype)
     started = time.perf_counter()
-    peer_losses, peer_grads = run_peer(schedule, rank, pp, stage_num, x, y)
+    peer_losses, peer_grads, peer_order = run_peer(schedule, rank, pp, stage_num, x, y)
     dist.barrier()
     off, off_grads = await run_ppswap(schedule, transport, stage_num, x, y, swap=False)
     on, on_grads = await run_ppswap(schedule, transport, stage_num, x, y, swap=True)
     problems: list[str] = []
+    order = planned_order(cast(ScheduleName, schedule), rank, pp)
+    if peer_order != order:
+        pairs = zip(peer_order, order, strict=False)  # the first difference, or the shorter end
+        first = next(
+            (i for i, (ran, planned) in enumerate(pairs) if ran != planned),
+            min(len(peer_order), len(order)),
+        )
+        problems.append(
+            f"torch ran {len(peer_order)} compute steps, ppswap's order has {len(order)}; "
+            f"from step {first}: torch {peer_order[first : first + 4]}, "
+            f"ppswap {order[first : first + 4]}"
+        )
     last = stage_num - 1 in off_grads
     if last:
         problems += compare_losses(peer_losses, off.losses)
@@ -237,7 +285,8 @@ async def check(name: str, transport: TorchDistTransport) -> list[str]:
         exact = "bit-identical" if last and peer_losses == off.losses else "equal"
         losses = f"{len(off.losses)} losses {exact}" if last else "losses not held here"
         print(
-            f"rank {rank} OK: {name} pp{pp} stages {stage_num}: {losses}, "
+            f"rank {rank} OK: {name} pp{pp} stages {stage_num}: torch's order is ppswap's "
+            f"({len(order)} compute steps), {losses}, "
             f"{sum(len(g) for g in off_grads.values())} gradients equal (worst relative "
             f"difference {worst:.1e}), swap on = off (offloaded {offloaded} B) "
             f"in {time.perf_counter() - started:.1f} s",
