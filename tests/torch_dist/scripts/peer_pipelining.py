@@ -148,9 +148,8 @@ def run_peer(
     stages = [TorchStage(modules[s], s, stage_num, cpu) for s in mine]
     ran: list[Computed] = []
     for stage in stages:  # instance attributes: the schedules call them through the stage
-        index = stage.stage_index
-        stage.forward_one_chunk = recording(stage.forward_one_chunk, index, "F", ran)  # type: ignore[method-assign]
-        stage.backward_one_chunk = recording(stage.backward_one_chunk, index, "B", ran)  # type: ignore[method-assign]
+        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+            setattr(stage, name, recording(getattr(stage, name), stage.stage_index, kind, ran))
     kinds: dict[str, Callable[..., Any]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     if schedule == "interleaved_1f1b":
         runner: Any = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO, loss_fn=mse)
