@@ -21,10 +21,15 @@ random). The copy jobs run inline here (in a pipeline they run on the copy threa
 
 Reported: microseconds per chunk by phase, medians of ``--repeats`` rounds of
 ``--sessions`` sessions; what swap adds per chunk and per storage moved. Beside it, the
-forward under the least a capture must do (``floor_forward``): saved-tensor hooks that
-keep each saved tensor in a list, then per saved tensor its storage's identity and, once
-per storage that is not a parameter, a host byte view of it (the copy's source). What the
-forward adds beyond that is the swap layer's own bookkeeping (docs/swap.md). Repeat runs on
+same chunk under the least a swap must do (``Chunks.floor``): saved-tensor hooks that keep
+each saved tensor (and its version) in a list; when the forward ends, per saved tensor its
+storage's identity and, once per storage that is not a parameter, a host byte view of it;
+offload: each storage's bytes copied into a pooled host buffer, then every saved view of
+it dropped; load: one block for the chunk, each storage copied in and its views rebuilt
+on it (``as_strided``), the buffers given back; unpack returns the view. No checks, no
+states, no accounting, no safety net: a lower bound, not a swap to use (its gradients
+equal the plain run's). What the swap layer adds beyond it is its own bookkeeping
+(docs/swap.md), and how far a leaner data model could take it. Repeat runs on
 the 2-core machine agree within about 10% (the no-swap figure moves with them: compare the
 ratio too), against 20% or more for swap's share of a real chunk, so this is the figure
 to compare when changing the swap layer's hot path.
@@ -53,9 +58,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch_peer_model import MODELS, Model, build_modules
 
+from ppswap.backends.host_memory import HostPool
 from ppswap.backends.torch import BACKEND as TORCH
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, module_state_tensors
 
@@ -102,31 +109,74 @@ class Chunks:
         chunks = sessions * MICROS_PER_SESSION
         return {phase: seconds / chunks * 1e6 for phase, seconds in totals.items()}
 
-    def floor_forward(self, micros: int) -> float:
-        """Microseconds per chunk of the forward under the minimal capture (module doc)."""
+    def floor(self, micros: int) -> dict[str, float]:
+        """Microseconds per chunk by phase under the least a swap must do (module doc)."""
         parameters = {TORCH.storage_of(t).ptr for t in self.state}
-        saved: list[list[Any]] = []
+        pool = HostPool()
+        totals = dict.fromkeys(PHASES, 0.0)
+        saved: list[list[Any]] = []  # this chunk's handles
 
         def pack(tensor: torch.Tensor) -> list[Any]:
             handle = [tensor, tensor._version]
             saved.append(handle)
             return handle
 
-        total = 0.0
+        started = 0.0
+
+        def lap(phase: str) -> None:
+            nonlocal started
+            now = time.thread_time()
+            totals[phase] += now - started
+            started = now
+
         for index in range(micros):
             x = self.inputs[index % MICROS_PER_SESSION]
             started = time.thread_time()
-            saved.clear()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda handle: handle[0]):
                 out, record = TORCH.autograd.record(self.module, (x,))
-            sources: dict[int, Any] = {}
-            for tensor, _ in saved:
-                ptr, nbytes = TORCH.storage_of(tensor)
-                if ptr not in parameters and ptr not in sources:
-                    sources[ptr] = TORCH.host_bytes(tensor, 0, nbytes)
-            total += time.thread_time() - started
+            storages: dict[int, tuple[Any, list[list[Any]]]] = {}
+            for handle in saved:
+                ptr, nbytes = TORCH.storage_of(handle[0])
+                if ptr in parameters:
+                    continue
+                held = storages.get(ptr)
+                if held is None:
+                    storages[ptr] = (TORCH.host_bytes(handle[0], 0, nbytes), [handle])
+                else:
+                    held[1].append(handle)
+            lap("forward")
+            # each storage's bytes into a pooled buffer, then every view of it dropped
+            moved: list[tuple[Any, list[tuple[list[Any], Any]]]] = []
+            for source, handles in storages.values():
+                host = pool.acquire(source.nbytes)
+                np.copyto(host, source)
+                views = []
+                for handle in handles:
+                    tensor = handle[0]
+                    view = (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset())
+                    views.append((handle, view))
+                    handle[0] = None
+                moved.append((host, views))
+            storages.clear()
+            lap("offload")
+            # one block for the chunk, each storage copied in, each view rebuilt on it
+            block = np.empty(sum(host.nbytes for host, _ in moved), dtype=np.uint8)
+            offset = 0
+            for host, views in moved:
+                end = offset + host.nbytes
+                np.copyto(block[offset:end], host)
+                base = torch.from_numpy(block[offset:end])
+                for handle, (dtype, shape, stride, storage_offset) in views:
+                    handle[0] = base.view(dtype).as_strided(shape, stride, storage_offset)
+                pool.release(host)
+                offset = end
+            moved.clear()
+            lap("load")
             TORCH.autograd.backward(record, torch.ones_like(out), self.params)
-        return total / micros * 1e6
+            lap("backward")
+            saved.clear()
+            lap("release")
+        return {phase: seconds / micros * 1e6 for phase, seconds in totals.items()}
 
     def _chunk(
         self,
@@ -207,14 +257,14 @@ def _measure(sessions: int, repeats: int, model: Model) -> dict[str, Any]:
     chunks.run(True, 3)  # warm-up: pools, caches, first-call costs
     chunks.run(False, 3)
     rounds: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-    floors: list[float] = []
+    floors: list[dict[str, float]] = []
     enabled = gc.isenabled()
     gc.disable()
     try:
         for _ in range(repeats):
             for swap in (False, True):
                 rounds[swap].append(chunks.run(swap, sessions))
-            floors.append(chunks.floor_forward(sessions * MICROS_PER_SESSION))
+            floors.append(chunks.floor(sessions * MICROS_PER_SESSION))
     finally:
         if enabled:
             gc.enable()
@@ -228,7 +278,8 @@ def _measure(sessions: int, repeats: int, model: Model) -> dict[str, Any]:
     return {
         "phases": phases,
         "totals": totals,
-        "floor_forward": statistics.median(floors),
+        "floor": {p: statistics.median(f[p] for f in floors) for p in PHASES},
+        "floor_total": statistics.median(sum(f.values()) for f in floors),
         "captured": chunks.captured,
         "storages": chunks.storages,
     }
@@ -283,12 +334,16 @@ def main() -> None:
             else ""
         )
     )
-    floor = report["floor_forward"] - none["forward"]
+    floor = report["floor"]
     print(
-        f"\nThe least a capture must do (hooks that keep each saved tensor, then each one's "
-        f"storage and one host byte view per storage): the forward takes "
-        f"{report['floor_forward']:.0f} us, {floor:+.0f} us over no swap, against "
-        f"{swap['forward'] - none['forward']:+.0f} us with swap."
+        f"\nThe least a swap must do (hooks that keep each saved tensor; per storage one host "
+        f"byte view, one copy into a pooled buffer, its views dropped; one block per chunk "
+        f"loaded, every view rebuilt on it; no checks, states or accounting): the forward "
+        f"takes {floor['forward']:.0f} us, {floor['forward'] - none['forward']:+.0f} us over "
+        f"no swap, against {swap['forward'] - none['forward']:+.0f} us with swap; the chunk "
+        f"{report['floor_total']:.0f} us, {report['floor_total'] - base:+.0f} us over no "
+        f"swap, against {added:+.0f} us with swap (offload {floor['offload']:.0f}, load "
+        f"{floor['load']:.0f}, backward {floor['backward'] - none['backward']:+.0f} us)."
     )
 
 

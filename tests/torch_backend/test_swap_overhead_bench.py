@@ -28,8 +28,14 @@ def test_the_overhead_benchmark_reports_every_phase_beside_a_contending_thread()
     )
     assert added is not None and int(added.group(1)) > 0, result.stdout
     assert "A thread ran 20 us of Python every 100 us beside them." in result.stdout
-    floor = re.search(r"the forward takes (\d+) us, [+-]\d+ us over no swap", result.stdout)
+    floor = re.search(
+        r"the forward takes (\d+) us, [+-]\d+ us over no swap, against [+-]\d+ us with swap; "
+        r"the chunk (\d+) us, [+-]\d+ us over no swap, against [+-]\d+ us with swap "
+        r"\(offload \d+, load \d+, backward [+-]\d+ us\)",
+        result.stdout,
+    )
     assert floor is not None and int(floor.group(1)) > 0, result.stdout
+    assert int(floor.group(2)) > int(floor.group(1)), result.stdout
 
 
 @pytest.mark.timeout(120)
