@@ -27,8 +27,8 @@ storage's identity and, once per storage that is not a parameter, a host byte vi
 offload: each storage's bytes copied into a pooled host buffer, then every saved view of
 it dropped; load: one block for the chunk, each storage copied in and its views rebuilt
 on it (``as_strided``), the buffers given back; unpack returns the view. No checks, no
-states, no accounting, no safety net: a lower bound, not a swap to use (its gradients
-equal the plain run's). What the swap layer adds beyond it is its own bookkeeping
+states, no accounting, no safety net: a lower bound, not a swap to use (each round checks,
+untimed, that its first chunk's gradients equal the plain run's bit for bit). What the swap layer adds beyond it is its own bookkeeping
 (docs/swap.md), and how far a leaner data model could take it. Repeat runs on
 the 2-core machine agree within about 10% (the no-swap figure moves with them: compare the
 ratio too), against 20% or more for swap's share of a real chunk, so this is the figure
@@ -172,11 +172,20 @@ class Chunks:
                 offset = end
             moved.clear()
             lap("load")
-            TORCH.autograd.backward(record, torch.ones_like(out), self.params)
+            _, grads = TORCH.autograd.backward(record, torch.ones_like(out), self.params)
             lap("backward")
             saved.clear()
             lap("release")
+            if index == 0:  # untimed: the floor restored every saved view's values
+                self._check_floor(x, grads)
         return {phase: seconds / micros * 1e6 for phase, seconds in totals.items()}
+
+    def _check_floor(self, x: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> None:
+        """Raise unless ``grads`` are the plain run's for input ``x``, bit for bit."""
+        out, record = TORCH.autograd.record(self.module, (x,))
+        _, want = TORCH.autograd.backward(record, torch.ones_like(out), self.params)
+        if not all(torch.equal(a, b) for a, b in zip(grads, want, strict=True)):
+            raise RuntimeError("the floor's gradients differ from the plain run's")
 
     def _chunk(
         self,
