@@ -26,10 +26,12 @@ each saved tensor (and its version) in a list; when the forward ends, per saved 
 storage's identity and, once per storage that is not a parameter, a host byte view of it;
 offload: each storage's bytes copied into a pooled host buffer, then every saved view of
 it dropped; load: one block for the chunk, each storage copied in and its views rebuilt
-on it (``as_strided``), the buffers given back; unpack returns the view. No checks, no
-states, no accounting, no safety net: a lower bound, not a swap to use (each round checks,
-untimed, that its first chunk's gradients equal the plain run's bit for bit). What the swap layer adds beyond it is its own bookkeeping
-(docs/swap.md), and how far a leaner data model could take it. Repeat runs on
+on it (``as_strided``, each storage at a 64-byte boundary, as the swap layer places
+them), the buffers given back; unpack returns the view. No checks, no states, no
+accounting, no safety net: a lower bound, not a swap to use (each round checks, untimed,
+that its first chunk's gradients equal the plain run's bit for bit). What the swap layer
+adds beyond it is its own bookkeeping (docs/swap.md), and how far a leaner data model
+could take it. Repeat runs on
 the 2-core machine agree within about 10% (the no-swap figure moves with them: compare the
 ratio too), against 20% or more for swap's share of a real chunk, so this is the figure
 to compare when changing the swap layer's hot path.
@@ -65,6 +67,7 @@ from torch_peer_model import MODELS, Model, build_modules
 from ppswap.backends.host_memory import HostPool
 from ppswap.backends.torch import BACKEND as TORCH
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, module_state_tensors
+from ppswap.swap.transfer import aligned
 
 TINY = Model(dim=16, blocks=8, micro=8, micro_batch=1, seq=4)
 """Two stages of four blocks; the second is measured (as ``bench_torch_peer`` at pp2)."""
@@ -160,7 +163,7 @@ class Chunks:
             storages.clear()
             lap("offload")
             # one block for the chunk, each storage copied in, each view rebuilt on it
-            block = np.empty(sum(host.nbytes for host, _ in moved), dtype=np.uint8)
+            block = np.empty(sum(aligned(host.nbytes) for host, _ in moved), dtype=np.uint8)
             offset = 0
             for host, views in moved:
                 end = offset + host.nbytes
@@ -169,7 +172,7 @@ class Chunks:
                 for handle, (dtype, shape, stride, storage_offset) in views:
                     handle[0] = base.view(dtype).as_strided(shape, stride, storage_offset)
                 pool.release(host)
-                offset = end
+                offset = aligned(end)
             moved.clear()
             lap("load")
             _, grads = TORCH.autograd.backward(record, torch.ones_like(out), self.params)
