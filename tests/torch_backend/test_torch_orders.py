@@ -22,10 +22,6 @@ schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 from ppswap.scheduler.config import ScheduleConfig  # noqa: E402
 from ppswap.scheduler.schedules import compute_order  # noqa: E402
-from ppswap.scheduler.steps import StepKind  # noqa: E402
-
-Action = tuple[int, str, int]
-"""(stage, "F" or "B", micro-batch)"""
 
 
 @dataclass
@@ -39,14 +35,15 @@ class StandInStage:
     stage_index_to_group_rank: dict[int, int] | None = None
 
 
-def torch_orders(pp: int, vpp: int, micro: int) -> dict[int, list[Action]]:
-    """Every rank's forwards and backwards in torch's ``pipeline_order`` (no bubbles)."""
+def torch_orders(pp: int, vpp: int, micro: int) -> dict[int, list[str]]:
+    """Every rank's forwards and backwards in torch's ``pipeline_order`` (no bubbles),
+    written as ppswap writes a compute step (``MetaStep.short``: ``F3.0``)."""
     stages = [StandInStage(chunk * pp, pp * vpp, pp, 0) for chunk in range(vpp)]
     built = schedules.ScheduleInterleaved1F1B(cast(Any, stages), micro)
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
     return {
         rank: [
-            (action.stage_index, kinds[action.computation_type.name], action.microbatch_index)
+            f"{kinds[action.computation_type.name]}{action.microbatch_index}.{action.stage_index}"
             for action in actions
             if action is not None
         ]
@@ -54,13 +51,9 @@ def torch_orders(pp: int, vpp: int, micro: int) -> dict[int, list[Action]]:
     }
 
 
-def ppswap_orders(pp: int, vpp: int, micro: int) -> dict[int, list[Action]]:
+def ppswap_orders(pp: int, vpp: int, micro: int) -> dict[int, list[str]]:
     config = ScheduleConfig(schedule="interleaved_1f1b", pp=pp, vpp=vpp, micro=micro)
-    kinds = {StepKind.FWD: "F", StepKind.BWD: "B"}
-    return {
-        rank: [(step.stage, kinds[step.kind], step.micro) for step in compute_order(config, rank)]
-        for rank in range(pp)
-    }
+    return {rank: [step.short() for step in compute_order(config, rank)] for rank in range(pp)}
 
 
 @pytest.mark.parametrize("vpp", [2, 3, 4])

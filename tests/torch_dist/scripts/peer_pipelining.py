@@ -55,7 +55,6 @@ from ppswap import PipelineStage, RunResult, run_schedule
 from ppswap.backends.torch.distributed import TorchDistTransport
 from ppswap.scheduler.config import ScheduleConfig, ScheduleName
 from ppswap.scheduler.schedules import compute_order
-from ppswap.scheduler.steps import StepKind
 from ppswap.swap import swap_wrapper
 
 DIM = 32
@@ -112,41 +111,37 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)
 
 
-Computed = tuple[int, str, int]
-"""One compute step as run: (stage, "F" or "B", micro-batch)."""
-
-
 def recording(
-    method: Callable[..., Any], stage: int, kind: str, ran: list[Computed]
+    method: Callable[..., Any], stage: int, kind: str, ran: list[str]
 ) -> Callable[..., Any]:
     """``method`` (a torch stage's ``forward_one_chunk`` / ``backward_one_chunk``, whose
-    first argument is the micro-batch), appending ``(stage, kind, micro)`` to ``ran``."""
+    first argument is the micro-batch), appending each call to ``ran`` as ppswap writes a
+    compute step (``MetaStep.short``: ``F3.0`` is the forward of micro 3 on stage 0)."""
 
     def call(micro: int, *args: Any, **kwargs: Any) -> Any:
-        ran.append((stage, kind, micro))
+        ran.append(f"{kind}{micro}.{stage}")
         return method(micro, *args, **kwargs)
 
     return call
 
 
-def planned_order(schedule: ScheduleName, rank: int, pp: int) -> list[Computed]:
-    """ppswap's compute order of ``rank`` for this script's configuration."""
+def planned_order(schedule: ScheduleName, rank: int, pp: int) -> list[str]:
+    """ppswap's compute order of ``rank`` for this script's configuration, step by step."""
     vpp = 2 if schedule == "interleaved_1f1b" else 1
     config = ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=MICRO)
-    kinds = {StepKind.FWD: "F", StepKind.BWD: "B"}
-    return [(step.stage, kinds[step.kind], step.micro) for step in compute_order(config, rank)]
+    return [step.short() for step in compute_order(config, rank)]
 
 
 def run_peer(
     schedule: str, rank: int, pp: int, stage_num: int, x: torch.Tensor, y: torch.Tensor
-) -> tuple[list[float], dict[int, list[torch.Tensor]], list[Computed]]:
+) -> tuple[list[float], dict[int, list[torch.Tensor]], list[str]]:
     """One step of torch.distributed.pipelining: the last stage's losses (empty elsewhere),
     this rank's gradients per stage index and its forwards and backwards as torch ran them."""
     modules = build_modules(stage_num, wrap=False, dtype=x.dtype)
     mine = [s for s in range(stage_num) if s % pp == rank]
     cpu = torch.device("cpu")
     stages = [TorchStage(modules[s], s, stage_num, cpu) for s in mine]
-    ran: list[Computed] = []
+    ran: list[str] = []
     for stage in stages:  # instance attributes: the schedules call them through the stage
         for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
             setattr(stage, name, recording(getattr(stage, name), stage.stage_index, kind, ran))
