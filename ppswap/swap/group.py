@@ -24,8 +24,10 @@ them take the group lock; :meth:`materialize` never holds it while waiting.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ppswap.backends.base import Backend, CopyEngine
-from ppswap.backends.host_memory import HOST_ALIGNMENT, Array
+from ppswap.backends.host_memory import HOST_ALIGNMENT
 from ppswap.backends.types import Tensor
 from ppswap.swap.accounting import DeviceBlock, SwapAccounting
 from ppswap.swap.entries import EntryTable, GroupPhase
@@ -33,14 +35,7 @@ from ppswap.swap.errors import SwapError, SwapStateError
 from ppswap.swap.jobs import CopyJob, JobKind
 from ppswap.swap.spans import StorageSpan
 from ppswap.swap.tensor import CheckMode, SwapState, SwapTensor
-from ppswap.swap.transfer import (
-    CopySlot,
-    HostBucket,
-    LoadPlan,
-    pack_buckets,
-    release_offload_buffers,
-    run_offload,
-)
+from ppswap.swap.transfer import HostBucket, Load, Offload
 from ppswap.swap.validation import check_int, check_positive_seconds
 
 __all__ = ["MAX_BUCKET_BYTES", "GroupPhase", "SwapGroup"]
@@ -81,12 +76,11 @@ class SwapGroup(EntryTable):
         self.bucket_bytes = bucket_bytes
         self.wait_timeout_s = check_positive_seconds("wait_timeout_s", wait_timeout_s)
         self._offload_job: CopyJob | None = None
-        self._offload_slots: list[CopySlot] = []
-        self._offload_buckets: list[HostBucket] = []
+        self._offload: Offload | None = None  # from prepare_offload to finish_offload
         self._offload_copied = False
         self._host_buckets: list[HostBucket] = []
         self._load_job: CopyJob | None = None
-        self._load_slots: dict[StorageSpan, CopySlot] = {}
+        self._load: Load | None = None  # from prepare_load to finish_load
 
     def jobs(self) -> tuple[CopyJob, ...]:
         with self._lock:
@@ -104,7 +98,7 @@ class SwapGroup(EntryTable):
 
         Every entry's storage identity and version are checked first (O(1) each); if one
         changed, nothing moves and :class:`SwapError` is raised. The content checks run on
-        the copy thread (``transfer.run_offload``).
+        the copy thread (``Offload.run``).
         """
         with self._lock:
             self._expect(GroupPhase.SEALED, GroupPhase.OFFLOAD_PREPARED)
@@ -112,37 +106,29 @@ class SwapGroup(EntryTable):
             for span in movable:
                 for entry in span.entries:
                     entry.check_unchanged(self.backend, "before its offload")
-            slots = [CopySlot(span=span, src=span.source) for span in movable]
-            single = [s for s in slots if not s.span.bulk]
-            buckets = pack_buckets([s for s in slots if s.span.bulk], self.bucket_bytes)
+            offload = Offload.build(movable, self.bucket_bytes)
             engine, check = self.engine, self.check
 
             def work() -> None:
                 try:
-                    run_offload(engine, single, buckets, check)
+                    offload.run(engine, check)
                 finally:
                     with self._lock:
                         if self._phase is GroupPhase.RELEASED:
-                            release_offload_buffers(engine, single, buckets)
+                            offload.release(engine)
                         else:
                             self._offload_copied = True
 
             job = (
-                CopyJob(
-                    kind=JobKind.OFFLOAD,
-                    group=self.name,
-                    nbytes=sum(s.span.nbytes for s in slots),
-                    work=work,
-                )
-                if slots
+                CopyJob(kind=JobKind.OFFLOAD, group=self.name, nbytes=offload.nbytes, work=work)
+                if movable
                 else CopyJob.empty(JobKind.OFFLOAD, self.name)
             )
-            for slot in slots:
-                slot.span.transition(SwapState.D2H)
-                for entry in slot.span.entries:
+            for span in movable:
+                span.transition(SwapState.D2H)
+                for entry in span.entries:
                     entry.job = job
-            self._offload_slots = slots
-            self._offload_buckets = buckets
+            self._offload = offload
             self._offload_job = job
             self._phase = GroupPhase.OFFLOAD_PREPARED
             return job
@@ -157,29 +143,30 @@ class SwapGroup(EntryTable):
         with self._lock:
             self._expect(GroupPhase.OFFLOAD_PREPARED, GroupPhase.OFFLOADED)
             job = self._finished_job(self._offload_job, SwapState.D2H, SwapState.HOST)
-            for slot in self._offload_slots:
-                span = slot.span
+            offload = self._offload
+            assert offload is not None
+            backend, engine, check = self.backend, self.engine, self.check
+            for span in offload.spans:
                 for entry in span.entries:
-                    entry.check_unchanged(self.backend, "before its device memory was released")
+                    entry.check_unchanged(backend, "before its device memory was released")
                 if span.digests is not None:
-                    span.verify(self.engine.host_view(span.source), self.check, "after its copy")
+                    span.verify(engine.host_view(span.source), check, "after its copy")
             before = self.accounting.resident_bytes
-            bucket_of = {id(s): b for b in self._offload_buckets for s, _ in b.members}
             dropped: list[tuple[DeviceBlock, SwapTensor]] = []
-            for slot in self._offload_slots:
-                span = slot.span
+            for span, host in zip(offload.spans, offload.hosts, strict=True):
                 span.transition(SwapState.HOST)
-                span.host, slot.host = slot.host, None
-                span.host_bucket = bucket_of.get(id(slot))
+                span.host = host
                 span.source = None
                 for entry in span.entries:
                     entry.job = None
                     _forget_device(entry, dropped)
             self.accounting.drop_all(dropped)
-            for bucket in self._offload_buckets:
+            for bucket in offload.buckets:
                 bucket.holding = len(bucket.members)
-            self._host_buckets = self._offload_buckets
-            self._offload_slots, self._offload_buckets = [], []
+                for span, _ in bucket.members:
+                    span.host_bucket = bucket
+            self._host_buckets = offload.buckets
+            self._offload = None
             self._offload_copied = False
             self.accounting.add_offloaded(job.nbytes)
             self._phase = GroupPhase.OFFLOADED
@@ -197,58 +184,62 @@ class SwapGroup(EntryTable):
         """
         with self._lock:
             self._expect(GroupPhase.OFFLOADED, GroupPhase.LOAD_PREPARED)
-            plan = LoadPlan.build(
+            load = Load.build(
                 [
                     span
                     for span in self._spans.values()
                     if span.state is SwapState.HOST and span.host_bucket is None
                 ],
                 self._host_buckets,
-                self.accounting.new_loaded_block,
                 self.bucket_bytes,
             )
-            taken = {id(b) for b, _ in plan.buckets}
+            taken = {id(bucket) for bucket, _ in load.buckets}
             self._host_buckets = [b for b in self._host_buckets if id(b) not in taken]
-            slots = plan.slots
             engine, check = self.engine, self.check
 
             def work() -> None:
                 try:
-                    plan.run(engine, check)
+                    load.run(engine, check)
                 finally:
-                    self._release_load(engine, plan)
+                    self._release_load(engine, load)
 
+            spans = load.spans
             job = (
                 CopyJob(
                     kind=JobKind.LOAD,
                     group=self.name,
-                    nbytes=plan.nbytes,
+                    nbytes=load.nbytes,
                     work=work,
-                    on_cancel=lambda: self._release_load(engine, plan),
+                    on_cancel=lambda: self._release_load(engine, load),
                 )
-                if slots
+                if spans
                 else CopyJob.empty(JobKind.LOAD, self.name)
             )
-            held = []
-            for slot in slots:
-                assert slot.block is not None
-                held.append((slot.block, slot.block_nbytes, slot.span.entries))
+            # The memory the copy allocates counts as resident from here: a block per
+            # span with a host buffer of its own, one per bucket (sized as the bucket).
+            new_block = self.accounting.new_loaded_block
+            held: list[tuple[DeviceBlock, int, list[SwapTensor]]] = []
+            for span in load.single:
+                held.append((new_block(), span.nbytes, span.entries))
+            for bucket, moving in load.buckets:
+                holders = [entry for span, _ in moving for entry in span.entries]
+                held.append((new_block(), bucket.nbytes, holders))
             self.accounting.hold_blocks(held, self.chunk)
-            for slot in slots:
-                span = slot.span
+            for block, _, holders in held:
+                for entry in holders:
+                    entry.device_block = block
+                    entry.job = job
+            for span in spans:
                 span.transition(SwapState.H2D)
                 span.host, span.host_bucket = None, None
-                for entry in span.entries:
-                    entry.device_block = slot.block
-                    entry.job = job
-            self._load_slots = {s.span: s for s in slots}
+            self._load = load
             self._load_job = job
             self._phase = GroupPhase.LOAD_PREPARED
             return job
 
-    def _release_load(self, engine: CopyEngine, plan: LoadPlan) -> None:
+    def _release_load(self, engine: CopyEngine, load: Load) -> None:
         with self._lock:
-            plan.release(engine)
+            load.release(engine)
 
     def finish_load(self) -> int:
         """H2D -> DEVICE (the engine's ``restore_views``); return the span bytes restored
@@ -256,13 +247,15 @@ class SwapGroup(EntryTable):
         with self._lock:
             self._expect(GroupPhase.LOAD_PREPARED, GroupPhase.LOADED)
             self._finished_job(self._load_job, SwapState.H2D, SwapState.DEVICE)
+            load = self._load
+            assert load is not None
             restored = 0
-            for span, slot in self._load_slots.items():
+            for span, loaded in zip(load.spans, load.loaded, strict=True):
                 if span.state is SwapState.H2D:
-                    self._complete_load(span, slot.loaded)
-                    slot.loaded = None
+                    self._complete_load(span, loaded)
                     restored += span.nbytes
-            self._load_slots = {}
+            load.loaded = []
+            self._load = None
             self._phase = GroupPhase.LOADED
             self.accounting.add_loaded(restored)
             return restored
@@ -288,7 +281,7 @@ class SwapGroup(EntryTable):
                 f"{job.kind.value} of group {self.name!r} failed: {job.error}"
             ) from job.error
 
-    def _complete_load(self, span: StorageSpan, loaded: Array | None) -> None:
+    def _complete_load(self, span: StorageSpan, loaded: Any) -> None:
         """The loaded span as one framework tensor, every view rebuilt into it."""
         if loaded is None:
             raise SwapError(
@@ -336,10 +329,12 @@ class SwapGroup(EntryTable):
                 assert entry.device is not None
                 return entry.device
             self._raise_if_failed(job)
-            slot = self._load_slots[span]
-            self._complete_load(span, slot.loaded)
+            load = self._load
+            assert load is not None
+            index = load.spans.index(span)
+            self._complete_load(span, load.loaded[index])
             self.accounting.add_loaded(span.nbytes)
-            slot.loaded = None
+            load.loaded[index] = None
             if was_pending:
                 self.accounting.count_waited_load()
             assert entry.device is not None
@@ -415,8 +410,8 @@ class SwapGroup(EntryTable):
             if job is not None:
                 job.cancel()
         engine = self.engine
-        if self._offload_copied:
-            release_offload_buffers(engine, self._offload_slots, self._offload_buckets)
+        if self._offload_copied and self._offload is not None:
+            self._offload.release(engine)
         for span in self._spans.values():
             if span.host is not None and span.host_bucket is None:
                 engine.release_host(span.host)
@@ -435,8 +430,7 @@ class SwapGroup(EntryTable):
         self._by_key.clear()
         self._by_storage.clear()
         self._spans.clear()
-        self._offload_slots, self._offload_buckets, self._host_buckets = [], [], []
-        self._load_slots = {}
+        self._offload, self._load, self._host_buckets = None, None, []
         self._offload_job = self._load_job = None
 
     def __repr__(self) -> str:

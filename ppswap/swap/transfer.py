@@ -1,26 +1,33 @@
 """The copy bodies of a group's offload and load jobs (no framework calls of their own).
 
-These functions run on the copy thread. They only see what a job carries: the copy
-sources, the host buffers, the buckets, and move bytes with the engine's primitives. They
-take no locks; the group wraps them. The unit they move is a storage span
-(``spans.py``): one copy per span, of its bytes as ``uint8``, all of an offload's spans
-in one engine call (``d2h_many``), each into a host buffer of its own or a slice of its
-bucket; a load's single spans into one device allocation per block of at most
-``bucket_bytes`` (``h2d_block``), a bucket in one copy. After the copies they compare
-content digests where the group keeps them (``StorageSpan.verify``, per view): the host
-copy against the reference taken when the forward ended, the source again after the copy
-(a write during the copy), a load against the host copy.
+An :class:`Offload` or :class:`Load` is what one job moves, fixed on the compute thread
+when the job is prepared: the storage spans (``spans.py``) in lists, with what the copy
+thread reads (the copy sources, the host buffers) captured in lists of their own, and
+the list the copy thread fills (the host copies, the loaded arrays) in the same order.
+The copy thread never writes a span: it only reads each span's size and, for the content
+checks, its views and digests, which no longer change once the forward has ended. The
+group takes the results under its lock once the job is done.
 
-Bucket layout (``group_swap=True``): spans are placed in capture order at 64-byte aligned
-offsets; a bucket never exceeds ``bucket_bytes`` unless it holds one span that is larger
-by itself (such a span gets a bucket of its own).
+An offload copies every span to the host in one engine call (``d2h_many``), each into a
+pooled buffer of its own or a slice of its bucket. A load copies the spans that have a
+buffer of their own into one device allocation per block of at most ``bucket_bytes``
+(``h2d_block``), and each bucket in one copy (``h2d``) whose spans become slices of it
+(``member``). After the copies, where the group keeps content digests, they are compared
+(``StorageSpan.verify``, per view): the host copy against the reference taken when the
+forward ended, the source again after the copy (a write during the copy), a load against
+the host copy.
+
+Placement (:func:`pack_buckets`, for ``group_swap=True`` host buckets and for a load's
+device blocks alike): spans in capture order at 64-byte aligned offsets; a bucket never
+exceeds ``bucket_bytes`` unless it holds one span that is larger by itself (such a span
+gets a bucket of its own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ppswap.backends.base import CopyEngine
 from ppswap.backends.host_memory import HOST_ALIGNMENT, Array
@@ -28,40 +35,29 @@ from ppswap.swap.spans import StorageSpan
 from ppswap.swap.tensor import CheckMode
 
 __all__ = [
-    "CopySlot",
     "HostBucket",
-    "LoadBlock",
-    "LoadPlan",
+    "Load",
+    "Offload",
+    "Sized",
     "aligned",
-    "load_blocks",
     "pack_buckets",
-    "release_load_buffers",
-    "release_offload_buffers",
-    "run_load",
-    "run_offload",
 ]
 
 
-@dataclass(eq=False)
-class CopySlot:
-    """What one span's copy needs: source, destination, place in its bucket."""
+class Sized(Protocol):
+    """What placement reads of a span: its byte count."""
 
-    span: StorageSpan
-    src: Any = None
-    host: Array | None = None
-    loaded: Any = None
-    block: tuple[str, int] | None = None
-    block_nbytes: int = 0
-    offset: int = 0
+    @property
+    def nbytes(self) -> int: ...
 
 
 @dataclass(eq=False)
 class HostBucket:
-    """A contiguous host buffer holding several spans of one group; ``holding`` counts
-    the spans still in it."""
+    """A contiguous host buffer holding several spans of one group: ``members`` are the
+    spans with their byte offsets in it, ``holding`` counts the spans still in it."""
 
     nbytes: int
-    members: list[tuple[CopySlot, int]] = field(default_factory=list)
+    members: list[tuple[Any, int]] = field(default_factory=list)
     raw: Array | None = None
     holding: int = 0
 
@@ -71,197 +67,149 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
 
 
-def pack_buckets(slots: list[CopySlot], bucket_bytes: int) -> list[HostBucket]:
-    """Place slots, in order, into buckets of at most ``bucket_bytes`` (see module doc)."""
+def pack_buckets(spans: Sequence[Sized], bucket_bytes: int) -> list[HostBucket]:
+    """Place ``spans``, in order, into buckets of at most ``bucket_bytes`` (module doc)."""
     buckets: list[HostBucket] = []
     current: HostBucket | None = None
-    for slot in slots:
-        size = slot.span.nbytes
+    for span in spans:
+        size = span.nbytes
         if current is not None and aligned(current.nbytes) + size <= bucket_bytes:
             offset = aligned(current.nbytes)
         else:
             current = HostBucket(nbytes=0)
             buckets.append(current)
             offset = 0
-        current.members.append((slot, offset))
+        current.members.append((span, offset))
         current.nbytes = offset + size
     return buckets
 
 
-def _verify_offloaded(engine: CopyEngine, slot: CopySlot, check: CheckMode) -> None:
-    if slot.span.digests is None:  # the version counter is the check (torch)
-        return
-    slot.span.verify(slot.host, check, "after capture")
-    slot.span.verify(engine.host_view(slot.src), check, "while its offload copy ran")
-
-
-def run_offload(
-    engine: CopyEngine, single: list[CopySlot], buckets: list[HostBucket], check: CheckMode
-) -> None:
-    """Copy every span to host, all in one engine call: one pooled buffer per single
-    slot, a slice of one per bucket."""
-    into: list[Array | None] = [None] * len(single)
-    slots = list(single)
-    for bucket in buckets:
-        bucket.raw = raw = engine.acquire_host(bucket.nbytes)
-        for slot, offset in bucket.members:
-            slots.append(slot)
-            into.append(raw[offset : offset + slot.span.nbytes])
-    if not slots:
-        return
-    sources = []
-    for slot in slots:
-        assert slot.src is not None
-        sources.append(slot.src)
-    for slot, host in zip(slots, engine.d2h_many(sources, into), strict=True):
-        slot.host = host  # every buffer has its slot before a check may raise
-    for slot in slots:
-        _verify_offloaded(engine, slot, check)
-        slot.src = None
-
-
 @dataclass(eq=False)
-class LoadBlock:
-    """One device block a load job allocates for spans that have a host buffer each: its
-    slots (each at its ``offset``) and its size."""
+class Offload:
+    """What one offload job copies: ``spans`` (first ``single`` with a host buffer of
+    their own, then each bucket's members in order) and their copy ``sources``;
+    ``hosts``, filled by :meth:`run`, each span's host copy in the same order."""
 
-    slots: list[CopySlot]
-    nbytes: int
-
-
-def load_blocks(slots: list[CopySlot], block_bytes: int) -> list[LoadBlock]:
-    """Place ``slots`` in device blocks by the host buckets' rule (:func:`pack_buckets`):
-    in order, 64-byte aligned, at most ``block_bytes`` a block unless one span is larger."""
-    blocks = []
-    for layout in pack_buckets(slots, block_bytes):
-        for slot, offset in layout.members:
-            slot.offset = offset
-        blocks.append(LoadBlock([slot for slot, _ in layout.members], layout.nbytes))
-    return blocks
-
-
-def run_load(
-    engine: CopyEngine,
-    blocks: list[LoadBlock],
-    buckets: list[tuple[HostBucket, list[CopySlot]]],
-    check: CheckMode,
-) -> None:
-    """Copy host spans to fresh device memory: the spans of a block into slices of one
-    allocation (``h2d_block``), a bucket in one copy whose spans become slices of it."""
-    where = "while it was on the host (load)"
-    for block in blocks:
-        hosts = []
-        for slot in block.slots:
-            assert slot.host is not None
-            hosts.append(slot.host)
-        offsets = [slot.offset for slot in block.slots]
-        loaded_spans = engine.h2d_block(hosts, offsets, block.nbytes)
-        for slot, loaded in zip(block.slots, loaded_spans, strict=True):
-            if slot.span.digests is not None:
-                slot.span.verify(engine.host_view(loaded), check, where)
-            slot.loaded = loaded
-    for bucket, bucket_slots in buckets:
-        assert bucket.raw is not None
-        raw = bucket.raw
-        block = engine.h2d(raw)
-        for slot in bucket_slots:
-            host = raw[slot.offset : slot.offset + slot.span.nbytes]
-            loaded = engine.member(block, slot.offset, host)
-            if slot.span.digests is not None:
-                slot.span.verify(engine.host_view(loaded), check, where)
-            slot.loaded = loaded
-
-
-def release_load_buffers(
-    engine: CopyEngine,
-    single: list[CopySlot],
-    buckets: list[tuple[HostBucket, list[CopySlot]]],
-) -> None:
-    """Give a load job's host buffers back to the pool (each exactly once)."""
-    for slot in single:
-        if slot.host is not None:
-            engine.release_host(slot.host)
-            slot.host = None
-    for bucket, _ in buckets:
-        if bucket.raw is not None:
-            engine.release_host(bucket.raw)
-            bucket.raw = None
-
-
-def release_offload_buffers(
-    engine: CopyEngine, slots: list[CopySlot], buckets: list[HostBucket]
-) -> None:
-    """Give an offload job's host buffers back (used when its group was discarded)."""
-    for slot in slots:
-        if slot.host is not None and not slot.span.bulk:
-            engine.release_host(slot.host)
-        slot.host = None
-    for bucket in buckets:
-        if bucket.raw is not None:
-            engine.release_host(bucket.raw)
-            bucket.raw = None
-
-
-@dataclass(eq=False)
-class LoadPlan:
-    """What one load job moves: single spans (placed in ``blocks``), and buckets with
-    their moving spans.
-
-    Each slot gets the accounting block its data will land in: one per single span
-    (counting that span's bytes, although the engine places the spans of a
-    :class:`LoadBlock` in one allocation: they are loaded, held and released together),
-    one per bucket (shared by its spans, sized as the whole bucket).
-    """
-
-    single: list[CopySlot]
-    blocks: list[LoadBlock]
-    buckets: list[tuple[HostBucket, list[CopySlot]]]
+    spans: list[StorageSpan]
+    sources: list[Any]
+    single: int
+    buckets: list[HostBucket]
+    hosts: list[Array] = field(default_factory=list)
 
     @classmethod
-    def build(
-        cls,
-        host_spans: list[StorageSpan],
-        host_buckets: list[HostBucket],
-        new_block: Callable[[], tuple[str, int]],
-        block_bytes: int,
-    ) -> LoadPlan:
-        """Plan the load of ``host_spans`` (on the host, not bucketed; device blocks of
-        at most ``block_bytes``) and of the spans still in ``host_buckets``."""
-        single = [
-            CopySlot(span=span, host=span.host, block=new_block(), block_nbytes=span.nbytes)
-            for span in host_spans
-        ]
-        buckets: list[tuple[HostBucket, list[CopySlot]]] = []
-        for bucket in host_buckets:
-            moving = [
-                (member.span, offset)
-                for member, offset in bucket.members
-                if member.span.host is not None
-            ]
-            if not moving:
-                continue
-            block = new_block()
-            buckets.append(
-                (
-                    bucket,
-                    [
-                        CopySlot(span=span, block=block, block_nbytes=bucket.nbytes, offset=offset)
-                        for span, offset in moving
-                    ],
-                )
-            )
-        return cls(single=single, blocks=load_blocks(single, block_bytes), buckets=buckets)
-
-    @property
-    def slots(self) -> list[CopySlot]:
-        return self.single + [slot for _, slots in self.buckets for slot in slots]
+    def build(cls, movable: list[StorageSpan], bucket_bytes: int) -> Offload:
+        """The offload of ``movable``: spans with ``bulk`` packed into host buckets of at
+        most ``bucket_bytes``, the others into buffers of their own."""
+        spans = [span for span in movable if not span.bulk]
+        single = len(spans)
+        buckets = pack_buckets([span for span in movable if span.bulk], bucket_bytes)
+        for bucket in buckets:
+            spans.extend(span for span, _ in bucket.members)
+        return cls(spans, [span.source for span in spans], single, buckets)
 
     @property
     def nbytes(self) -> int:
-        return sum(s.span.nbytes for s in self.single) + sum(b.nbytes for b, _ in self.buckets)
+        return sum(span.nbytes for span in self.spans)
 
     def run(self, engine: CopyEngine, check: CheckMode) -> None:
-        run_load(engine, self.blocks, self.buckets, check)
+        """Copy every span to the host in one engine call (copy thread), then compare
+        the digests where the spans keep them."""
+        if not self.spans:
+            return
+        into: list[Array | None] = [None] * self.single
+        for bucket in self.buckets:
+            bucket.raw = raw = engine.acquire_host(bucket.nbytes)
+            for span, offset in bucket.members:
+                into.append(raw[offset : offset + span.nbytes])
+        self.hosts = engine.d2h_many(self.sources, into)  # every buffer kept before a check
+        for span, host, source in zip(self.spans, self.hosts, self.sources, strict=True):
+            if span.digests is not None:  # None: the version counter is the check (torch)
+                span.verify(host, check, "after capture")
+                span.verify(engine.host_view(source), check, "while its offload copy ran")
+        self.sources = []
 
     def release(self, engine: CopyEngine) -> None:
-        release_load_buffers(engine, self.single, self.buckets)
+        """Give the job's host buffers back (its group was discarded before it finished)."""
+        for host in self.hosts[: self.single]:
+            engine.release_host(host)
+        self.hosts = []
+        for bucket in self.buckets:
+            if bucket.raw is not None:
+                engine.release_host(bucket.raw)
+                bucket.raw = None
+
+
+@dataclass(eq=False)
+class Load:
+    """What one load job copies: ``single`` spans (each with its host buffer in ``hosts``
+    and its byte offset in its device block in ``offsets``; ``blocks`` gives each block's
+    first and end index into them and its size), then ``buckets``, each with its members
+    still on the host (and their offsets in it). ``loaded``, filled by :meth:`run`, has
+    each span's loaded array in the order of :attr:`spans`."""
+
+    single: list[StorageSpan]
+    hosts: list[Array]
+    offsets: list[int]
+    blocks: list[tuple[int, int, int]]
+    buckets: list[tuple[HostBucket, list[tuple[StorageSpan, int]]]]
+    loaded: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls, host_spans: list[StorageSpan], host_buckets: list[HostBucket], block_bytes: int
+    ) -> Load:
+        """The load of ``host_spans`` (on the host, in buffers of their own; device blocks
+        of at most ``block_bytes``) and of the spans still in ``host_buckets``."""
+        hosts: list[Array] = []
+        for span in host_spans:
+            assert span.host is not None
+            hosts.append(span.host)
+        offsets: list[int] = []
+        blocks = []
+        for block in pack_buckets(host_spans, block_bytes):
+            first = len(offsets)
+            offsets.extend(offset for _, offset in block.members)
+            blocks.append((first, len(offsets), block.nbytes))
+        buckets = []
+        for bucket in host_buckets:
+            moving = [(span, offset) for span, offset in bucket.members if span.host is not None]
+            if moving:
+                buckets.append((bucket, moving))
+        return cls(host_spans, hosts, offsets, blocks, buckets)
+
+    @property
+    def spans(self) -> list[StorageSpan]:
+        return self.single + [span for _, moving in self.buckets for span, _ in moving]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(span.nbytes for span in self.single) + sum(b.nbytes for b, _ in self.buckets)
+
+    def run(self, engine: CopyEngine, check: CheckMode) -> None:
+        """Copy the spans to fresh device memory (copy thread), then compare each with
+        its host copy's digests where the spans keep them."""
+        loaded: list[Any] = []
+        hosts, offsets = self.hosts, self.offsets
+        for first, end, nbytes in self.blocks:
+            loaded.extend(engine.h2d_block(hosts[first:end], offsets[first:end], nbytes))
+        for bucket, moving in self.buckets:
+            raw = bucket.raw
+            assert raw is not None
+            block = engine.h2d(raw)
+            for span, offset in moving:
+                loaded.append(engine.member(block, offset, raw[offset : offset + span.nbytes]))
+        where = "while it was on the host (load)"
+        for span, array in zip(self.spans, loaded, strict=True):
+            if span.digests is not None:
+                span.verify(engine.host_view(array), check, where)
+        self.loaded = loaded
+
+    def release(self, engine: CopyEngine) -> None:
+        """Give the job's host buffers back to the pool (each once; again: nothing)."""
+        for host in self.hosts:
+            engine.release_host(host)
+        self.hosts = []
+        for bucket, _ in self.buckets:
+            if bucket.raw is not None:
+                engine.release_host(bucket.raw)
+                bucket.raw = None

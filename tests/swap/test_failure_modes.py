@@ -143,7 +143,7 @@ def test_no_reference_lingers_after_finish_offload(make_session, copy_thread):
         assert entry.device is None and entry.device_block is None
         assert entry.job is None
     group = session.manager.get_group(session.group_name(0, 0))
-    assert not group._offload_slots  # the staging numpy views (they pin device memory)
+    assert group._offload is None  # the staging numpy views (they pin device memory)
     assert job._work is None  # the finished job dropped its closure (and the views in it)
     release_forward(vjp_fn)
 
