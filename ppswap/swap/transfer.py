@@ -35,16 +35,16 @@ from ppswap.swap.spans import StorageSpan
 from ppswap.swap.tensor import CheckMode
 
 __all__ = [
+    "ByteSized",
     "HostBucket",
     "Load",
     "Offload",
-    "Sized",
     "aligned",
     "pack_buckets",
 ]
 
 
-class Sized(Protocol):
+class ByteSized(Protocol):
     """What placement reads of a span: its byte count."""
 
     @property
@@ -67,7 +67,7 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
 
 
-def pack_buckets(spans: Sequence[Sized], bucket_bytes: int) -> list[HostBucket]:
+def pack_buckets(spans: Sequence[ByteSized], bucket_bytes: int) -> list[HostBucket]:
     """Place ``spans``, in order, into buckets of at most ``bucket_bytes`` (module doc)."""
     buckets: list[HostBucket] = []
     current: HostBucket | None = None
