@@ -125,10 +125,9 @@ def recording(
     return call
 
 
-def planned_order(schedule: ScheduleName, rank: int, pp: int) -> list[str]:
+def planned_order(schedule: ScheduleName, rank: int, pp: int, stage_num: int) -> list[str]:
     """ppswap's compute order of ``rank`` for this script's configuration, step by step."""
-    vpp = 2 if schedule == "interleaved_1f1b" else 1
-    config = ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=MICRO)
+    config = ScheduleConfig(schedule=schedule, pp=pp, vpp=stage_num // pp, micro=MICRO)
     return [step.short() for step in compute_order(config, rank)]
 
 
@@ -249,7 +248,7 @@ async def check(name: str, transport: TorchDistTransport) -> list[str]:
     off, off_grads = await run_ppswap(schedule, transport, stage_num, x, y, swap=False)
     on, on_grads = await run_ppswap(schedule, transport, stage_num, x, y, swap=True)
     problems: list[str] = []
-    order = planned_order(cast(ScheduleName, schedule), rank, pp)
+    order = planned_order(cast(ScheduleName, schedule), rank, pp, stage_num)
     if peer_order != order:
         pairs = zip(peer_order, order, strict=False)  # the first difference, or the shorter end
         first = next(
