@@ -26,10 +26,15 @@ import threading
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["Chunk", "DeviceBlock", "SwapAccounting", "UnpackCounters"]
+__all__ = ["Chunk", "DeviceBlock", "SwapAccounting", "UnpackCounters", "storage_block"]
 
 Chunk = tuple[int, int]
 DeviceBlock = tuple[str, int]
+
+
+def storage_block(ptr: int) -> DeviceBlock:
+    """The block of the storage at base address ``ptr`` (module docstring)."""
+    return ("storage", ptr)
 
 
 @dataclass(frozen=True)

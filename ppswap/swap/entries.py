@@ -21,7 +21,7 @@ import weakref
 
 from ppswap.backends.base import Backend, CopyEngine, StorageRef, ViewKey
 from ppswap.backends.types import Tensor
-from ppswap.swap.accounting import SwapAccounting
+from ppswap.swap.accounting import SwapAccounting, storage_block
 from ppswap.swap.errors import SwapStateError
 from ppswap.swap.spans import StorageSpan
 from ppswap.swap.tensor import (
@@ -156,7 +156,7 @@ class EntryTable:
                 return existing
             ptr, nbytes = info
             entries = self._entries
-            block = ("storage", ptr)  # the storage's block (accounting.py), held while on device
+            block = storage_block(ptr)  # held while the entry is on device
             entry = SwapTensor(
                 self._owner,
                 self.name,

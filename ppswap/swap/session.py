@@ -54,7 +54,7 @@ import structlog
 
 from ppswap.backends.base import CopyEngine, StorageRef
 from ppswap.backends.types import Module, Tensor
-from ppswap.swap.accounting import Chunk, SwapAccounting
+from ppswap.swap.accounting import Chunk, SwapAccounting, storage_block
 from ppswap.swap.errors import SwapError, SwapTimeoutError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
 from ppswap.swap.jobs import CopyJob
@@ -98,12 +98,12 @@ class _ChunkRecord:
     def must_stay_resident(self, storage: StorageRef) -> bool:
         if storage.ptr in self.resident:
             return True
-        return self.session.accounting.held_by_other_chunk(("storage", storage.ptr), self.chunk)
+        return self.session.accounting.held_by_other_chunk(storage_block(storage.ptr), self.chunk)
 
     def record_resident(self, tensor: Tensor, storage: StorageRef) -> None:
         if storage.ptr in self.resident:  # already recorded: already pinned everywhere
             return
-        block = ("storage", storage.ptr)
+        block = storage_block(storage.ptr)
         # Only a storage someone already holds can have a captured entry to pin (an entry
         # holds its storage's block while on device; a later capture of this storage, in
         # any chunk, sees this hold and stays resident itself).
@@ -115,7 +115,7 @@ class _ChunkRecord:
 
     def release(self) -> None:
         holder = self.holder
-        self.session.accounting.drop_all([(("storage", ptr), holder) for ptr in self.resident])
+        self.session.accounting.drop_all([(storage_block(ptr), holder) for ptr in self.resident])
         self.resident.clear()
 
 
