@@ -144,14 +144,16 @@ class Load:
     """What one load job copies: ``single`` spans (each with its host buffer in ``hosts``
     and its byte offset in its device block in ``offsets``; ``blocks`` gives each block's
     first and end index into them and its size), then ``buckets``, each with its members
-    still on the host (and their offsets in it). ``loaded``, filled by :meth:`run`, has
-    each span's loaded array in the order of :attr:`spans`."""
+    still on the host (and their offsets in it). ``spans`` lists every span the job
+    moves, the single ones first; ``loaded``, filled by :meth:`run`, has each span's
+    loaded array in that order."""
 
     single: list[StorageSpan]
     hosts: list[Array]
     offsets: list[int]
     blocks: list[tuple[int, int, int]]
     buckets: list[tuple[HostBucket, list[tuple[StorageSpan, int]]]]
+    spans: list[StorageSpan]
     loaded: list[Any] = field(default_factory=list)
 
     @classmethod
@@ -171,15 +173,13 @@ class Load:
             offsets.extend(offset for _, offset in block.members)
             blocks.append((first, len(offsets), block.nbytes))
         buckets = []
+        spans = list(host_spans)
         for bucket in host_buckets:
             moving = [(span, offset) for span, offset in bucket.members if span.host is not None]
             if moving:
                 buckets.append((bucket, moving))
-        return cls(host_spans, hosts, offsets, blocks, buckets)
-
-    @property
-    def spans(self) -> list[StorageSpan]:
-        return self.single + [span for _, moving in self.buckets for span, _ in moving]
+                spans.extend(span for span, _ in moving)
+        return cls(host_spans, hosts, offsets, blocks, buckets, spans)
 
     @property
     def nbytes(self) -> int:
