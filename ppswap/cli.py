@@ -38,7 +38,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from ppswap.cli_args import EXIT_USAGE, PROG, VPP_HELP, fail, vpp_of
+from ppswap.cli_args import EXIT_USAGE, PROG, VPP_HELP, fail, install_hint, vpp_of
 from ppswap.cli_demo import add_demo_parser
 from ppswap.scheduler.config import (
     DEFAULT_MIN_SWAP_GAP,
@@ -218,7 +218,7 @@ def run_plot(args: argparse.Namespace) -> int:
         return fail(str(exc))
     plot_schedule = load_plotter()
     if plot_schedule is None:
-        return fail("ppswap plot needs matplotlib: pip install 'ppswap[plot]'")
+        return fail(f"ppswap plot needs matplotlib: {install_hint('plot')}")
     try:
         path = plot_schedule(config, args.output)
     except ValueError as exc:

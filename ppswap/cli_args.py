@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["EXIT_USAGE", "INTERLEAVED_DEFAULT_VPP", "PROG", "VPP_HELP", "fail", "vpp_of"]
+__all__ = [
+    "EXIT_USAGE",
+    "INTERLEAVED_DEFAULT_VPP",
+    "PROG",
+    "VPP_HELP",
+    "fail",
+    "install_hint",
+    "vpp_of",
+]
 
 PROG = "ppswap"
 EXIT_USAGE = 2
@@ -23,6 +31,12 @@ def vpp_of(args: argparse.Namespace) -> int:
     if args.vpp is not None:
         return int(args.vpp)
     return INTERLEAVED_DEFAULT_VPP if args.schedule == "interleaved_1f1b" else 1
+
+
+def install_hint(extra: str) -> str:
+    """How to install the optional ``extra`` (ppswap is installed from a checkout, not
+    from a package index): ``pip install -e '.[extra]'`` in the repository's root."""
+    return f"pip install -e '.[{extra}]' in the ppswap checkout"
 
 
 def fail(message: str) -> int:

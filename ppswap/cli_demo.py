@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ppswap.cli_args import VPP_HELP, fail, vpp_of
+from ppswap.cli_args import VPP_HELP, fail, install_hint, vpp_of
 from ppswap.scheduler.config import SCHEDULE_NAMES, ScheduleConfig
 
 __all__ = [
@@ -108,7 +108,7 @@ def _missing_framework(exc: ModuleNotFoundError, backend: str) -> str | None:
     when ``exc`` is about another module."""
     if (exc.name or "").partition(".")[0] != backend:
         return None
-    return f"ppswap demo needs {DEMO_BACKENDS[backend]}: pip install 'ppswap[{backend}]'"
+    return f"ppswap demo needs {DEMO_BACKENDS[backend]}: {install_hint(backend)}"
 
 
 def _run_demo(args: argparse.Namespace, config: ScheduleConfig) -> int:

@@ -37,7 +37,7 @@ else:
 
 BFLOAT16_MISSING = (
     "numpy has no bfloat16 and the ml_dtypes package, which adds it, is not installed "
-    "(pip install 'ppswap[torch]' installs it)"
+    "(pip install ml_dtypes; ppswap's torch and mindspore extras install it)"
 )
 
 

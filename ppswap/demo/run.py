@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ppswap.cli_args import install_hint
 from ppswap.core.messages import HostArray
 from ppswap.core.transport import Transport
 from ppswap.demo.report import DemoReport, format_report
@@ -405,7 +406,7 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
 def _plot(config: ScheduleConfig, path: Path) -> None:
     plot_schedule = load_plotter()
     if plot_schedule is None:
-        print("  (matplotlib not installed: no diagram; pip install 'ppswap[plot]')")
+        print(f"  (matplotlib not installed: no diagram; {install_hint('plot')})")
         return
     plot_schedule(config, path)
     print(f"  schedule diagram: {path}")

@@ -47,3 +47,13 @@ def test_the_readme_names_no_file_outside_the_repository() -> None:
     assert "../" not in text  # and no outside document by name: tests/architecture
     for path in re.findall(r"`((?:docs|examples|benchmarks|ppswap)/[\w./-]+)`", text):
         assert (ROOT / path).exists(), path
+
+
+def test_the_readme_installs_from_a_checkout() -> None:
+    # ppswap is not on a package index: every install is from the checkout or its git URL
+    text = (ROOT / "README.md").read_text()
+    installs = re.findall(r"pip install [^`\n]*", text)
+    assert any("-e '.[torch]'" in line for line in installs), installs
+    assert any("-e '.[mindspore]'" in line for line in installs), installs
+    for line in installs:
+        assert "-e '." in line or "@ git+" in line, line

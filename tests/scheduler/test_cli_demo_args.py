@@ -153,7 +153,9 @@ def test_a_torch_demo_without_torch_is_one_line(tmp_path: Path) -> None:
         f"sys.exit(main(['demo', '--backend', 'torch', '--out', {str(tmp_path)!r}]))\n"
     )
     assert done.returncode == 2
-    assert done.stderr == "ppswap: error: ppswap demo needs torch: pip install 'ppswap[torch]'\n"
+    assert done.stderr == (
+        "ppswap: error: ppswap demo needs torch: pip install -e '.[torch]' in the ppswap checkout\n"
+    )
 
 
 def test_a_demo_without_mindspore_is_one_line(tmp_path: Path) -> None:
@@ -164,7 +166,8 @@ def test_a_demo_without_mindspore_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert (
         done.stderr
-        == "ppswap: error: ppswap demo needs MindSpore: pip install 'ppswap[mindspore]'\n"
+        == "ppswap: error: ppswap demo needs MindSpore: pip install -e '.[mindspore]' in the "
+        "ppswap checkout\n"
     )
 
 
