@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ppswap.core.messages import HostArray
+from ppswap.demo.progress import Progress
 from ppswap.demo.report import step_time_line
 from ppswap.demo.run import (
     DEMO_LM_SIZES,
@@ -95,14 +96,11 @@ def _train(
     def sgd_on_shards(stage: PipelineStage) -> None:  # with the shard gradients
         model.sgd_step(stage.parameters, stage.grads, opts.lr)
 
+    progress = Progress(sys.stderr, len(data), label="fsdp step")
+
     def report(done: int) -> None:
         times = ", ".join(f"{run.label} {run.step_times[-1]:.2f}s" for run in passes)
-        print(
-            f"\r  fsdp step {done}/{len(data)} loss {passes[0].losses[-1]:.4f} ({times})",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
+        progress.show(done, f"loss {passes[0].losses[-1]:.4f} ({times})")
 
     train_in_turn(
         passes,
@@ -111,7 +109,7 @@ def _train(
         update=sgd_on_shards,
         report=report,
     )
-    print(file=sys.stderr)
+    progress.close()
     return passes[0], passes[1]
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from ppswap.cli_args import install_hint
 from ppswap.core.messages import HostArray
 from ppswap.core.transport import Transport
+from ppswap.demo.progress import Progress
 from ppswap.demo.report import DemoReport, format_report
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.results import RunResult
@@ -330,20 +331,16 @@ def _train(
     suffix = "" if rank is None else f"_rank{rank}"
     reports = not rank  # under MPI only rank 0 reports
 
+    progress = Progress(sys.stderr, len(data))
+
     def report(done: int) -> None:
         if not reports:
             return
-        bar = "#" * (20 * done // len(data))
         times = ", ".join(f"{run.label} {run.step_times[-1]:.2f}s" for run in passes)
-        print(
-            f"\r  [{bar:<20}] step {done}/{len(data)} loss {passes[0].losses[-1]:.4f} ({times})",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
+        progress.show(done, f"loss {passes[0].losses[-1]:.4f} ({times})")
 
     if reports:
-        print(f"\r  [{'':<20}] step 0/{len(data)} running...", end="", file=sys.stderr)
+        progress.show(0, "running...")
     train_in_turn(
         passes,
         data,
@@ -354,7 +351,7 @@ def _train(
         report=report,
     )
     if reports:
-        print(file=sys.stderr)
+        progress.close()
     return passes
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ppswap.cli import main
+from ppswap.demo.progress import Progress
 from ppswap.demo.report import format_report, step_time_line
 from ppswap.demo.run import DemoOptions, run_demo
 
@@ -19,7 +21,8 @@ def test_demo_trains_and_swap_agrees(tmp_path: Path, capsys: pytest.CaptureFixtu
     report = run_demo(DemoOptions(pp=2, micro=4, batch=8, steps=2, out_dir=tmp_path, plot=False))
     progress = capsys.readouterr().err
     # a line before the first step, so the slow first step does not look like a hang
-    assert progress.index("  [                    ] step 0/2 running") < progress.index("step 1/2")
+    assert progress.index("  step 0/2 running...\n") < progress.index("step 1/2")
+    assert "\r" not in progress  # not a terminal: one line per step, no bar redrawn
     # the two trainings take each step in turn: both times are there after every step
     for step in (1, 2):
         both = rf"step {step}/2 loss [0-9.]+ \(swap off [0-9.]+s, swap on [0-9.]+s\)"
@@ -82,6 +85,8 @@ def test_torch_demo_from_the_console_needs_no_mindspore(tmp_path: Path) -> None:
     assert "bit-identical: yes" in done.stdout
     assert "mindspore loaded: False" in done.stdout
     assert "torch char LM" in done.stderr
+    assert "\r" not in done.stderr  # a pipe, as a log file: no bar redrawn in place
+    assert any(line.startswith("  step 1/1 loss ") for line in done.stderr.splitlines())
 
 
 def test_step_time_line_leaves_out_the_warm_up_step() -> None:
@@ -94,4 +99,31 @@ def test_step_time_line_leaves_out_the_warm_up_step() -> None:
     )
     assert step_time_line([4.0], [5.0]) == (
         "step time (one step, warm-up included): swap off 4.00s, swap on 5.00s (1.25x)"
+    )
+
+
+def test_progress_redraws_one_line_only_on_a_terminal(tmp_path: Path) -> None:
+    controller, terminal_fd = os.openpty()
+    with os.fdopen(terminal_fd, "w") as terminal:
+        bar = Progress(terminal, 2)
+        assert bar.terminal
+        bar.show(0, "running...")
+        bar.show(1, "loss 4.0")
+        bar.show(2, "loss 3.0")
+        bar.close()
+    written = os.read(controller, 4096).decode()
+    os.close(controller)
+    assert written.replace("\r\n", "\n") == (
+        "\r  [                    ] step 0/2 running..."
+        "\r  [##########          ] step 1/2 loss 4.0"
+        "\r  [####################] step 2/2 loss 3.0\n"
+    )
+    with (tmp_path / "demo.log").open("w") as log:
+        lines = Progress(log, 2, label="fsdp step")
+        assert not lines.terminal
+        lines.show(0, "running...")
+        lines.show(1, "loss 4.0")
+        lines.close()
+    assert (tmp_path / "demo.log").read_text() == (
+        "  fsdp step 0/2 running...\n  fsdp step 1/2 loss 4.0\n"
     )
