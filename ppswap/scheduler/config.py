@@ -10,6 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from ppswap.scheduler.families import (
+    COMPOSITE_FAMILIES,
+    FAMILIES,
+    SPLIT_FAMILIES,
+    V_FAMILIES,
+    ComputeOrders,
+    check_family,
+    v_rank_of,
+    v_stages_of,
+)
+
 __all__ = [
     "DEFAULT_MIN_SWAP_GAP",
     "P2PMode",
@@ -17,7 +28,9 @@ __all__ = [
     "ScheduleName",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+ScheduleName = Literal[
+    "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"
+]
 P2PMode = Literal["plain", "batch", "boundary"]
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
 P2P_MODES: tuple[str, ...] = get_args(P2PMode)
@@ -41,8 +54,11 @@ class ScheduleConfig:
     """A pipeline schedule: family, sizes and options.
 
     ``pp`` ranks, ``vpp`` virtual stages per rank (stages ``0 .. pp*vpp-1``, stage ``s`` on
-    rank ``s % pp``), ``micro`` micro-batches. ``vpp > 1`` only with ``interleaved_1f1b``,
-    which needs ``vpp >= 2`` and ``micro % pp == 0``.
+    rank ``rank_of(s)``), ``micro`` micro-batches. ``vpp > 1`` only with
+    ``interleaved_1f1b``, which needs ``vpp >= 2`` and ``micro % pp == 0``, or with the
+    families of ``ppswap.scheduler.families`` (their own rules). ``order``: every rank's
+    compute order given from outside (``ppswap.scheduler.user_orders``); it replaces the
+    family's order and placement, and ``schedule`` is then only a label.
     """
 
     schedule: ScheduleName = "gpipe"
@@ -56,6 +72,7 @@ class ScheduleConfig:
     swap: bool = False
     min_swap_gap: int = DEFAULT_MIN_SWAP_GAP
     forward_only: bool = False
+    order: ComputeOrders | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_NAMES:
@@ -70,7 +87,16 @@ class ScheduleConfig:
         if self.p2p not in P2P_MODES:
             raise ValueError(f"p2p must be one of {', '.join(P2P_MODES)}, got {self.p2p!r}")
         _check_int("min_swap_gap", self.min_swap_gap, 2)
-        if self.schedule == "interleaved_1f1b":
+        if self.order is not None:
+            self._check_order()
+        elif self.schedule in FAMILIES:
+            check_family(self.schedule, self.pp, self.vpp, self.micro)
+            if self.split_dw or self.overlap_b_f:
+                raise ValueError(
+                    f"split_dw and overlap_b_f must be False for {self.schedule} (its order "
+                    "fixes its own backward split and overlap)"
+                )
+        elif self.schedule == "interleaved_1f1b":
             if self.vpp < 2:
                 raise ValueError(
                     f"vpp must be >= 2 for interleaved_1f1b, got {self.vpp!r} "
@@ -103,14 +129,54 @@ class ScheduleConfig:
                 "forward_only=True"
             )
 
+    def _check_order(self) -> None:
+        order = self.order
+        if not isinstance(order, ComputeOrders):
+            raise TypeError(f"order must be a ComputeOrders or None, got {type(order).__name__}")
+        if len(order.orders) != self.pp or len(order.placement) != self.num_stages:
+            raise ValueError(
+                f"order must hold {self.pp} ranks' orders over {self.num_stages} stages "
+                f"(pp={self.pp}, vpp={self.vpp}), got {len(order.orders)} ranks and "
+                f"{len(order.placement)} stages"
+            )
+        if self.split_dw or self.overlap_b_f:
+            raise ValueError(
+                "split_dw and overlap_b_f must be False with a given order (the order "
+                "says where backwards split and overlap)"
+            )
+
     @property
     def num_stages(self) -> int:
         return self.pp * self.vpp
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether orders may hold BWD_INPUT / BWD_WEIGHT: ``split_dw``, a zero-bubble
+        family (split on every stage) or a given order."""
+        return self.split_dw or self.order is not None or self.schedule in SPLIT_FAMILIES
+
+    @property
+    def has_composites(self) -> bool:
+        """Whether orders may hold composites: ``overlap_b_f``, DualPipeV or a given order."""
+        return self.overlap_b_f or self.order is not None or self.schedule in COMPOSITE_FAMILIES
+
     def rank_of(self, stage: int) -> int:
-        """Loop placement: stage ``s`` lives on rank ``s % pp``."""
+        """The rank stage ``s`` lives on: the given order's placement; V placement
+        (``families.v_rank_of``) for zbv and dualpipev; else loop placement ``s % pp``."""
+        if self.order is not None:
+            return self.order.placement[stage]
+        if self.schedule in V_FAMILIES:
+            return v_rank_of(self.pp, stage)
         return stage % self.pp
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The global stages of a rank, in virtual-stage order."""
+        """The global stages of a rank, in virtual-stage order (a V: down leg first)."""
+        if self.order is not None:
+            return tuple(s for s, r in enumerate(self.order.placement) if r == rank)
+        if self.schedule in V_FAMILIES:
+            return v_stages_of(self.pp, rank)
         return tuple(rank + v * self.pp for v in range(self.vpp))
+
+    def placement(self) -> tuple[int, ...]:
+        """``rank_of`` of every stage, indexed by stage (for hot loops)."""
+        return tuple(self.rank_of(stage) for stage in range(self.num_stages))

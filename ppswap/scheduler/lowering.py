@@ -43,9 +43,12 @@ P2P (``rewrite_p2p``)
     steps); the consumer's RECV is the point where the data must have arrived (the
     runtime may post the irecv earlier; the consumer awaits it). Sends come right after
     their producer. For a composite, the recvs of both leaves go before it and the sends
-    of both after it, in sub-step order. A handoff between two stages on the same rank
-    (``pp == 1`` interleaved: every stage is on rank 0) still gets a SEND/RECV pair with
-    ``peer == rank``; the runtime delivers it locally.
+    of both after it, in sub-step order. The peer is the rank ``config.rank_of`` places the
+    other stage on (V placement for zbv and dualpipev). A handoff between two stages on
+    the same rank (``pp == 1`` interleaved: every stage is on rank 0; the V's turn, stages
+    ``pp - 1`` and ``pp`` on the last rank) still gets a SEND/RECV pair with ``peer ==
+    rank``: the runtime delivers it locally, and keeping the pair keeps one rule for every
+    dependency (validation, the deadlock proof and the swap planner need no special case).
 
     Modes: ``plain`` emits one step per send/recv. ``batch`` fuses every maximal run of
     two or more consecutive P2P steps into one BATCH_SEND_RECV (posted together, like
@@ -223,7 +226,7 @@ def p2p_for_slot(
     slot: MetaStep, config: ScheduleConfig
 ) -> tuple[tuple[MetaStep, ...], tuple[MetaStep, ...]]:
     """``(recvs, sends)`` a compute slot needs, in sub-step order (module docstring)."""
-    pp = config.pp
+    rank_of = config.rank_of
     last = config.num_stages - 1
     recvs: list[MetaStep] = []
     sends: list[MetaStep] = []
@@ -231,14 +234,14 @@ def p2p_for_slot(
         kind, stage, micro = leaf.kind, leaf.stage, leaf.micro
         if kind is _FWD:
             if stage > 0:
-                recvs.append(MetaStep(_RECV_F, stage, micro, (stage - 1) % pp))
+                recvs.append(MetaStep(_RECV_F, stage, micro, rank_of(stage - 1)))
             if stage < last:
-                sends.append(MetaStep(_SEND_F, stage, micro, (stage + 1) % pp))
+                sends.append(MetaStep(_SEND_F, stage, micro, rank_of(stage + 1)))
         elif kind is _BWD or kind is _BWD_INPUT:
             if stage < last:
-                recvs.append(MetaStep(_RECV_B, stage, micro, (stage + 1) % pp))
+                recvs.append(MetaStep(_RECV_B, stage, micro, rank_of(stage + 1)))
             if stage > 0:
-                sends.append(MetaStep(_SEND_B, stage, micro, (stage - 1) % pp))
+                sends.append(MetaStep(_SEND_B, stage, micro, rank_of(stage - 1)))
     return tuple(recvs), tuple(sends)
 
 
@@ -248,7 +251,7 @@ def rewrite_p2p(order: Order, config: ScheduleConfig, rank: int) -> Order:
     ``order`` may hold compute slots and FSDP steps, but no P2P steps or containers yet.
     """
     check_rank(config, rank)
-    pp = config.pp
+    placement = config.placement()
     last = config.num_stages - 1
     batch = config.p2p == "batch"
     step_of = trusted_step
@@ -266,15 +269,15 @@ def rewrite_p2p(order: Order, config: ScheduleConfig, rank: int) -> Order:
         if kind is _FWD:
             stage = step.stage
             if stage > 0:
-                run.append(step_of(_RECV_F, stage, step.micro, (stage - 1) % pp))
+                run.append(step_of(_RECV_F, stage, step.micro, placement[stage - 1]))
             if stage < last:
-                send = step_of(_SEND_F, stage, step.micro, (stage + 1) % pp)
+                send = step_of(_SEND_F, stage, step.micro, placement[stage + 1])
         elif kind is _BWD or kind is _BWD_INPUT:
             stage = step.stage
             if stage < last:
-                run.append(step_of(_RECV_B, stage, step.micro, (stage + 1) % pp))
+                run.append(step_of(_RECV_B, stage, step.micro, placement[stage + 1]))
             if stage > 0:
-                send = step_of(_SEND_B, stage, step.micro, (stage - 1) % pp)
+                send = step_of(_SEND_B, stage, step.micro, placement[stage - 1])
         elif kind is _OVERLAP_B_F or kind is _OVERLAP_F_B:
             recvs, more_sends = p2p_for_slot(step, config)
             run.extend(recvs)

@@ -57,6 +57,11 @@ Decisions where the design was silent:
   cross-rank simulation proves progress). Interleaved needs ``m % pp == 0``, so it
   never sees ``m < pp`` (refused by ScheduleConfig).
 - An order with 1F1B and ``m == 1`` has no steady pair, hence no composite.
+
+Looped BFS, Interleaved Zero Bubble, ZBV and DualPipeV are built by
+``ppswap.scheduler.zero_bubble`` and ``ppswap.scheduler.v_schedules`` (torch's orders,
+action for action); a given order (``config.order``) is returned as it is. Forward-only,
+any of these is its forwards in the same order (a composite gives its FWD).
 """
 
 from __future__ import annotations
@@ -64,7 +69,10 @@ from __future__ import annotations
 from collections import deque
 
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.steps import MetaStep, Order, StepKind, trusted_step
+from ppswap.scheduler.families import FAMILIES
+from ppswap.scheduler.steps import MetaStep, Order, StepKind, iter_leaves, trusted_step
+from ppswap.scheduler.v_schedules import dualpipev_order, zbv_order
+from ppswap.scheduler.zero_bubble import interleaved_zb_order, looped_bfs_order
 
 __all__ = [
     "backward_chunks",
@@ -101,9 +109,18 @@ def _schedule_table(config: ScheduleConfig) -> list[tuple[int, int]]:
     return table
 
 
+def _leaf_chunks(
+    config: ScheduleConfig, rank: int, kinds: frozenset[StepKind]
+) -> tuple[tuple[int, int], ...]:
+    leaves = iter_leaves(compute_order(config, rank))
+    return tuple(leaf.chunk for leaf in leaves if leaf.kind in kinds)
+
+
 def forward_chunks(config: ScheduleConfig, rank: int) -> tuple[tuple[int, int], ...]:
     """The ``(stage, micro)`` chunks of the rank's forwards, in execution order."""
     check_rank(config, rank)
+    if config.order is not None or config.schedule in FAMILIES:
+        return _leaf_chunks(config, rank, frozenset({_FWD}))
     if config.schedule != "interleaved_1f1b":
         return tuple((rank, micro) for micro in range(config.micro))
     pp = config.pp
@@ -119,6 +136,8 @@ def backward_chunks(config: ScheduleConfig, rank: int) -> tuple[tuple[int, int],
     check_rank(config, rank)
     if config.forward_only:
         return ()
+    if config.order is not None or config.schedule in FAMILIES:
+        return _leaf_chunks(config, rank, frozenset({_BWD, _BWD_INPUT}))
     if config.schedule != "interleaved_1f1b":
         return tuple((rank, micro) for micro in range(config.micro))
     pp, last_chunk = config.pp, config.vpp - 1
@@ -170,9 +189,29 @@ def _base_sequence(config: ScheduleConfig, rank: int) -> list[int]:
     return tokens
 
 
+def _family_order(config: ScheduleConfig, rank: int) -> Order:
+    """The order of a family of ``zero_bubble`` / ``v_schedules``, or the given order."""
+    pp, vpp, micro = config.pp, config.vpp, config.micro
+    if config.order is not None:
+        order = config.order.orders[rank]
+    elif config.schedule == "looped_bfs":
+        order = looped_bfs_order(pp, vpp, micro, rank)
+    elif config.schedule == "interleaved_zb":
+        order = interleaved_zb_order(pp, vpp, micro, rank)
+    elif config.schedule == "zbv":
+        order = zbv_order(pp, micro, rank)
+    else:
+        order = dualpipev_order(pp, micro, rank)
+    if config.forward_only:
+        return tuple(leaf for leaf in iter_leaves(order) if leaf.kind is _FWD)
+    return order
+
+
 def compute_order(config: ScheduleConfig, rank: int) -> Order:
     """The rank's compute slots in execution order (see the module docstring)."""
     check_rank(config, rank)
+    if config.order is not None or config.schedule in FAMILIES:
+        return _family_order(config, rank)
     step_of = trusted_step  # kinds are constants, (stage, micro) come from the config
     pp = config.pp
     last_chunk = config.vpp - 1

@@ -65,7 +65,7 @@ def pair_chunks(order: Order, config: ScheduleConfig, rank: int | None) -> SwapP
     """Scan a swap-free ``order`` once: its compute slots, each chunk's FWD and consumer
     slot, the FSDP unshards that open consumers' use runs. With ``rank``, refuse leaves of
     another rank's stages. Raises ValueError for the faults ``swap_plan.plan_swap`` names."""
-    pp = config.pp
+    rank_of = config.rank_of
     fwd, bwd, bwd_input = _FWD, _BWD, _BWD_INPUT
     role_of = _ROLE_OF_VALUE.get
     slot_index: list[int] = []
@@ -102,7 +102,7 @@ def pair_chunks(order: Order, config: ScheduleConfig, rank: int | None) -> SwapP
         slot_index.append(index)
         for leaf in leaves:
             stage = leaf.stage
-            if rank is not None and stage % pp != rank:
+            if rank is not None and rank_of(stage) != rank:
                 raise ValueError(
                     f"order for rank {rank} holds {leaf.short()} of stage {stage}, "
                     f"which lives on rank {config.rank_of(stage)}"

@@ -3,10 +3,12 @@
 ``validate_order``
     One rank's invariants. Every step names a stage of the rank; every chunk
     ``(stage, micro)`` of the rank has exactly one FWD and, unless forward-only, exactly
-    one BWD or one BWD_INPUT + one BWD_WEIGHT (the split only with ``split_dw`` and never
-    on stage 0); FWD comes in an earlier compute slot than its backward, BWD_INPUT in an
-    earlier one than its BWD_WEIGHT; composites are ``OVERLAP_B_F(BWD|BWD_INPUT, FWD)``
-    and exist only with ``overlap_b_f``. With ``lowered=True`` (the default: a finalized
+    one BWD or one BWD_INPUT + one BWD_WEIGHT (the split only where
+    ``config.splits_backward``: with ``split_dw`` never on stage 0; the zero-bubble
+    families and a given order split any stage); FWD comes in an earlier compute slot
+    than its backward, BWD_INPUT in an earlier one than its BWD_WEIGHT; composites are
+    ``OVERLAP_B_F(BWD|BWD_INPUT, FWD)`` or ``OVERLAP_F_B(FWD, BWD|BWD_INPUT)`` and exist
+    only where ``config.has_composites``. With ``lowered=True`` (the default: a finalized
     order) also: the P2P steps between two compute slots are exactly the sends of the
     earlier slot and the recvs of the later one, derived from the compute slots and the
     stage -> rank placement (``analysis.expected_p2p``, not lowering's code); in batch
@@ -112,17 +114,15 @@ def _check_shape(
     kind = step.kind
     where = f"rank {rank} step {index} ({step.short()})"
     if kind in COMPOSITE_KINDS:
-        if not config.overlap_b_f:
+        if not config.has_composites:
             raise ScheduleValidationError(f"{where}: composites need overlap_b_f=True")
-        subs = step.sub_steps
-        if (
-            kind is not StepKind.OVERLAP_B_F
-            or len(subs) != 2
-            or subs[0].kind not in _BACKWARD_CONSUMERS
-            or subs[1].kind is not _FWD
-        ):
+        subs = [sub.kind for sub in step.sub_steps]
+        if kind is StepKind.OVERLAP_F_B:
+            subs.reverse()  # OVERLAP_F_B(FWD, backward): the same pair, forward first
+        if len(subs) != 2 or subs[0] not in _BACKWARD_CONSUMERS or subs[1] is not _FWD:
             raise ScheduleValidationError(
-                f"{where}: a composite must be OVERLAP_B_F(BWD or BWD_INPUT, FWD)"
+                f"{where}: a composite must be OVERLAP_B_F(BWD or BWD_INPUT, FWD) or "
+                "OVERLAP_F_B(FWD, BWD or BWD_INPUT)"
             )
         return
     if kind in COMPUTE_KINDS:
@@ -194,7 +194,7 @@ def _check_chunks(config: ScheduleConfig, rank: int, order: Order) -> None:
     split_seen = slots[_BWD_INPUT] or slots[_BWD_WEIGHT]
     if config.forward_only and (slots[_BWD] or split_seen):
         raise ScheduleValidationError(f"rank {rank}: a forward-only order has FWDs only")
-    if split_seen and not config.split_dw:
+    if split_seen and not config.splits_backward:
         raise ScheduleValidationError(f"rank {rank}: BWD_INPUT/BWD_WEIGHT need split_dw=True")
     for stage in config.stages_of(rank):
         for micro in range(config.micro):
@@ -214,7 +214,7 @@ def _check_chunks(config: ScheduleConfig, rank: int, order: Order) -> None:
                 raise ScheduleValidationError(
                     f"{where}: needs one BWD, or one BWD_INPUT and one BWD_WEIGHT"
                 )
-            if stage == 0 and bwd is None:
+            if stage == 0 and bwd is None and config.split_dw:
                 raise ScheduleValidationError(f"{where}: stage 0 keeps a unified BWD")
             consumer = bwd if bwd is not None else first
             assert consumer is not None
