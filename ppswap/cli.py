@@ -1,20 +1,23 @@
 """The ``ppswap`` command line: ``ppswap plan``, ``ppswap plot`` and ``ppswap demo``.
 
 ``ppswap plan --schedule {gpipe,1f1b,interleaved_1f1b} --pp N [--vpp V] --micro M
-[--split-dw] [--overlap-b-f] [--p2p plain|batch|boundary] [--fsdp] [--swap]
-[--min-swap-gap N] [--swap-policy gap|peak] [--compute-only] [--format text|json]
-[--width N]`` prints every rank's order: the finalized order (compute -> FSDP -> P2P ->
-swap, the swapped chunks those of ``--swap-policy``), or with ``--compute-only`` the
-compute slots alone. The orders are validated (per-rank invariants, P2P pairing and the
-cross-rank progress simulation) before anything is printed. JSON is
+[--split-dw] [--overlap-b-f] [--p2p plain|batch|boundary] [--fsdp] [--swap] [--min-swap-gap N]
+[--swap-policy gap|peak|cost [--copy-leaves X] [--cost-budget B]] [--compute-only]
+[--format text|json] [--width N]`` prints every rank's order: the finalized order (compute
+-> FSDP -> P2P -> swap, the swapped chunks those of ``--swap-policy``), or with
+``--compute-only`` the compute slots alone. The orders are validated (per-rank invariants,
+P2P pairing and the cross-rank progress simulation) before anything is printed. JSON is
 ``{"schedule", "pp", "vpp", "micro", "ranks": [{"rank": r, "steps": [MetaStep.to_dict(),
-...]}]}``, with ``--swap`` also ``"swap_policy"`` and ``"memory"`` (the memory model's
-rows per rank, ``simulate.memory_rows``); text is a per-rank grid (``MetaStep.short()``
-cells) folded into blocks of at most ``--width`` columns, then a legend of every step code
-in it and, with ``--swap``, the memory model's table.
+...]}]}``, with ``--swap`` also ``"swap_policy"`` and ``"memory"`` (the memory model's rows
+per rank, ``simulate.memory_rows``); text is a per-rank grid (``MetaStep.short()`` cells)
+folded into blocks of at most ``--width`` columns, then a legend of every step code in it
+and, with ``--swap``, the memory model's table.
 
-``ppswap plot`` takes the same schedule options and draws the diagram, with the swap plan
-only with ``--swap`` (as ``plan``). ``--vpp`` defaults to 2 for ``interleaved_1f1b`` (which
+``ppswap plot`` takes the same schedule and swap options and draws the diagram, with the
+swap plan only with ``--swap`` (as ``plan``). ``--swap-policy cost`` plans with
+``cli_cost_model``: a chunk's copy each way takes ``--copy-leaves`` compute leaves
+(default 1) and the predicted exposed wait may use ``--cost-budget`` of the step (default
+``DEFAULT_COST_BUDGET``, 2%). ``--vpp`` defaults to 2 for ``interleaved_1f1b`` (which
 needs at least 2) and to 1 for the other schedules (the only value they allow), in every
 subcommand. ``ppswap demo [--backend mindspore|torch]`` trains the demo LM written in that
 framework (default mindspore). The demo's module is looked up by name
@@ -46,7 +49,13 @@ from ppswap.scheduler.config import (
     SCHEDULE_NAMES,
     ScheduleConfig,
 )
-from ppswap.scheduler.cost import SwapPolicy, build_orders
+from ppswap.scheduler.cost import (
+    DEFAULT_COST_BUDGET,
+    SWAP_POLICIES,
+    CostModel,
+    SwapPolicy,
+    build_orders,
+)
 from ppswap.scheduler.diagram import load_plotter
 from ppswap.scheduler.render import format_grid, step_legend
 from ppswap.scheduler.schedules import compute_order
@@ -55,7 +64,9 @@ from ppswap.scheduler.steps import Order
 from ppswap.scheduler.validate import validate_all, validate_order
 
 __all__ = [
+    "CLI_COPY_LEAVES",
     "build_parser",
+    "cli_cost_model",
     "format_json",
     "main",
     "plan_orders",
@@ -69,6 +80,32 @@ TEXT_WIDTH = 100
 MIN_TEXT_WIDTH = 50
 """The smallest ``--width`` other than 0: the memory table's rows are 42 characters."""
 _ONE_LINE_WIDTH = 160
+CLI_COPY_LEAVES = 1.0
+"""``--copy-leaves``' default: one chunk's copy each way takes one compute leaf."""
+_CLI_CHUNK_BYTES = 1000
+_CLI_LEAF_S = 1.0
+
+
+def cli_cost_model(copy_leaves: float, budget: float) -> CostModel:
+    """The cost policy's model on the command line, in units of a compute leaf: every leaf
+    takes 1 s, every chunk moves 1000 bytes each way in ``copy_leaves`` leaves, and the
+    predicted exposed wait may use ``budget`` of the step (one device per rank).
+
+    ValueError naming the option unless ``copy_leaves`` is a finite number > 0 and
+    ``budget`` one in [0, 1].
+    """
+    if not 0 < copy_leaves < float("inf"):
+        raise ValueError(f"copy_leaves must be a finite number > 0, got {copy_leaves!r}")
+    if not 0 <= budget <= 1:
+        raise ValueError(f"cost_budget must be a number in [0, 1], got {budget!r}")
+    gbps = _CLI_CHUNK_BYTES / (copy_leaves * _CLI_LEAF_S) / 1e9
+    return CostModel(
+        chunk_bytes=_CLI_CHUNK_BYTES,
+        d2h_gbps=gbps,
+        h2d_gbps=gbps,
+        leaf_s=_CLI_LEAF_S,
+        budget=budget,
+    )
 
 
 def format_json(value: Any, indent: int = 0) -> str:
@@ -89,25 +126,35 @@ def format_json(value: Any, indent: int = 0) -> str:
 
 
 def plan_orders(
-    config: ScheduleConfig, *, compute_only: bool = False, swap_policy: SwapPolicy = "gap"
+    config: ScheduleConfig,
+    *,
+    compute_only: bool = False,
+    swap_policy: SwapPolicy = "gap",
+    cost_model: CostModel | None = None,
 ) -> tuple[Order, ...]:
-    """Every rank's validated order: finalized (its swapped chunks ``swap_policy``'s), or
-    the compute slots alone."""
+    """Every rank's validated order: finalized (its swapped chunks ``swap_policy``'s, with
+    ``cost_model`` for ``"cost"``), or the compute slots alone."""
     if compute_only:
         orders = tuple(compute_order(config, rank) for rank in range(config.pp))
         for rank, order in enumerate(orders):
             validate_order(config, rank, order, lowered=False)
         return orders
-    orders = build_orders(config, swap_policy)
+    orders = build_orders(config, swap_policy, cost_model)
     validate_all(config, orders)
     return orders
 
 
 def plan_payload(
-    config: ScheduleConfig, *, compute_only: bool = False, swap_policy: SwapPolicy = "gap"
+    config: ScheduleConfig,
+    *,
+    compute_only: bool = False,
+    swap_policy: SwapPolicy = "gap",
+    cost_model: CostModel | None = None,
 ) -> dict[str, Any]:
     """The JSON document of ``ppswap plan``; extend it here."""
-    orders = plan_orders(config, compute_only=compute_only, swap_policy=swap_policy)
+    orders = plan_orders(
+        config, compute_only=compute_only, swap_policy=swap_policy, cost_model=cost_model
+    )
     payload: dict[str, Any] = {
         "schedule": config.schedule,
         "pp": config.pp,
@@ -120,7 +167,11 @@ def plan_payload(
     }
     if config.swap:
         payload["swap_policy"] = swap_policy
-        planned = orders if not compute_only else plan_orders(config, swap_policy=swap_policy)
+        planned = (
+            orders
+            if not compute_only
+            else plan_orders(config, swap_policy=swap_policy, cost_model=cost_model)
+        )
         payload["memory"] = memory_rows(planned)
     return payload
 
@@ -145,6 +196,7 @@ def _plan_text(
     compute_only: bool,
     width: int | None,
     swap_policy: SwapPolicy,
+    cost_model: CostModel | None,
 ) -> str:
     """The header, the grid (folded at ``width``; ``None``: one line per rank), the legend."""
     options = [
@@ -163,12 +215,32 @@ def _plan_text(
     )
     if config.swap:
         header += f" min_swap_gap={config.min_swap_gap} swap_policy={swap_policy}"
+        if cost_model is not None:
+            copy_leaves = _CLI_CHUNK_BYTES / (cost_model.d2h_gbps * 1e9 * cost_model.leaf_s)
+            header += f" copy_leaves={copy_leaves:g} cost_budget={cost_model.budget:g}"
     view = "compute slots only" if compute_only else "finalized orders"
     title = f"{header} ({view})"
     lines = textwrap.wrap(title, width, subsequent_indent="  ") if width else [title]
     lines.append(format_grid(orders, compact=False, width=width))
     lines += ["", step_legend(orders, width=width or TEXT_WIDTH)]
     return "\n".join(lines)
+
+
+def _cost_model_from_args(args: argparse.Namespace) -> CostModel | None:
+    """``cli_cost_model`` of ``--copy-leaves`` and ``--cost-budget`` with ``--swap-policy
+    cost``, else None; ValueError when either is given with another policy."""
+    if args.swap_policy != "cost":
+        for option, value in (("copy_leaves", args.copy_leaves), ("cost_budget", args.cost_budget)):
+            if value is not None:
+                raise ValueError(
+                    f"{option} is only used with swap_policy 'cost', got {option}={value!r} "
+                    f"with swap_policy {args.swap_policy!r}"
+                )
+        return None
+    return cli_cost_model(
+        CLI_COPY_LEAVES if args.copy_leaves is None else args.copy_leaves,
+        DEFAULT_COST_BUDGET if args.cost_budget is None else args.cost_budget,
+    )
 
 
 def _config_from_args(args: argparse.Namespace) -> ScheduleConfig:
@@ -190,6 +262,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """``ppswap plan``: print the per-rank orders of one schedule."""
     try:
         config = _config_from_args(args)
+        cost_model = _cost_model_from_args(args)
         if args.width != 0 and args.width < MIN_TEXT_WIDTH:
             raise ValueError(
                 f"width must be 0 (one line per rank) or an int >= {MIN_TEXT_WIDTH}, "
@@ -198,12 +271,13 @@ def run_plan(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         return fail(str(exc))
     policy: SwapPolicy = args.swap_policy
+    chosen = {"compute_only": args.compute_only, "swap_policy": policy, "cost_model": cost_model}
     if args.format == "json":
-        payload = plan_payload(config, compute_only=args.compute_only, swap_policy=policy)
-        print(format_json(payload))
+        print(format_json(plan_payload(config, **chosen)))
     else:
-        orders = plan_orders(config, compute_only=args.compute_only, swap_policy=policy)
-        print(_plan_text(config, orders, args.compute_only, args.width or None, policy))
+        orders = plan_orders(config, **chosen)
+        width = args.width or None
+        print(_plan_text(config, orders, args.compute_only, width, policy, cost_model))
         if config.swap and not args.compute_only:
             print()
             print(_memory_text(config, orders, args.width or TEXT_WIDTH))
@@ -214,13 +288,16 @@ def run_plot(args: argparse.Namespace) -> int:
     """``ppswap plot``: draw the schedule diagram (needs the 'plot' extra: matplotlib)."""
     try:
         config = _config_from_args(args)
+        cost_model = _cost_model_from_args(args)
     except (TypeError, ValueError) as exc:
         return fail(str(exc))
     plot_schedule = load_plotter()
     if plot_schedule is None:
         return fail(f"ppswap plot needs matplotlib: {install_hint('plot')}")
     try:
-        path = plot_schedule(config, args.output)
+        path = plot_schedule(
+            config, args.output, swap_policy=args.swap_policy, cost_model=cost_model
+        )
     except ValueError as exc:
         return fail(str(exc))
     print(f"wrote {path}")
@@ -245,6 +322,28 @@ def _add_schedule_arguments(plan: argparse.ArgumentParser) -> None:
         default=DEFAULT_MIN_SWAP_GAP,
         help=f"smallest FWD->BWD gap that is swapped (default {DEFAULT_MIN_SWAP_GAP})",
     )
+    plan.add_argument(
+        "--swap-policy",
+        choices=SWAP_POLICIES,
+        default="gap",
+        help="with --swap, which chunks move: gap, every chunk the gap rule admits (the "
+        "default); peak, the fewest of those that give the same peak; cost, those whose "
+        "predicted copy wait fits --cost-budget (docs/swap.md)",
+    )
+    plan.add_argument(
+        "--copy-leaves",
+        type=float,
+        default=None,
+        help=f"with --swap-policy cost: how many compute leaves one chunk's copy takes each "
+        f"way (default {CLI_COPY_LEAVES:g})",
+    )
+    plan.add_argument(
+        "--cost-budget",
+        type=float,
+        default=None,
+        help=f"with --swap-policy cost: the share of the step the predicted copy wait may "
+        f"take, in [0, 1] (default {DEFAULT_COST_BUDGET:g})",
+    )
 
 
 def _add_plan_parser(subparsers: Any) -> None:
@@ -254,13 +353,6 @@ def _add_plan_parser(subparsers: Any) -> None:
         description="Build, validate and print every rank's order of a pipeline schedule.",
     )
     _add_schedule_arguments(plan)
-    plan.add_argument(
-        "--swap-policy",
-        choices=("gap", "peak"),
-        default="gap",
-        help="with --swap, which chunks move: gap, every chunk the gap rule admits (the "
-        "default); peak, the fewest of those that give the same peak (docs/swap.md)",
-    )
     plan.add_argument(
         "--compute-only", action="store_true", help="only the compute slots, no lowering"
     )

@@ -14,7 +14,8 @@ split into micro-batches, on the compute thread.
   ``loss_fn`` then gets a tuple of one micro-batch of each.
 - ``loss_fn``: a callable, required when the run has the last stage, but in a
   forward-only run: without one, that run returns the last stage's outputs
-  (``RunResult.outputs``) and needs no targets.
+  (``RunResult.outputs``) and needs no targets. With a ``loss_fn`` the targets are
+  required (``targets=None`` is refused as such).
 
 Every refusal is a ``PipelineInputError`` (a TypeError for ``loss_fn``) that names the
 parameter, the value and what is allowed.
@@ -82,6 +83,12 @@ def check_data(
                 f"loss_fn must be a callable (output, target) -> scalar loss for the last "
                 f"stage, got {loss_fn!r} (None only with forward_only=True: the run then "
                 "returns the last stage's outputs)"
+            )
+        if targets is None:
+            raise PipelineInputError(
+                "targets must be given with loss_fn: the loss of a micro-batch is "
+                "loss_fn(output, target), got targets=None (for the last stage's outputs "
+                "instead, pass forward_only=True and no loss_fn)"
             )
         named_targets = _named_parts("targets", targets)
         _check_parts(backend, "targets", named_targets, micro, dp)

@@ -9,20 +9,34 @@ or None when matplotlib is not installed (the optional 'plot' extra).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.cost import CostModel, SwapPolicy
 
 __all__ = ["PLOT_MODULE", "Plotter", "load_plotter"]
 
 PLOT_MODULE = "ppswap.scheduler.plot"
 
-Plotter = Callable[[ScheduleConfig, str | Path], Path]
+
+class Plotter(Protocol):
+    """``plot.plot_schedule``: draws ``config``'s diagram (with swap, the chunks of
+    ``swap_policy``) to ``path`` and returns it."""
+
+    def __call__(
+        self,
+        config: ScheduleConfig,
+        path: str | Path,
+        *,
+        swap_policy: SwapPolicy = "gap",
+        cost_model: CostModel | None = None,
+    ) -> Path: ...
 
 
 def load_plotter() -> Plotter | None:
-    """``plot_schedule(config, path) -> path``, or None without matplotlib."""
+    """``plot_schedule(config, path, swap_policy=..., cost_model=...) -> path``, or None
+    without matplotlib."""
     try:
         module = importlib.import_module(PLOT_MODULE)
     except ImportError:

@@ -37,7 +37,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.cost import CostModel, SwapPolicy, build_orders
 from ppswap.scheduler.simulate import (
     CopyWindow,
     Timeline,
@@ -303,8 +303,14 @@ def _legend_handles(config: ScheduleConfig) -> list[Patch]:
     ]
 
 
-def schedule_figure(config: ScheduleConfig) -> Figure:
-    """The schedule diagram of ``config`` as a matplotlib Figure (not saved).
+def schedule_figure(
+    config: ScheduleConfig,
+    *,
+    swap_policy: SwapPolicy = "gap",
+    cost_model: CostModel | None = None,
+) -> Figure:
+    """The schedule diagram of ``config`` as a matplotlib Figure (not saved); with swap,
+    the chunks ``swap_policy`` moves (``cost.build_orders``).
 
     The orders are lowered as ``config`` says: with ``config.swap`` the diagram shows the
     swap steps' effects (C·F / W·B cells, offload and load windows) and its memory panel
@@ -313,7 +319,7 @@ def schedule_figure(config: ScheduleConfig) -> Figure:
     """
     if not isinstance(config, ScheduleConfig):
         raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
-    orders = build_all_orders(config)
+    orders = build_orders(config, swap_policy, cost_model)
     timeline = build_timeline(config, orders)
     windows = [copy_windows(timeline, rank, order) for rank, order in enumerate(orders)]
     layout = _layout(config, windows)
@@ -347,9 +353,16 @@ def schedule_figure(config: ScheduleConfig) -> Figure:
     return figure
 
 
-def plot_schedule(config: ScheduleConfig, path: str | os.PathLike[str]) -> Path:
+def plot_schedule(
+    config: ScheduleConfig,
+    path: str | os.PathLike[str],
+    *,
+    swap_policy: SwapPolicy = "gap",
+    cost_model: CostModel | None = None,
+) -> Path:
     """Draw the schedule diagram of ``config`` (``schedule_figure``) to ``path`` (``.png``
-    or ``.svg``): with swap when ``config.swap`` is set, without otherwise.
+    or ``.svg``): with swap (the chunks of ``swap_policy``) when ``config.swap`` is set,
+    without otherwise.
 
     Creates missing parent folders; returns the path written. Raises TypeError for a
     config that is not a ScheduleConfig and ValueError for another suffix (both before
@@ -363,7 +376,7 @@ def plot_schedule(config: ScheduleConfig, path: str | os.PathLike[str]) -> Path:
             f"path must end in {' or '.join(PLOT_SUFFIXES)}, got {str(path)!r} "
             f"(suffix {target.suffix!r})"
         )
-    figure = schedule_figure(config)
+    figure = schedule_figure(config, swap_policy=swap_policy, cost_model=cost_model)
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, dpi=130)
     return target

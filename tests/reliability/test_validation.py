@@ -112,7 +112,7 @@ BAD_INPUTS: list[tuple[str, list[Any], Any, dict[str, Any], type[Exception], str
     ("loss_fn not callable", STAGES, "gpipe", _kwargs(loss_fn="mse"),
      TypeError, "loss_fn must be a callable"),
     ("targets missing", STAGES, "gpipe", _kwargs(targets=None),
-     PipelineInputError, "targets must be a mindspore.Tensor or numpy.ndarray, got NoneType"),
+     PipelineInputError, "targets must be given with loss_fn"),
     ("forward-only with swap", STAGES, "gpipe", _kwargs(forward_only=True),
      ValueError, "swap must be False for a forward-only run"),
     ("forward_only not a bool", STAGES, "gpipe", _kwargs(swap=False, forward_only="yes"),

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from ppswap.cli import main, plan_payload
+from ppswap.cli import CLI_COPY_LEAVES, cli_cost_model, main, plan_payload
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.schedules import compute_order
 from ppswap.scheduler.steps import MetaStep
+
+OFFLOAD_COLOR = "#d9534f"  # ppswap.scheduler.plot's offload windows
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -219,7 +222,63 @@ def test_swap_policy_peak_prints_its_orders_and_memory(
     assert status == 0
     assert "min_swap_gap=4 swap_policy=peak" in text.splitlines()[0]
     assert "   1 |        0 |            3 |         3" in text.splitlines()
-    with pytest.raises(SystemExit) as caught:  # the cost policy needs a CostModel
-        main([*base, "--swap-policy", "cost"])
-    assert caught.value.code == 2
-    assert "invalid choice: 'cost' (choose from 'gap', 'peak')" in capsys.readouterr().err
+
+
+def test_swap_policy_cost_plans_with_the_cli_cost_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """GPipe pp4 m8: copies of one leaf fit the 2% budget on 6 chunks of each rank (the
+    peak policy's), copies of two leaves on none; the JSON is the API's with that model."""
+    base = ("plan", "--schedule", "gpipe", "--pp", "4", "--micro", "8", "--swap")
+    config = ScheduleConfig(schedule="gpipe", pp=4, micro=8, swap=True)
+    status, out, err = run(capsys, *base, "--swap-policy", "cost", "--format", "json")
+    assert status == 0 and err == ""
+    document = json.loads(out)
+    assert document["swap_policy"] == "cost"
+    assert document == plan_payload(
+        config, swap_policy="cost", cost_model=cli_cost_model(CLI_COPY_LEAVES, 0.02)
+    )
+    assert [r["eligible"] for r in document["memory"]] == [6, 6, 6, 6]
+    status, out, _ = run(
+        capsys, *base, "--swap-policy", "cost", "--copy-leaves", "2", "--format", "json"
+    )
+    assert status == 0
+    assert [r["eligible"] for r in json.loads(out)["memory"]] == [0, 0, 0, 0]
+    status, text, _ = run(capsys, *base, "--swap-policy", "cost", "--width", "0")
+    assert status == 0
+    assert "swap_policy=cost copy_leaves=1 cost_budget=0.02" in text.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--copy-leaves", "2"), "copy_leaves is only used with swap_policy 'cost', got"),
+        (("--swap-policy", "peak", "--cost-budget", "0.1"), "cost_budget is only used with"),
+        (("--swap-policy", "cost", "--copy-leaves", "0"), "copy_leaves must be a finite"),
+        (("--swap-policy", "cost", "--cost-budget", "2"), "cost_budget must be a number in"),
+    ],
+)
+def test_cost_options_are_checked(
+    capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], message: str
+) -> None:
+    base = ("plan", "--schedule", "gpipe", "--pp", "2", "--micro", "4", "--swap")
+    status, out, err = run(capsys, *base, *flags)
+    assert status == 2 and out == ""
+    assert err.startswith(f"ppswap: error: {message}") and err.count("\n") == 1
+
+
+def test_plot_draws_the_chunks_of_its_swap_policy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """1F1B pp4 m16: the gap rule offloads 16 + 14 chunks, the peak policy 8; each offload
+    window is one shape of the offload colour (the legend and the row marks add the same
+    few to both drawings)."""
+    pytest.importorskip("matplotlib")
+    base = ("plot", "--schedule", "1f1b", "--pp", "4", "--micro", "16", "--swap")
+    windows = {}
+    for policy in ("gap", "peak"):
+        path = tmp_path / f"{policy}.svg"
+        status, out, _ = run(capsys, *base, "--swap-policy", policy, "-o", str(path))
+        assert status == 0 and out == f"wrote {path}\n"
+        windows[policy] = path.read_text().count(f"fill: {OFFLOAD_COLOR}")
+    assert windows["gap"] - windows["peak"] == 30 - 8

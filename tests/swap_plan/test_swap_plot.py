@@ -132,7 +132,7 @@ def test_cli_plot_swap_flag_reaches_the_diagram(
 ) -> None:
     drawn: list[ScheduleConfig] = []
 
-    def fake_plot(config: ScheduleConfig, path: str) -> Path:
+    def fake_plot(config: ScheduleConfig, path: str, **policy: object) -> Path:
         drawn.append(config)
         return Path(path)
 
