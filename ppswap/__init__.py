@@ -16,6 +16,7 @@ from ppswap.results import RankStats, RunResult
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage
+from ppswap.swap.errors import SwapWarning
 
 __all__ = [
     "DeviceMesh",
@@ -33,6 +34,7 @@ __all__ = [
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "StepKind",
+    "SwapWarning",
     "configure_logging",
     "fully_shard",
     "run_schedule",

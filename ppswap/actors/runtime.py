@@ -56,6 +56,7 @@ from ppswap.fsdp.plan import param_storage_bytes
 from ppswap.options import DEFAULT_STEP_TIMEOUT_S, RunOptions
 from ppswap.results import RankStats, RunResult
 from ppswap.stage import LossFn, PipelineStage
+from ppswap.swap.unmarked import warn_if_nothing_swapped
 
 __all__ = ["DEFAULT_STEP_TIMEOUT_S", "RankStats", "RunResult", "run_schedule"]
 
@@ -203,6 +204,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         stage.generation = generation
     losses = _collect_losses(plan, ranks)
     outputs = _collect_outputs(plan, ranks) if plan.returns_outputs else []
+    warn_if_nothing_swapped(plan.config, plan.orders, {s.rank: s.offloaded_bytes for s in stats})
     if is_distributed(transport):
         losses, stats = await gather_results(transport, stats[0], losses, plan.config.micro)
     result = RunResult(

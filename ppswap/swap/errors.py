@@ -10,8 +10,10 @@ know "the swap layer refused" catches one type. The subclasses say why:
 - :class:`SwapTimeoutError`: a bounded wait (a copy job, a load the backward needs)
   outlived its timeout. Nothing in the swap layer waits without a timeout.
 
-:class:`SwapWarning` is the category of the warnings the wrappers emit (for instance
-``swap_tensor_wrapper`` called outside any collection context); filter it with
+:class:`SwapWarning` is the category of the warnings the swap layer emits: the wrappers'
+(for instance ``swap_tensor_wrapper`` called outside any collection context) and a run's
+with ``swap=True`` that moved nothing because its stages marked nothing
+(``ppswap.swap.unmarked``); filter it with
 ``warnings.filterwarnings("ignore", category=SwapWarning)``.
 """
 
@@ -62,7 +64,8 @@ class SwapTimeoutError(SwapError):
 
 
 class SwapWarning(UserWarning):
-    """A swap request was ignored (for example no collection context is active)."""
+    """A swap request was ignored (no collection context is active), or a run with swap
+    on moved nothing (its stages marked nothing)."""
 
 
 def _state_name(state: enum.Enum | str) -> str:
