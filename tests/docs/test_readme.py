@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ppswap import RunOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,3 +60,19 @@ def test_the_readme_installs_from_a_checkout() -> None:
     assert any("-e '.[mindspore]'" in line for line in installs), installs
     for line in installs:
         assert "-e '." in line or "@ git+" in line, line
+
+
+def test_the_readme_lists_as_options_only_run_options_fields() -> None:
+    # each bullet of the Options list opens with the fields it is about; trace is not one
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Options (keywords of `run_schedule`")
+    options = text[start : text.index("\n\n", text.index("\n- ", start))]
+    fields = {field.name for field in dataclasses.fields(RunOptions)}
+    named = []
+    for bullet in options.split("\n- ")[1:]:
+        opening = bullet.split(":", 1)[0].split(" (", 1)[0]
+        named += re.findall(r"`([a-z0-9_]+)(?:=[^`]*)?`", opening)
+    assert len(named) >= 14, named
+    assert set(named) <= fields, set(named) - fields
+    assert "trace" not in fields  # an argument of run_schedule and .run() only
+    assert 'run_schedule(..., trace="run.json")' in text
