@@ -1,5 +1,8 @@
 """An async training service: trains in the background, keeps answering, cancels on request.
 
+Needs MindSpore (``pip install -e '.[mindspore]'``); without it, it exits with one line
+saying so.
+
 A tiny HTTP server on loopback (anyio, no framework):
 
     GET  /status   -> JSON: state, runs finished/cancelled/failed, last loss and error,
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,8 +36,17 @@ import numpy as np
 from anyio.abc import SocketStream, TaskGroup
 
 from ppswap import PipelineError, PipelineStage, run_schedule
-from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.swap import swap_wrapper
+
+try:
+    from ppswap.demo.model import build_mlp_stages, mse_loss
+except ModuleNotFoundError as missing:
+    if missing.name != "mindspore":
+        raise
+    sys.exit(
+        "examples/async_service.py runs on MindSpore, which is not installed: "
+        "pip install -e '.[mindspore]' in the ppswap checkout"
+    )
 
 REQUEST_TIMEOUT_S = 10.0
 

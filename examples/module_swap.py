@@ -1,15 +1,30 @@
-"""RFC 5.2.1: module-level swap. Wrap the layers, then let the schedule move them.
+"""Module-level swap on MindSpore: wrap the layers, then let the schedule move them.
 
-python examples/module_swap.py
+    python examples/module_swap.py
+
+Needs MindSpore (``pip install -e '.[mindspore]'``); without it, it exits with one line
+saying so. ``examples/torch_pipeline.py`` is a torch example.
 """
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ppswap import PipelineStage, ScheduleInterleaved1F1B
-from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.swap import swap_wrapper
+
+try:
+    from ppswap.demo.model import build_mlp_stages, mse_loss
+except ModuleNotFoundError as missing:
+    if missing.name != "mindspore":
+        raise
+    sys.exit(
+        "examples/module_swap.py runs on MindSpore, which is not installed: "
+        "pip install -e '.[mindspore]' in the ppswap checkout "
+        "(examples/torch_pipeline.py is a torch example)"
+    )
 
 
 def main() -> None:

@@ -1,16 +1,32 @@
-"""RFC 5.2.2: tensor-level swap. Register one tensor inside a block's construct.
+"""Tensor-level swap on MindSpore: register one tensor inside a block's construct.
 
-python examples/tensor_swap.py
+    python examples/tensor_swap.py
+
+Needs MindSpore (``pip install -e '.[mindspore]'``); without it, it exits with one line
+saying so.
 """
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
-from mindspore import Tensor, nn, ops
 
 from ppswap import PipelineStage, ScheduleGPipe
-from ppswap.demo.model import mse_loss
 from ppswap.swap import swap_tensor_wrapper
+
+try:
+    from mindspore import Tensor, nn, ops
+
+    from ppswap.demo.model import mse_loss
+except ModuleNotFoundError as missing:
+    if missing.name != "mindspore":
+        raise
+    sys.exit(
+        "examples/tensor_swap.py runs on MindSpore, which is not installed: "
+        "pip install -e '.[mindspore]' in the ppswap checkout "
+        "(examples/torch_pipeline.py is a torch example)"
+    )
 
 
 class Block(nn.Cell):

@@ -1,6 +1,8 @@
 """A torch model through ppswap: cut into pipeline stages, blocks marked for swap, SGD.
 
-python examples/torch_pipeline.py
+    python examples/torch_pipeline.py
+
+Needs torch (``pip install -e '.[torch]'``); without it, it exits with one line saying so.
 
 One small torch network (an input projection, eight residual MLP blocks, a head) is cut
 into four pipeline stages, one per rank; every block is wrapped with ``swap_wrapper`` (its
@@ -16,13 +18,23 @@ saved for backward without and with swap, and how many bytes swap offloaded.
 from __future__ import annotations
 
 import asyncio
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+import sys
 
 from ppswap import PipelineStage, RunResult, run_schedule
 from ppswap.swap import swap_wrapper
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ModuleNotFoundError as missing:
+    if missing.name != "torch":
+        raise
+    sys.exit(
+        "examples/torch_pipeline.py runs on torch, which is not installed: "
+        "pip install -e '.[torch]' in the ppswap checkout "
+        "(examples/module_swap.py is a MindSpore example)"
+    )
 
 PP = 4  # pipeline ranks, one stage each
 MICRO = 8  # micro-batches per step

@@ -42,7 +42,8 @@ from ppswap.actors.payloads import payload_of, tensors_of
 from ppswap.core.arrival import Arrival, ArrivalTimeoutError, FirstOf, ThreadWait
 from ppswap.core.executor import Resume
 from ppswap.core.messages import Payload
-from ppswap.scheduler.steps import MetaStep, StepKind
+from ppswap.scheduler.steps import PAYLOAD_MAKER_KINDS as _MAKES_PAYLOAD_OF
+from ppswap.scheduler.steps import MetaStep
 from ppswap.stage import PipelineStage, StageCollector
 from ppswap.swap.jobs import CopyJob
 
@@ -109,12 +110,6 @@ def after_arrival(arrival: Arrival, body: Callable[..., Any], *rest: Any) -> Any
     """``body(payload, *rest)`` with the payload ``arrival`` landed with (``run_batch``
     waited for it before the job's run)."""
     return body(arrival.wait(0.0), *rest)
-
-
-_MAKES_PAYLOAD_OF = {
-    StepKind.SEND_F: frozenset({StepKind.FWD}),
-    StepKind.SEND_B: frozenset({StepKind.BWD, StepKind.BWD_INPUT}),
-}
 
 
 def payload_maker(jobs: Sequence[StepJob], send: MetaStep) -> int | None:

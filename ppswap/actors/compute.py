@@ -73,7 +73,7 @@ from ppswap.actors.batch_trace import BatchTrace
 from ppswap.actors.copy_stream import CopyStream
 from ppswap.actors.failures import StepFailures
 from ppswap.actors.handoff import ThreadHandoff
-from ppswap.actors.local_steps import LAUNCH_OF_WAIT, LEAVES, LOCAL_KINDS, LocalSteps, RankInputs
+from ppswap.actors.local_steps import LocalSteps, RankInputs
 from ppswap.actors.mail import RankMail
 from ppswap.actors.p2p import P2PChannel
 from ppswap.actors.step_waits import StepWaits
@@ -87,7 +87,10 @@ from ppswap.errors import (
 )
 from ppswap.logs import log_step
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.steps import COMPOSITE_KINDS, MetaStep, Order, StepKind
+from ppswap.scheduler.steps import COMPOSITE_KINDS, LOCAL_KINDS, MetaStep, Order, StepKind
+from ppswap.scheduler.steps import COMPUTE_KINDS as LEAVES
+from ppswap.scheduler.steps import LAUNCH_OF_WAIT as _WAITS
+from ppswap.scheduler.steps import SEND_RECV_KINDS as _POSTS
 from ppswap.stage import PipelineStage
 
 __all__ = ["JOB_KINDS", "ComputeActor", "FsdpDriver", "RankInputs", "SwapDriver"]
@@ -99,12 +102,6 @@ class FsdpDriver(Protocol):
     async def run_step(self, step: MetaStep) -> None: ...
     async def before_compute(self, step: MetaStep) -> None: ...
     async def finish(self) -> None: ...
-
-
-_WAITS = LAUNCH_OF_WAIT
-_POSTS = frozenset(
-    {StepKind.RECV_F, StepKind.RECV_B, StepKind.SEND_F, StepKind.SEND_B, StepKind.BATCH_SEND_RECV}
-)
 
 
 class ComputeActor:

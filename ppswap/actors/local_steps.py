@@ -33,36 +33,29 @@ from ppswap.actors.copy_stream import CopyCompletion, CopyWait
 from ppswap.actors.mail import CopyKey, RankMail
 from ppswap.core.messages import HostArray, MessageKey, Payload
 from ppswap.errors import PipelineError
-from ppswap.scheduler.steps import COMPOSITE_KINDS, MetaStep, StepKind
+from ppswap.scheduler.steps import (
+    COMPOSITE_KINDS,
+    LAUNCH_OF_WAIT,
+    LOCAL_KINDS,
+    MetaStep,
+    StepKind,
+)
+from ppswap.scheduler.steps import COMPUTE_KINDS as LEAVES
+from ppswap.scheduler.steps import RECV_KINDS as _RECVS
+from ppswap.scheduler.steps import SEND_KINDS as _SENDS
 from ppswap.stage import PipelineStage
 
 __all__ = [
     "ARRIVAL_WAITS_PER_BATCH",
-    "LAUNCH_OF_WAIT",
-    "LEAVES",
-    "LOCAL_KINDS",
     "BatchPlan",
     "LocalSteps",
     "RankInputs",
 ]
 
-LAUNCH_OF_WAIT = {
-    StepKind.SWAP_WAIT_OFFLOAD: StepKind.SWAP_LAUNCH_OFFLOAD,
-    StepKind.SWAP_WAIT_LOAD: StepKind.SWAP_LAUNCH_LOAD,
-}
-LEAVES = frozenset({StepKind.FWD, StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT})
-LOCAL_KINDS = (
-    LEAVES
-    | frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
-    | frozenset(LAUNCH_OF_WAIT)
-)
-"""The local steps: they need no other actor, only their inputs."""
 ARRIVAL_WAITS_PER_BATCH = 4
 """At most this many jobs of a batch wait for their received input on the compute thread:
 a batch posts the receives it meets, and a gloo receive in flight holds a waiting thread
 and a header buffer, so the batch does not run arbitrarily far ahead of its inputs."""
-_RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
-_SENDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
 _JOB_OF_BACKWARD = {StepKind.BWD: "backward", StepKind.BWD_INPUT: "backward_input"}
 
 

@@ -38,16 +38,15 @@ from ppswap.actors.p2p import P2PChannel
 from ppswap.core.arrival import Arrival
 from ppswap.core.messages import MessageKey, Payload, RecvRequest, ReplyFuture, SendRequest
 from ppswap.errors import PipelineError
+from ppswap.scheduler.steps import RECV_KINDS as _RECVS
+from ppswap.scheduler.steps import SWAP_LAUNCH_KINDS as _LAUNCHES
 from ppswap.scheduler.steps import MetaStep, StepKind
 
 __all__ = ["CopyKey", "RankMail", "send_key"]
 
 CopyKey = tuple[StepKind, int, int]
 
-_RECVS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
 
-
-_LAUNCHES = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
 _PRUNE_AT_LEAST = 8  # the lists of what the thread waits for are pruned from this size
 
 

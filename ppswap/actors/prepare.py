@@ -53,7 +53,9 @@ from ppswap.fsdp.plan import (
 from ppswap.options import RunOptions
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.planning import planned_orders
-from ppswap.scheduler.steps import Order, StepKind, iter_leaves
+from ppswap.scheduler.steps import FSDP_KINDS as _FSDP_KINDS
+from ppswap.scheduler.steps import P2P_KINDS as _P2P_KINDS
+from ppswap.scheduler.steps import Order, iter_leaves
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap.tensor import CheckMode
 
@@ -198,10 +200,6 @@ def prepare_run(
             [backend.device_of(stage.module) for stage in stage_list]
         ),
     )
-
-
-_P2P_KINDS = frozenset({StepKind.SEND_F, StepKind.SEND_B, StepKind.RECV_F, StepKind.RECV_B})
-_FSDP_KINDS = frozenset({StepKind.FSDP_UNSHARD, StepKind.FSDP_RESHARD})
 
 
 def _p2p_requests(order: Order) -> int:

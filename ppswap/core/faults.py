@@ -37,7 +37,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from ppswap.scheduler.steps import MetaStep, StepKind
+from ppswap.scheduler.steps import (
+    COMPUTE_KINDS,
+    P2P_KINDS,
+    SEND_KINDS,
+    SWAP_LAUNCH_KINDS,
+    MetaStep,
+    StepKind,
+)
 
 __all__ = [
     "FaultAction",
@@ -77,20 +84,13 @@ class FaultAction(enum.Enum):
     CALL = "call"
 
 
-COMPUTE_LEAF_KINDS = frozenset(
-    {StepKind.FWD, StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT}
-)
-COPY_KINDS = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
-SEND_KINDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
-P2P_KINDS = SEND_KINDS | {StepKind.RECV_F, StepKind.RECV_B}
-
 # (site, action) -> the step kinds a rule may name.
 _ALLOWED: dict[tuple[FaultSite, FaultAction], frozenset[StepKind]] = {
-    (FaultSite.COMPUTE, FaultAction.RAISE): COMPUTE_LEAF_KINDS,
-    (FaultSite.COMPUTE, FaultAction.DELAY): COMPUTE_LEAF_KINDS,
+    (FaultSite.COMPUTE, FaultAction.RAISE): COMPUTE_KINDS,
+    (FaultSite.COMPUTE, FaultAction.DELAY): COMPUTE_KINDS,
     (FaultSite.COMPUTE, FaultAction.CALL): frozenset(StepKind),
-    (FaultSite.COPY, FaultAction.RAISE): COPY_KINDS,
-    (FaultSite.COPY, FaultAction.DELAY): COPY_KINDS,
+    (FaultSite.COPY, FaultAction.RAISE): SWAP_LAUNCH_KINDS,
+    (FaultSite.COPY, FaultAction.DELAY): SWAP_LAUNCH_KINDS,
     (FaultSite.P2P, FaultAction.RAISE): P2P_KINDS,
     (FaultSite.P2P, FaultAction.DELAY): P2P_KINDS,
     (FaultSite.P2P, FaultAction.DROP): SEND_KINDS,

@@ -44,8 +44,17 @@ from dataclasses import dataclass
 
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import (
+    BWD,
+    BWD_INPUT,
+    BWD_WEIGHT,
     COMPOSITE_KINDS,
     COMPUTE_KINDS,
+    CONSUMER_KINDS,
+    FWD,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
     MetaStep,
     Order,
     StepKind,
@@ -53,7 +62,6 @@ from ppswap.scheduler.steps import (
 )
 
 __all__ = [
-    "CONSUMER_KINDS",
     "ComputeSlot",
     "LeafKey",
     "MessageKey",
@@ -70,9 +78,6 @@ __all__ = [
     "slot_dependencies",
 ]
 
-CONSUMER_KINDS = frozenset({StepKind.BWD, StepKind.BWD_INPUT})
-"""The activation's first consumer: BWD, or BWD_INPUT with the dx/dw split."""
-
 LeafKey = tuple[StepKind, int, int]
 """A compute leaf by value: ``(kind, stage, micro)``."""
 
@@ -83,14 +88,6 @@ MessageKey = tuple[int, int, str, int, int]
 """A P2P message: ``(sender rank, receiver rank, "F" | "B", receiving stage, micro)``."""
 
 _STEP_TYPE = frozenset({MetaStep})
-_FWD = StepKind.FWD
-_BWD = StepKind.BWD
-_BWD_INPUT = StepKind.BWD_INPUT
-_BWD_WEIGHT = StepKind.BWD_WEIGHT
-_SEND_F = StepKind.SEND_F
-_RECV_F = StepKind.RECV_F
-_SEND_B = StepKind.SEND_B
-_RECV_B = StepKind.RECV_B
 
 
 # -- orders ----------------------------------------------------------------------------------
@@ -150,9 +147,9 @@ def compute_slots(order: Order) -> tuple[ComputeSlot, ...]:
 def data_flow(kind: StepKind) -> int:
     """Where a compute leaf's result goes: +1 (FWD: to stage + 1), -1 (BWD, BWD_INPUT: to
     stage - 1) or 0 (BWD_WEIGHT, and any non-compute kind: nowhere)."""
-    if kind is _FWD:
+    if kind is FWD:
         return 1
-    if kind is _BWD or kind is _BWD_INPUT:
+    if kind is BWD or kind is BWD_INPUT:
         return -1
     return 0
 
@@ -178,11 +175,11 @@ def leaf_dependency(
     if flow:
         source = stage - flow
         if 0 <= source < num_stages:
-            upstream = _FWD if flow > 0 else consumer_kind.get((source, micro), _BWD)
+            upstream = FWD if flow > 0 else consumer_kind.get((source, micro), BWD)
             return (upstream, source, micro)
-        return (_FWD, stage, micro) if flow < 0 else None
-    if kind is _BWD_WEIGHT:
-        return (_BWD_INPUT, stage, micro)
+        return (FWD, stage, micro) if flow < 0 else None
+    if kind is BWD_WEIGHT:
+        return (BWD_INPUT, stage, micro)
     return None
 
 
@@ -241,7 +238,7 @@ def expected_p2p(
         flow = data_flow(leaf.kind)
         if not flow:
             continue
-        recv_kind, send_kind = (_RECV_F, _SEND_F) if flow > 0 else (_RECV_B, _SEND_B)
+        recv_kind, send_kind = (RECV_F, SEND_F) if flow > 0 else (RECV_B, SEND_B)
         source, target = leaf.stage - flow, leaf.stage + flow
         if 0 <= source < num_stages:
             recvs.append(MetaStep(recv_kind, leaf.stage, leaf.micro, config.rank_of(source)))
@@ -254,9 +251,9 @@ def p2p_partner_stage(step: MetaStep) -> int:
     """The stage at the other end of a P2P step: ``stage + 1`` for SEND_F and RECV_B,
     ``stage - 1`` for SEND_B and RECV_F. ValueError for a step that is not P2P."""
     kind = step.kind
-    if kind is _SEND_F or kind is _RECV_B:
+    if kind is SEND_F or kind is RECV_B:
         return step.stage + 1
-    if kind is _SEND_B or kind is _RECV_F:
+    if kind is SEND_B or kind is RECV_F:
         return step.stage - 1
     raise ValueError(f"{step.short()} is not a P2P step")
 
@@ -268,9 +265,9 @@ def message_key(rank: int, step: MetaStep) -> MessageKey:
     if peer is None:
         raise ValueError(f"{step.short()} has no peer")
     kind = step.kind
-    if kind is _SEND_F or kind is _SEND_B:
-        direction = "F" if kind is _SEND_F else "B"
+    if kind is SEND_F or kind is SEND_B:
+        direction = "F" if kind is SEND_F else "B"
         return (rank, peer, direction, p2p_partner_stage(step), step.micro)
-    if kind is _RECV_F or kind is _RECV_B:
-        return (peer, rank, "F" if kind is _RECV_F else "B", step.stage, step.micro)
+    if kind is RECV_F or kind is RECV_B:
+        return (peer, rank, "F" if kind is RECV_F else "B", step.stage, step.micro)
     raise ValueError(f"{step.short()} is not a P2P step")

@@ -41,7 +41,7 @@ from typing import Any, cast
 
 from ppswap.scheduler.analysis import check_orders, compute_slots, slot_dependencies
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.steps import Order, StepKind
+from ppswap.scheduler.steps import SWAP_LAUNCH_KINDS, SWAP_WAIT_KINDS, Order, StepKind
 
 __all__ = [
     "DEFAULT_COST_BUDGET",
@@ -54,12 +54,6 @@ __all__ = [
 
 DEFAULT_COST_BUDGET = 0.02
 """The default exposed-wait budget: 2% of the step time, per rank."""
-
-_LAUNCH_KINDS = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
-_LAUNCH_OF_WAIT = {
-    StepKind.SWAP_WAIT_OFFLOAD: StepKind.SWAP_LAUNCH_OFFLOAD,
-    StepKind.SWAP_WAIT_LOAD: StepKind.SWAP_LAUNCH_LOAD,
-}
 
 
 def _check_number(name: str, value: Any, *, allow_inf: bool, allow_zero: bool) -> float:
@@ -257,10 +251,10 @@ class Simulator:
                 if slot_id is None:
                     raise ValueError(f"the order of rank {rank} has more compute slots than built")
                 ops.append((_COMPUTE, slot_id, 0.0))
-            elif step.kind in _LAUNCH_KINDS:
+            elif step.kind in SWAP_LAUNCH_KINDS:
                 key = (step.kind is StepKind.SWAP_LAUNCH_LOAD, step.stage, step.micro)
                 ops.append((_LAUNCH, key, self.cost.copy_s(step.kind, step.stage)))
-            elif step.kind in _LAUNCH_OF_WAIT:
+            elif step.kind in SWAP_WAIT_KINDS:
                 key = (step.kind is StepKind.SWAP_WAIT_LOAD, step.stage, step.micro)
                 ops.append((_WAIT, key, 0.0))
         if next(ids, None) is not None:

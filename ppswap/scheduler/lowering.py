@@ -71,11 +71,22 @@ from contextlib import contextmanager
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.schedules import check_rank, compute_order
 from ppswap.scheduler.steps import (
+    BATCH_SEND_RECV,
+    BWD,
+    BWD_INPUT,
     COMPOSITE_KINDS,
     COMPUTE_KINDS,
+    FSDP_RESHARD,
+    FSDP_UNSHARD,
+    FWD,
+    OVERLAP_B_F,
+    OVERLAP_F_B,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
     MetaStep,
     Order,
-    StepKind,
     trusted_step,
 )
 from ppswap.scheduler.swap_plan import inject_swap_steps
@@ -88,20 +99,6 @@ __all__ = [
     "rewrite_p2p",
     "unshard_index_for",
 ]
-
-_FWD = StepKind.FWD
-_BWD = StepKind.BWD
-_BWD_INPUT = StepKind.BWD_INPUT
-_SEND_F = StepKind.SEND_F
-_RECV_F = StepKind.RECV_F
-_SEND_B = StepKind.SEND_B
-_RECV_B = StepKind.RECV_B
-_BATCH = StepKind.BATCH_SEND_RECV
-_OVERLAP_B_F = StepKind.OVERLAP_B_F
-_OVERLAP_F_B = StepKind.OVERLAP_F_B
-_UNSHARD = StepKind.FSDP_UNSHARD
-_RESHARD = StepKind.FSDP_RESHARD
-_BACKWARD_CONSUMERS = frozenset({_BWD, _BWD_INPUT})
 
 
 def _leaves_of(slot: MetaStep) -> tuple[MetaStep, ...]:
@@ -152,7 +149,7 @@ def inject_fsdp_steps(order: Order, config: ScheduleConfig, rank: int) -> Order:
             stage = leaf.stage
             kind = leaf.kind
             opens_backward = False
-            if (kind is _BWD or kind is _BWD_INPUT) and stage not in backward_seen:
+            if (kind is BWD or kind is BWD_INPUT) and stage not in backward_seen:
                 backward_seen.add(stage)
                 opens_backward = True
             previous = last_use.get(stage)
@@ -169,8 +166,8 @@ def inject_fsdp_steps(order: Order, config: ScheduleConfig, rank: int) -> Order:
         reshard_at.setdefault(end, []).append(stage)
 
     # Pass 2: emit. RESHARDs by stage; UNSHARDs by the slot of the run they open, then stage.
-    unshard = {stage: MetaStep(_UNSHARD, stage, -1) for stage in last_use}
-    reshard = {stage: MetaStep(_RESHARD, stage, -1) for stage in last_use}
+    unshard = {stage: MetaStep(FSDP_UNSHARD, stage, -1) for stage in last_use}
+    reshard = {stage: MetaStep(FSDP_RESHARD, stage, -1) for stage in last_use}
     out: list[MetaStep] = []
     for index, slot in enumerate(order):
         opening = unshard_at.get(index)
@@ -214,9 +211,9 @@ def unshard_index_for(order: Order, consumer_index: int, stage: int | None = Non
             continue
         if step.stage != wanted:
             continue
-        if kind is _UNSHARD:
+        if kind is FSDP_UNSHARD:
             return index
-        if kind is _RESHARD or kind in COMPUTE_KINDS:
+        if kind is FSDP_RESHARD or kind in COMPUTE_KINDS:
             return None
     return None
 
@@ -232,16 +229,16 @@ def p2p_for_slot(
     sends: list[MetaStep] = []
     for leaf in _leaves_of(slot):
         kind, stage, micro = leaf.kind, leaf.stage, leaf.micro
-        if kind is _FWD:
+        if kind is FWD:
             if stage > 0:
-                recvs.append(MetaStep(_RECV_F, stage, micro, rank_of(stage - 1)))
+                recvs.append(MetaStep(RECV_F, stage, micro, rank_of(stage - 1)))
             if stage < last:
-                sends.append(MetaStep(_SEND_F, stage, micro, rank_of(stage + 1)))
-        elif kind is _BWD or kind is _BWD_INPUT:
+                sends.append(MetaStep(SEND_F, stage, micro, rank_of(stage + 1)))
+        elif kind is BWD or kind is BWD_INPUT:
             if stage < last:
-                recvs.append(MetaStep(_RECV_B, stage, micro, rank_of(stage + 1)))
+                recvs.append(MetaStep(RECV_B, stage, micro, rank_of(stage + 1)))
             if stage > 0:
-                sends.append(MetaStep(_SEND_B, stage, micro, rank_of(stage - 1)))
+                sends.append(MetaStep(SEND_B, stage, micro, rank_of(stage - 1)))
     return tuple(recvs), tuple(sends)
 
 
@@ -266,30 +263,30 @@ def rewrite_p2p(order: Order, config: ScheduleConfig, rank: int) -> Order:
         kind = step.kind
         send: MetaStep | None = None
         more_sends: tuple[MetaStep, ...] = ()
-        if kind is _FWD:
+        if kind is FWD:
             stage = step.stage
             if stage > 0:
-                run.append(step_of(_RECV_F, stage, step.micro, placement[stage - 1]))
+                run.append(step_of(RECV_F, stage, step.micro, placement[stage - 1]))
             if stage < last:
-                send = step_of(_SEND_F, stage, step.micro, placement[stage + 1])
-        elif kind is _BWD or kind is _BWD_INPUT:
+                send = step_of(SEND_F, stage, step.micro, placement[stage + 1])
+        elif kind is BWD or kind is BWD_INPUT:
             stage = step.stage
             if stage < last:
-                run.append(step_of(_RECV_B, stage, step.micro, placement[stage + 1]))
+                run.append(step_of(RECV_B, stage, step.micro, placement[stage + 1]))
             if stage > 0:
-                send = step_of(_SEND_B, stage, step.micro, placement[stage - 1])
-        elif kind is _OVERLAP_B_F or kind is _OVERLAP_F_B:
+                send = step_of(SEND_B, stage, step.micro, placement[stage - 1])
+        elif kind is OVERLAP_B_F or kind is OVERLAP_F_B:
             recvs, more_sends = p2p_for_slot(step, config)
             run.extend(recvs)
         elif (
-            kind is _SEND_F or kind is _RECV_F or kind is _SEND_B or kind is _RECV_B
-        ) or kind is _BATCH:
+            kind is SEND_F or kind is RECV_F or kind is SEND_B or kind is RECV_B
+        ) or kind is BATCH_SEND_RECV:
             raise ValueError(
                 f"rewrite_p2p takes an order without P2P steps, got {kind.value} at index {index}"
             )
         if run:
             if batch and len(run) > 1:
-                append(step_of(_BATCH, run[0].stage, run[0].micro, None, tuple(run)))
+                append(step_of(BATCH_SEND_RECV, run[0].stage, run[0].micro, None, tuple(run)))
             else:
                 extend(run)
             run.clear()
@@ -300,7 +297,7 @@ def rewrite_p2p(order: Order, config: ScheduleConfig, rank: int) -> Order:
             run.extend(more_sends)
     if run:
         if batch and len(run) > 1:
-            append(step_of(_BATCH, run[0].stage, run[0].micro, None, tuple(run)))
+            append(step_of(BATCH_SEND_RECV, run[0].stage, run[0].micro, None, tuple(run)))
         else:
             extend(run)
     return tuple(out)

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ppswap.scheduler.analysis import (
-    CONSUMER_KINDS,
     ComputeSlot,
     check_orders,
     compute_slots,
@@ -36,7 +35,15 @@ from ppswap.scheduler.analysis import (
 )
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
-from ppswap.scheduler.steps import MetaStep, Order, StepKind
+from ppswap.scheduler.steps import (
+    CONSUMER_KINDS,
+    LAUNCH_OF_WAIT,
+    SWAP_LAUNCH_KINDS,
+    SWAP_LAUNCH_OFFLOAD,
+    MetaStep,
+    Order,
+    StepKind,
+)
 from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.scheduler.validate import ScheduleDeadlockError
 
@@ -52,12 +59,6 @@ __all__ = [
     "resident_by_column",
     "step_columns",
 ]
-
-_LAUNCH_KINDS = frozenset({StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_LAUNCH_LOAD})
-_WAIT_OF: dict[StepKind, tuple[StepKind, str]] = {
-    StepKind.SWAP_WAIT_OFFLOAD: (StepKind.SWAP_LAUNCH_OFFLOAD, "offload"),
-    StepKind.SWAP_WAIT_LOAD: (StepKind.SWAP_LAUNCH_LOAD, "load"),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,10 +224,11 @@ def copy_windows(timeline: Timeline, rank: int, order: Order) -> tuple[CopyWindo
     launched: dict[tuple[StepKind, tuple[int, int]], int] = {}
     windows: list[tuple[int, CopyWindow]] = []
     for index, (step, column) in enumerate(zip(order, columns, strict=True)):
-        if step.kind in _LAUNCH_KINDS:
+        if step.kind in SWAP_LAUNCH_KINDS:
             launched[(step.kind, step.chunk)] = index
-        elif step.kind in _WAIT_OF:
-            launch_kind, name = _WAIT_OF[step.kind]
+        elif step.kind in LAUNCH_OF_WAIT:
+            launch_kind = LAUNCH_OF_WAIT[step.kind]
+            name = "offload" if launch_kind is SWAP_LAUNCH_OFFLOAD else "load"
             start_index = launched.pop((launch_kind, step.chunk), None)
             if start_index is None:
                 raise ValueError(f"{step.short()} of rank {rank} has no launch before it")

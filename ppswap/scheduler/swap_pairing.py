@@ -14,19 +14,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.steps import COMPUTE_KINDS, SWAP_KINDS, MetaStep, Order, StepKind, iter_leaves
+from ppswap.scheduler.steps import (
+    BWD,
+    BWD_INPUT,
+    COMPUTE_KINDS,
+    FSDP_RESHARD,
+    FSDP_UNSHARD,
+    FWD,
+    OVERLAP_B_F,
+    OVERLAP_F_B,
+    SWAP_KINDS,
+    MetaStep,
+    Order,
+    iter_leaves,
+)
 
 __all__ = ["Chunk", "SwapPairing", "pair_chunks"]
 
 Chunk = tuple[int, int]
-
-_FWD = StepKind.FWD
-_BWD = StepKind.BWD
-_BWD_INPUT = StepKind.BWD_INPUT
-_OVERLAP_B_F = StepKind.OVERLAP_B_F
-_OVERLAP_F_B = StepKind.OVERLAP_F_B
-_UNSHARD = StepKind.FSDP_UNSHARD
-_RESHARD = StepKind.FSDP_RESHARD
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +56,10 @@ class SwapPairing:
 _LEAF, _COMPOSITE, _UNSHARD_ROLE, _RESHARD_ROLE, _SWAP_ROLE = range(5)
 _ROLE_OF_VALUE: dict[str, int] = {
     **{kind.value: _LEAF for kind in COMPUTE_KINDS},
-    _OVERLAP_B_F.value: _COMPOSITE,
-    _OVERLAP_F_B.value: _COMPOSITE,
-    _UNSHARD.value: _UNSHARD_ROLE,
-    _RESHARD.value: _RESHARD_ROLE,
+    OVERLAP_B_F.value: _COMPOSITE,
+    OVERLAP_F_B.value: _COMPOSITE,
+    FSDP_UNSHARD.value: _UNSHARD_ROLE,
+    FSDP_RESHARD.value: _RESHARD_ROLE,
     **{kind.value: _SWAP_ROLE for kind in SWAP_KINDS},
 }
 """What ``pair_chunks`` does with a step, by its kind's value (a str: its hash is cached, an
@@ -66,7 +71,7 @@ def pair_chunks(order: Order, config: ScheduleConfig, rank: int | None) -> SwapP
     slot, the FSDP unshards that open consumers' use runs. With ``rank``, refuse leaves of
     another rank's stages. Raises ValueError for the faults ``swap_plan.plan_swap`` names."""
     rank_of = config.rank_of
-    fwd, bwd, bwd_input = _FWD, _BWD, _BWD_INPUT
+    fwd, bwd, bwd_input = FWD, BWD, BWD_INPUT
     role_of = _ROLE_OF_VALUE.get
     slot_index: list[int] = []
     fwd_of: dict[Chunk, int] = {}

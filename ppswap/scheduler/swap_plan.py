@@ -85,9 +85,18 @@ from bisect import bisect_right
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from ppswap.scheduler.analysis import CONSUMER_KINDS, ComputeSlot, check_order, compute_slots
+from ppswap.scheduler.analysis import ComputeSlot, check_order, compute_slots
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import (
+    BATCH_SEND_RECV,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    SWAP_LAUNCH_LOAD,
+    SWAP_LAUNCH_OFFLOAD,
+    SWAP_WAIT_LOAD,
+    SWAP_WAIT_OFFLOAD,
     MetaStep,
     Order,
     StepKind,
@@ -97,8 +106,6 @@ from ppswap.scheduler.steps import (
 from ppswap.scheduler.swap_pairing import Chunk, SwapPairing, pair_chunks
 
 __all__ = [
-    "CONSUMER_KINDS",
-    "SWAP_KIND_ORDER",
     "ComputeSlot",
     "SwapChunkPlan",
     "chunks_on_host_peak",
@@ -109,21 +116,6 @@ __all__ = [
     "select_chunks",
     "strip_swap_steps",
 ]
-
-SWAP_KIND_ORDER: tuple[StepKind, ...] = (
-    StepKind.SWAP_LAUNCH_OFFLOAD,
-    StepKind.SWAP_WAIT_OFFLOAD,
-    StepKind.SWAP_LAUNCH_LOAD,
-    StepKind.SWAP_WAIT_LOAD,
-)
-"""Life-cycle order of the swap kinds; also the tie-break for steps at the same point."""
-
-_BATCH = StepKind.BATCH_SEND_RECV
-_SEND_F = StepKind.SEND_F
-_SEND_B = StepKind.SEND_B
-_RECV_F = StepKind.RECV_F
-_RECV_B = StepKind.RECV_B
-_LAUNCH_OFFLOAD, _WAIT_OFFLOAD, _LAUNCH_LOAD, _WAIT_LOAD = SWAP_KIND_ORDER
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,17 +178,17 @@ def _holds(steps: Sequence[MetaStep], first: StepKind, second: StepKind) -> bool
 def _posts_send(step: MetaStep) -> bool:
     """A SEND_* step, or a BATCH_SEND_RECV holding one."""
     kind = step.kind
-    if kind is _SEND_F or kind is _SEND_B:
+    if kind is SEND_F or kind is SEND_B:
         return True
-    return kind is _BATCH and _holds(step.sub_steps, _SEND_F, _SEND_B)
+    return kind is BATCH_SEND_RECV and _holds(step.sub_steps, SEND_F, SEND_B)
 
 
 def _posts_recv(step: MetaStep) -> bool:
     """A RECV_* step, or a BATCH_SEND_RECV holding one."""
     kind = step.kind
-    if kind is _RECV_F or kind is _RECV_B:
+    if kind is RECV_F or kind is RECV_B:
         return True
-    return kind is _BATCH and _holds(step.sub_steps, _RECV_F, _RECV_B)
+    return kind is BATCH_SEND_RECV and _holds(step.sub_steps, RECV_F, RECV_B)
 
 
 def _place(order: Order, pairing: SwapPairing, chosen: Sequence[int]) -> Order:
@@ -244,10 +236,10 @@ def _place(order: Order, pairing: SwapPairing, chosen: Sequence[int]) -> Order:
     by_chunk = sorted(range(len(chosen)), key=chosen_chunks.__getitem__)
     at: dict[int, list[MetaStep]] = {}
     for kind, points in (
-        (_LAUNCH_OFFLOAD, launch_offload),
-        (_WAIT_OFFLOAD, wait_offload),
-        (_LAUNCH_LOAD, launch_load),
-        (_WAIT_LOAD, wait_load),
+        (SWAP_LAUNCH_OFFLOAD, launch_offload),
+        (SWAP_WAIT_OFFLOAD, wait_offload),
+        (SWAP_LAUNCH_LOAD, launch_load),
+        (SWAP_WAIT_LOAD, wait_load),
     ):
         for n in by_chunk:
             stage, micro = chosen_chunks[n]
@@ -369,7 +361,7 @@ def eligible_chunks(order: Order) -> frozenset[tuple[int, int]]:
     The runtime opens a swap group only for these (RFC 6.5); every other FWD runs without.
     """
     check_order(order)
-    return frozenset(step.chunk for step in order if step.kind is _LAUNCH_OFFLOAD)
+    return frozenset(step.chunk for step in order if step.kind is SWAP_LAUNCH_OFFLOAD)
 
 
 def chunks_on_host_peak(order: Order) -> int:
@@ -384,10 +376,10 @@ def chunks_on_host_peak(order: Order) -> int:
     check_order(order)
     on_host = peak = 0
     for step in iter_leaves(order):
-        if step.kind is _LAUNCH_OFFLOAD:
+        if step.kind is SWAP_LAUNCH_OFFLOAD:
             on_host += 1
             peak = max(peak, on_host)
-        elif step.kind is _LAUNCH_LOAD:
+        elif step.kind is SWAP_LAUNCH_LOAD:
             on_host -= 1
     return peak
 

@@ -53,10 +53,21 @@ from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.render import format_grid
 from ppswap.scheduler.schedules import check_rank
 from ppswap.scheduler.steps import (
+    BATCH_SEND_RECV,
+    BWD,
+    BWD_INPUT,
+    BWD_WEIGHT,
     COMPOSITE_KINDS,
     COMPUTE_KINDS,
+    CONSUMER_KINDS,
     FSDP_KINDS,
+    FWD,
     P2P_KINDS,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    SEND_KINDS,
     SWAP_KINDS,
     MetaStep,
     Order,
@@ -72,17 +83,6 @@ __all__ = [
     "validate_p2p_pairs",
 ]
 
-_FWD = StepKind.FWD
-_BWD = StepKind.BWD
-_BWD_INPUT = StepKind.BWD_INPUT
-_BWD_WEIGHT = StepKind.BWD_WEIGHT
-_BATCH = StepKind.BATCH_SEND_RECV
-_SEND_F = StepKind.SEND_F
-_RECV_F = StepKind.RECV_F
-_SEND_B = StepKind.SEND_B
-_RECV_B = StepKind.RECV_B
-_BACKWARD_CONSUMERS = frozenset({_BWD, _BWD_INPUT})
-_SENDS = frozenset({_SEND_F, _SEND_B})
 
 _DEADLOCK_WINDOW = 6
 
@@ -119,7 +119,7 @@ def _check_shape(
         subs = [sub.kind for sub in step.sub_steps]
         if kind is StepKind.OVERLAP_F_B:
             subs.reverse()  # OVERLAP_F_B(FWD, backward): the same pair, forward first
-        if len(subs) != 2 or subs[0] not in _BACKWARD_CONSUMERS or subs[1] is not _FWD:
+        if len(subs) != 2 or subs[0] not in CONSUMER_KINDS or subs[1] is not FWD:
             raise ScheduleValidationError(
                 f"{where}: a composite must be OVERLAP_B_F(BWD or BWD_INPUT, FWD) or "
                 "OVERLAP_F_B(FWD, BWD or BWD_INPUT)"
@@ -131,7 +131,7 @@ def _check_shape(
         raise ScheduleValidationError(
             f"{where}: a compute order holds compute slots only, got {kind.value}"
         )
-    if kind is _BATCH:
+    if kind is BATCH_SEND_RECV:
         if config.p2p != "batch":
             raise ScheduleValidationError(
                 f"{where}: BATCH_SEND_RECV only with p2p='batch', got p2p={config.p2p!r}"
@@ -176,10 +176,10 @@ def _check_placement(
 def _check_chunks(config: ScheduleConfig, rank: int, order: Order) -> None:
     """Exactly one FWD and one backward (BWD, or BWD_INPUT + BWD_WEIGHT) per chunk."""
     slots: dict[StepKind, dict[tuple[int, int], int]] = {
-        _FWD: {},
-        _BWD: {},
-        _BWD_INPUT: {},
-        _BWD_WEIGHT: {},
+        FWD: {},
+        BWD: {},
+        BWD_INPUT: {},
+        BWD_WEIGHT: {},
     }
     for slot in compute_slots(order):
         for leaf in slot.leaves:
@@ -191,8 +191,8 @@ def _check_chunks(config: ScheduleConfig, rank: int, order: Order) -> None:
                     f"{slot.slot})"
                 )
             seen[leaf.chunk] = slot.slot
-    split_seen = slots[_BWD_INPUT] or slots[_BWD_WEIGHT]
-    if config.forward_only and (slots[_BWD] or split_seen):
+    split_seen = slots[BWD_INPUT] or slots[BWD_WEIGHT]
+    if config.forward_only and (slots[BWD] or split_seen):
         raise ScheduleValidationError(f"rank {rank}: a forward-only order has FWDs only")
     if split_seen and not config.splits_backward:
         raise ScheduleValidationError(f"rank {rank}: BWD_INPUT/BWD_WEIGHT need split_dw=True")
@@ -200,14 +200,14 @@ def _check_chunks(config: ScheduleConfig, rank: int, order: Order) -> None:
         for micro in range(config.micro):
             chunk = (stage, micro)
             where = f"rank {rank} chunk (stage {stage}, micro {micro})"
-            fwd = slots[_FWD].get(chunk)
+            fwd = slots[FWD].get(chunk)
             if fwd is None:
                 raise ScheduleValidationError(f"{where}: no FWD")
             if config.forward_only:
                 continue
-            bwd = slots[_BWD].get(chunk)
-            first = slots[_BWD_INPUT].get(chunk)
-            weight = slots[_BWD_WEIGHT].get(chunk)
+            bwd = slots[BWD].get(chunk)
+            first = slots[BWD_INPUT].get(chunk)
+            weight = slots[BWD_WEIGHT].get(chunk)
             if bwd is not None and (first is not None or weight is not None):
                 raise ScheduleValidationError(f"{where}: both BWD and BWD_INPUT/BWD_WEIGHT")
             if bwd is None and (first is None or weight is None):
@@ -233,7 +233,7 @@ def _check_chunks(config: ScheduleConfig, rank: int, order: Order) -> None:
 def _gap_p2p(gap: Iterable[MetaStep]) -> Counter[MetaStep]:
     found: Counter[MetaStep] = Counter()
     for step in gap:
-        if step.kind is _BATCH:
+        if step.kind is BATCH_SEND_RECV:
             found.update(step.sub_steps)
         elif step.kind in P2P_KINDS:
             found[step] += 1
@@ -274,7 +274,7 @@ def _check_batch_runs(rank: int, order: Order) -> None:
     """Batch mode: no two P2P steps or batches are adjacent (they would be one batch)."""
     previous_is_p2p = False
     for index, step in enumerate(order):
-        is_p2p = step.kind is _BATCH or step.kind in P2P_KINDS
+        is_p2p = step.kind is BATCH_SEND_RECV or step.kind in P2P_KINDS
         if is_p2p and previous_is_p2p:
             raise ScheduleValidationError(
                 f"rank {rank} step {index} ({step.short()}): consecutive P2P steps must be "
@@ -348,7 +348,7 @@ def _describe_key(key: MessageKey) -> str:
 
 def _p2p_leaves(order: Order) -> Iterable[MetaStep]:
     for step in order:
-        if step.kind is _BATCH:
+        if step.kind is BATCH_SEND_RECV:
             yield from step.sub_steps
         elif step.kind in P2P_KINDS:
             yield step
@@ -369,7 +369,7 @@ def validate_p2p_pairs(config: ScheduleConfig, orders: Sequence[Order]) -> None:
                     f"stage {partner} is not in 0..{num_stages - 1} or not on rank {step.peer}"
                 )
             key = message_key(rank, step)
-            book = sent if step.kind in _SENDS else received
+            book = sent if step.kind in SEND_KINDS else received
             book.setdefault(key[:3], []).append(key)
     for channel in sorted(set(sent) | set(received)):
         sends = sent.get(channel, [])
@@ -412,20 +412,20 @@ def simulate_progress(config: ScheduleConfig, orders: Sequence[Order]) -> None:
             step = order[position]
             kind = step.kind
             missing: MessageKey | None = None
-            if kind is _SEND_F or kind is _SEND_B:
+            if kind is SEND_F or kind is SEND_B:
                 deliver(message_key(rank, step))
-            elif kind is _RECV_F or kind is _RECV_B:
+            elif kind is RECV_F or kind is RECV_B:
                 key = message_key(rank, step)
                 if key not in delivered:
                     missing = key
-            elif kind is _BATCH:
+            elif kind is BATCH_SEND_RECV:
                 if not batch_posted[rank]:
                     batch_posted[rank] = True
                     for sub in step.sub_steps:
-                        if sub.kind in _SENDS:
+                        if sub.kind in SEND_KINDS:
                             deliver(message_key(rank, sub))
                 for sub in step.sub_steps:
-                    if sub.kind not in _SENDS:
+                    if sub.kind not in SEND_KINDS:
                         key = message_key(rank, sub)
                         if key not in delivered:
                             missing = key
@@ -449,7 +449,7 @@ def _deadlock(
         message_key(rank, step)
         for rank, order in enumerate(orders)
         for step in _p2p_leaves(order)
-        if step.kind in _SENDS
+        if step.kind in SEND_KINDS
     }
     lines = [f"schedule deadlock: ranks {sorted(blocked_on)} are blocked"]
     for rank in sorted(blocked_on):

@@ -1,8 +1,10 @@
-"""The RFC 5.2 usage examples run as scripts and really move activations; those that train
-with swap off and on report bit-identical losses and a lower peak with swap."""
+"""The examples run as scripts and really move activations; those that train with swap off
+and on report bit-identical losses and a lower peak with swap. Each says its framework in
+its header, and without that framework exits with one line saying how to install it."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -38,3 +40,60 @@ def test_example_runs_and_offloads(script: str) -> None:
     if script == "torch_pipeline.py":
         assert "bit-identical: yes" in done.stdout
         assert len(peaks) == len(offloaded) == 4  # one line per rank
+
+
+EXAMPLE_FRAMEWORKS = {
+    "module_swap.py": ("mindspore", "MindSpore"),
+    "tensor_swap.py": ("mindspore", "MindSpore"),
+    "async_service.py": ("mindspore", "MindSpore"),
+    "torch_pipeline.py": ("torch", "torch"),
+}
+
+
+def test_every_example_says_its_framework() -> None:
+    assert set(EXAMPLE_FRAMEWORKS) | {"torchrun_pipeline.py"} >= {
+        path.name for path in (ROOT / "examples").glob("*.py")
+    }
+    for script, (extra, name) in EXAMPLE_FRAMEWORKS.items():
+        header = (ROOT / "examples" / script).read_text().split('"""')[1]
+        assert f"Needs {name} (``pip install -e '.[{extra}]'``)" in header, script
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLE_FRAMEWORKS))
+def test_an_example_without_its_framework_is_one_line(script: str) -> None:
+    """The framework made unimportable (as where it is not installed, such as the
+    torch-only environment for the MindSpore examples): exit 1, one line, no traceback."""
+    extra, name = EXAMPLE_FRAMEWORKS[script]
+    path = ROOT / "examples" / script
+    code = (
+        "import runpy, sys\n"
+        f"sys.modules[{extra!r}] = None  # importing it now fails\n"
+        f"sys.argv = [{str(path)!r}]\n"
+        f"runpy.run_path({str(path)!r}, run_name='__main__')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.startswith(
+        f"examples/{script} runs on {name}, which is not installed: "
+        f"pip install -e '.[{extra}]' in the ppswap checkout"
+    )
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mindspore") is not None, reason="MindSpore is installed here"
+)
+def test_a_mindspore_example_where_mindspore_is_not_installed() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "module_swap.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("examples/module_swap.py runs on MindSpore, which is not")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr

@@ -19,10 +19,15 @@ from ppswap.scheduler.lowering import build_all_orders, unshard_index_for
 from ppswap.scheduler.peak import peak_chunks
 from ppswap.scheduler.planning import planned_orders
 from ppswap.scheduler.simulate import build_timeline, memory_profile
-from ppswap.scheduler.steps import MetaStep, Order, StepKind, iter_leaves
-from ppswap.scheduler.swap_plan import (
+from ppswap.scheduler.steps import (
     CONSUMER_KINDS,
     SWAP_KIND_ORDER,
+    MetaStep,
+    Order,
+    StepKind,
+    iter_leaves,
+)
+from ppswap.scheduler.swap_plan import (
     compute_slots,
     eligible_chunks,
     inject_swap_steps,
