@@ -80,15 +80,14 @@ class CopySpan:
 
 
 class TimedCudaCopyEngine(CudaCopyEngine):
-    """``CudaCopyEngine`` whose copies record CUDA events on the copy stream.
+    """``CudaCopyEngine`` whose copies record CUDA events on their copy stream.
 
-    Each copy is enqueued under a lock (the ranks' copy threads share the one stream), with
-    a start event after the stream's wait for the forward's ``ready`` event and an end
-    event after the copy, so a span is the copy, not the wait for compute (the end event
-    is recorded once the engine's own wait for the copy returns: a span also holds one
-    host round trip, tens of microseconds against copies of milliseconds). ``spans()``
-    needs the device synchronized. Used only for the instrumented step: the lock makes the
-    copy threads take turns, which the engine as shipped does not.
+    Each copy thread has its own D2H and H2D streams (the engine's); a job gets a start
+    event after its stream's wait for the forward's ``ready`` event and an end event after
+    the copy, so a span is the copy, not the wait for compute (the end event is recorded
+    once the engine's own wait for the copy returns: a span also holds one host round trip,
+    tens of microseconds against copies of milliseconds). ``spans()`` needs the device
+    synchronized. Used only for the instrumented step.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -96,39 +95,50 @@ class TimedCudaCopyEngine(CudaCopyEngine):
         self._lock = threading.Lock()
         self._spans: list[CopySpan] = []
 
+    def _timed(self, kind: str, nbytes: int, stream: Any, run: Callable[[], Any]) -> Any:
+        start, end = _timing_event(), _timing_event()
+        start.record(stream)
+        result = run()
+        end.record(stream)
+        with self._lock:
+            self._spans.append(CopySpan(kind, nbytes, start, end))
+        return result
+
     def d2h_many(
         self, sources: Sequence[CudaSource], into: Sequence[HostArray | None] | None = None
     ) -> list[HostArray]:
-        start, end = _timing_event(), _timing_event()
-        with self._lock:
-            for ready in {id(source.ready): source.ready for source in sources}.values():
-                self.stream.wait_event(ready)
-            start.record(self.stream)
-            hosts = super().d2h_many(sources, into)
-            end.record(self.stream)
-            self._spans.append(CopySpan("d2h", sum(s.nbytes for s in sources), start, end))
+        stream = self.streams.of_this_thread("d2h")
+        for ready in {id(source.ready): source.ready for source in sources}.values():
+            stream.wait_event(ready)
+        nbytes = sum(s.nbytes for s in sources)
+        hosts: list[HostArray] = self._timed(
+            "d2h", nbytes, stream, lambda: super(TimedCudaCopyEngine, self).d2h_many(sources, into)
+        )
         return hosts
 
     def h2d_block(
         self, hosts: Sequence[HostArray], offsets: Sequence[int], nbytes: int
     ) -> list[torch.Tensor]:
-        start, end = _timing_event(), _timing_event()
-        with self._lock:
-            start.record(self.stream)
-            loaded = super().h2d_block(hosts, offsets, nbytes)
-            end.record(self.stream)
-            self._spans.append(CopySpan("h2d", sum(int(h.nbytes) for h in hosts), start, end))
+        stream = self.streams.of_this_thread("h2d")
+        moved = sum(int(h.nbytes) for h in hosts)
+        loaded: list[torch.Tensor] = self._timed(
+            "h2d",
+            moved,
+            stream,
+            lambda: super(TimedCudaCopyEngine, self).h2d_block(hosts, offsets, nbytes),
+        )
         return loaded
 
     def h2d(
         self, host: HostArray, strides: tuple[int, ...] | None = None, dtype: str | None = None
     ) -> torch.Tensor:
-        start, end = _timing_event(), _timing_event()
-        with self._lock:
-            start.record(self.stream)
-            fresh = super().h2d(host, strides, dtype)
-            end.record(self.stream)
-            self._spans.append(CopySpan("h2d", int(host.nbytes), start, end))
+        stream = self.streams.of_this_thread("h2d")
+        fresh: torch.Tensor = self._timed(
+            "h2d",
+            int(host.nbytes),
+            stream,
+            lambda: super(TimedCudaCopyEngine, self).h2d(host, strides, dtype),
+        )
         return fresh
 
     def spans(self) -> list[tuple[str, int, float]]:

@@ -1,15 +1,21 @@
-"""The copy-stream actor: one FIFO copy stream per rank.
+"""The copy-stream actor: a rank's copy streams, one per direction.
 
 A rank's offloads and loads are *launched* onto its copy stream by the compute thread
 (``CopyStream.launch(step, job)``, inside the job of the swap step: no event-loop round
-trip) and *run* strictly in launch order, one at a time, on the stream's own thread (never
-the compute thread, never the event loop): offload and load never run in parallel, as on
-a single device copy stream. ``launch`` returns the job's :class:`CopyCompletion`, which
+trip) and *run* on the stream's own threads (never the compute thread, never the event
+loop): offloads in launch order, one at a time, on the rank's D2H thread
+(``ppswap-copy-<rank>``), loads likewise on its H2D thread (``ppswap-load-<rank>``), as a
+device runs its two directions on separate copy engines, so a load never waits behind an
+unrelated offload. A chunk's load is prepared only once its offload finished (the swap
+layer's phases), so the two queues need no ordering between them.
+``split_directions=False`` runs both on one thread in launch order (one copy engine:
+``benchmarks/bench_copy_streams.py`` compares). ``launch`` returns the job's
+:class:`CopyCompletion`, which
 SWAP_WAIT_* awaits; a failed copy sets it with the ``PipelineError`` this actor reports
 (naming the rank, ``copy`` and the launch step), so the run reports the copy, not the
 compute step that waited for it.
 
-The actor owns the stream's lifecycle: ``run()`` starts its thread and returns when the
+The actor owns the stream's lifecycle: ``run()`` starts its threads and returns when the
 compute actor has closed the stream (``close()``, after its last step) and every launched
 copy has run; a copy that fails ends the run at once. On cancellation or failure the
 copies still queued are cancelled (``CopyJob.cancel``: their buffers go back to the pool)
@@ -43,7 +49,7 @@ from ppswap.core.oneshot import OneShot
 from ppswap.errors import PipelineError, PipelineHangError, named_failure
 from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
-from ppswap.swap.jobs import CopyJob
+from ppswap.swap.jobs import CopyJob, JobKind
 
 __all__ = ["CopyCompletion", "CopyStats", "CopyStream", "CopyStreamActor", "CopyWait"]
 
@@ -132,8 +138,18 @@ class _Launch:
 _CLOSE = object()
 
 
+class _Lane:
+    """One direction's FIFO and the thread that runs it."""
+
+    def __init__(self, thread_name: str) -> None:
+        self.thread_name = thread_name
+        self.queue: deque[_Launch | object] = deque()
+        self.thread: threading.Thread | None = None
+        self.current: str | None = None
+
+
 class CopyStream:
-    """The FIFO of one rank's copies and the thread that runs them (module docstring).
+    """The FIFOs of one rank's copies and the threads that run them (module docstring).
 
     ``launch`` may be called from any thread; everything else from the event loop.
     """
@@ -146,6 +162,7 @@ class CopyStream:
         faults: FaultPlan | None = None,
         generation: int = 0,
         log_steps: bool = False,
+        split_directions: bool = True,
     ) -> None:
         self.rank = rank
         self._recorder = recorder
@@ -154,26 +171,41 @@ class CopyStream:
         self._log_steps = log_steps
         self._log = structlog.get_logger("ppswap").bind(rank=rank, actor="copy")
         self._ready = threading.Condition()
-        self._queue: deque[_Launch | object] = deque()
+        self._offloads = _Lane(f"ppswap-copy-{rank}")
+        self._loads = _Lane(f"ppswap-load-{rank}") if split_directions else self._offloads
+        self._lanes = [self._offloads] + [self._loads] * split_directions
+        self._running = 0  # threads started and not yet exited
         self._interrupt = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._settled: anyio.Event | None = None  # a copy failed, or the thread exited
-        self._drained: anyio.Event | None = None  # the thread exited
+        self._settled: anyio.Event | None = None  # a copy failed, or every thread exited
+        self._drained: anyio.Event | None = None  # every thread exited
         self.failure: PipelineError | None = None
-        self.current: str | None = None
         self._copies = 0
         self._bytes = 0
         self._busy_s = 0.0
 
     def stats(self) -> CopyStats:
-        return CopyStats(self._copies, self._bytes, self._busy_s)
+        """Copies run, their bytes and the seconds they took (summed over the threads)."""
+        with self._ready:
+            return CopyStats(self._copies, self._bytes, self._busy_s)
+
+    @property
+    def current(self) -> str | None:
+        """A copy running now (the offload's first), or None."""
+        return next((lane.current for lane in self._lanes if lane.current), None)
 
     def pending(self) -> list[str]:
         """What is queued or running, for hang dumps (labels like ``copy LO0.0 320B``)."""
         with self._ready:
-            queued = [item.completion.label for item in self._queue if isinstance(item, _Launch)]
-        return ([self.current] if self.current else []) + queued
+            running = [lane.current for lane in self._lanes if lane.current]
+            queued = [
+                item.completion.label
+                for lane in self._lanes
+                for item in lane.queue
+                if isinstance(item, _Launch)
+            ]
+        return running + queued
 
     # -- any thread ---------------------------------------------------------------------
     def launch(
@@ -187,18 +219,19 @@ class CopyStream:
             completion = CopyCompletion(label)
         else:
             completion.label = label
+        lane = self._loads if job.kind is JobKind.LOAD else self._offloads
         with self._ready:
             if self.failure is not None:
                 raise self.failure
-            if self._thread is None or self._interrupt.is_set():
+            if not self._started or self._interrupt.is_set():
                 raise RuntimeError(f"copy stream of rank {self.rank} is not running")
-            self._queue.append(_Launch(step, job, completion))
-            self._ready.notify()
+            lane.queue.append(_Launch(step, job, completion))
+            self._ready.notify_all()
         return completion
 
     # -- event loop: lifecycle ------------------------------------------------------------
     def start(self, *, thread: bool = True) -> None:
-        """Start the stream's thread; ``thread=False`` for a rank whose order launches no
+        """Start the stream's threads; ``thread=False`` for a rank whose order launches no
         copy: no thread is made, ``launch`` refuses, and the stream is finished as soon as
         it is closed or interrupted."""
         self._loop = asyncio.get_running_loop()
@@ -206,31 +239,41 @@ class CopyStream:
         self._drained = anyio.Event()
         if not thread:
             return
-        self._thread = threading.Thread(
-            target=self._serve, name=f"ppswap-copy-{self.rank}", daemon=False
-        )
-        self._thread.start()
+        for lane in self._lanes:
+            lane.thread = threading.Thread(
+                target=self._serve, args=(lane,), name=lane.thread_name, daemon=False
+            )
+        with self._ready:
+            self._started = True
+            self._running = len(self._lanes)
+        for lane in self._lanes:
+            assert lane.thread is not None
+            lane.thread.start()
 
     def close(self) -> None:
-        """No more launches: the thread runs what is queued, then exits."""
+        """No more launches: the threads run what is queued, then exit."""
         with self._ready:
-            self._queue.append(_CLOSE)
-            self._ready.notify()
+            for lane in self._lanes:
+                lane.queue.append(_CLOSE)
+            self._ready.notify_all()
         self._end_threadless()
 
     def _end_threadless(self) -> None:
-        if self._thread is None and self._settled is not None and self._drained is not None:
+        if not self._started and self._settled is not None and self._drained is not None:
             self._drained.set()
             self._settled.set()
 
     def interrupt(self) -> None:
         """Cancel every queued copy and cut a fault-injected delay short (teardown)."""
         with self._ready:
-            dropped = [item for item in self._queue if isinstance(item, _Launch)]
-            self._queue.clear()
-            self._queue.append(_CLOSE)
+            dropped = [
+                item for lane in self._lanes for item in lane.queue if isinstance(item, _Launch)
+            ]
+            for lane in self._lanes:
+                lane.queue.clear()
+                lane.queue.append(_CLOSE)
             self._interrupt.set()
-            self._ready.notify()
+            self._ready.notify_all()
         for item in dropped:
             item.job.cancel()
             item.completion.set()
@@ -245,10 +288,9 @@ class CopyStream:
             raise self.failure
 
     async def join(self, timeout_s: float) -> None:
-        """Wait (shielded, bounded) for the thread to exit; the copy in flight runs to its
-        end. ``PipelineHangError`` if it is still running after ``timeout_s``."""
-        thread = self._thread
-        if thread is None:
+        """Wait (shielded, bounded) for the threads to exit; the copies in flight run to
+        their end. ``PipelineHangError`` if one is still running after ``timeout_s``."""
+        if not self._started:
             return
         with anyio.CancelScope(shield=True):
             assert self._drained is not None
@@ -262,33 +304,39 @@ class CopyStream:
                     step=self.current,
                     dump=self._recorder.dump(),
                 )
-            thread.join()
+            for lane in self._lanes:
+                if lane.thread is not None:
+                    lane.thread.join()
 
-    # -- the stream's thread --------------------------------------------------------------
-    def _next(self) -> _Launch | object:
+    # -- the stream's threads -------------------------------------------------------------
+    def _next(self, lane: _Lane) -> _Launch | object:
         with self._ready:
-            while not self._queue:
+            while not lane.queue:
                 self._ready.wait()
-            return self._queue.popleft()
+            return lane.queue.popleft()
 
-    def _serve(self) -> None:
+    def _serve(self, lane: _Lane) -> None:
         try:
             while True:
-                item = self._next()
+                item = self._next(lane)
                 if not isinstance(item, _Launch):
                     return
                 if self.failure is not None:
                     item.job.cancel()
                     item.completion.set()
                     continue
-                self._run(item)
+                self._run(lane, item)
         finally:
-            self._notify(self._drained)
-            self._notify(self._settled)
+            with self._ready:
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                self._notify(self._drained)
+                self._notify(self._settled)
 
-    def _run(self, item: _Launch) -> None:
+    def _run(self, lane: _Lane, item: _Launch) -> None:
         step, job, completion = item.step, item.job, item.completion
-        self.current = completion.label
+        lane.current = completion.label
         started = time.perf_counter()
         start_us = self._recorder.now_us()
         self._recorder.note(self.rank, "copy", "begin", step)
@@ -298,14 +346,16 @@ class CopyStream:
             completion.moved = job.run()
         except BaseException as exc:
             completion.error = self._failed_copy(step, exc)
-            self.failure = self.failure or completion.error
+            with self._ready:
+                self.failure = self.failure or completion.error
             self._recorder.note(self.rank, "copy", "FAILED", step, type(exc).__name__)
             self._notify(self._settled)
         else:
             seconds = time.perf_counter() - started
-            self._busy_s += seconds
-            self._copies += 1
-            self._bytes += completion.moved
+            with self._ready:
+                self._busy_s += seconds
+                self._copies += 1
+                self._bytes += completion.moved
             self._recorder.note(self.rank, "copy", "end", step)
             self._recorder.add_span(
                 self.rank, "copy", step.kind.value, start_us, chunk=step.short(), bytes=job.nbytes
@@ -320,7 +370,7 @@ class CopyStream:
                     seconds=seconds,
                 )
         finally:
-            self.current = None
+            lane.current = None
             completion.set()
 
     def _failed_copy(self, step: MetaStep, exc: BaseException) -> PipelineError:

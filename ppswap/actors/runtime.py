@@ -50,6 +50,7 @@ from ppswap.actors.rank import RankRuntime
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
+from ppswap.core.faults import FaultSite
 from ppswap.core.transport import Transport, is_distributed, is_immediate
 from ppswap.errors import first_pipeline_error
 from ppswap.fsdp.plan import param_storage_bytes
@@ -132,6 +133,8 @@ async def run_schedule(
         stages, run_options, inputs=inputs, targets=targets, loss_fn=loss_fn, trace=trace
     )
     engine = run_options.device or plan.stages[0].default_copy_engine()
+    if run_options.swap:  # one device per engine: refused here, before any work
+        engine.check_devices([plan.backend.device_of(stage.module) for stage in plan.stages])
     transport = run_options.transport or InProcessTransport()
     async with _exclusive_run():
         with plan.backend.run_scope():
@@ -182,9 +185,11 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     async with compute:
         batches = await compute.run(_begin_stages, plan, generation)
         # Ranks that share this process's compute thread and one event loop hand their
-        # payloads over on the thread as well (``ThreadHandoff``) when they run batches.
+        # payloads over on the thread as well (``ThreadHandoff``), unless a fault plan
+        # wraps the transport: then every message takes the path its rules wrap.
         shared = is_immediate(transport) and len(plan.local_ranks) > 1
-        handoff = ThreadHandoff() if shared and plan.runs_batches else None
+        wrapped = plan.faults is not None and plan.faults.covers(FaultSite.P2P)
+        handoff = ThreadHandoff() if shared and not wrapped else None
         wiring = _Wiring(compute, transport, engine, recorder, batches, log_steps, handoff)
         ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
         try:

@@ -169,7 +169,19 @@ class CopyEngine(Protocol):
 
     def can_move(self, tensor: Tensor) -> bool:
         """Compute thread, O(1): whether this engine can copy ``tensor`` (a CUDA engine
-        cannot move a CPU tensor a CUDA stage saved); a tensor it cannot stays put."""
+        moves the tensors of its own device only, not a CPU tensor a CUDA stage saved nor
+        one on another GPU); a tensor it cannot stays put."""
+        ...
+
+    def check_devices(self, devices: Sequence[str]) -> None:
+        """Before a run with swap: raise ValueError, in one line naming them, if this
+        engine cannot serve stages on ``devices`` (``Backend.device_of``) together (a CUDA
+        engine serves one device)."""
+        ...
+
+    def clear_pool(self) -> None:
+        """Free every idle pooled host buffer (and cached device block, where the engine
+        keeps them); those in use are unaffected."""
         ...
 
     def span_sources(self, spans: Sequence[tuple[Tensor, int, int]]) -> list[Any]:

@@ -160,6 +160,11 @@ class EmulatedDevice:
     def can_move(self, tensor: Any) -> bool:
         return True
 
+    def check_devices(self, devices: Sequence[str]) -> None:
+        """Accept stages on any devices: host memory stands in for each of them, and a
+        tensor whose bytes the host cannot read stays where it is (``span_sources``)."""
+        return None
+
     def span_sources(self, spans: Sequence[tuple[Any, int, int]]) -> list[Array | None]:
         """Each span's bytes as a ``uint8`` numpy view of its tensor's memory (no copy)."""
         backend = self._bound()

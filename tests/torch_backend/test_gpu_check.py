@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fake_cuda import FakeCuda
 
+from ppswap.backends.torch.backend import TorchBackend
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine, CudaSource
 
 ROOT = Path(__file__).parents[2]
@@ -351,20 +353,19 @@ def test_cpu_mode_runs_under_autocast(
 
 
 def test_cuda_engine_carries_bfloat16_as_int16() -> None:
-    """The parts of the CUDA engine's bfloat16 path that run without a GPU: the carrier
-    dtype a source reports, and a host copy viewed back by the original dtype's name,
-    bit for bit, into a fresh tensor of the original strides."""
+    """The CUDA engine's bfloat16 path, on the fake device: the carrier dtype a source
+    reports, and a host copy loaded back by the original dtype's name, bit for bit, into
+    a fresh tensor of the original strides."""
     original = torch.randn(3, 5).to(torch.bfloat16).t()  # strided, as saved views can be
-    source = CudaSource(original, ready=None)
-    assert source.dtype == np.dtype(np.int16)
-    assert source.nbytes == original.numel() * 2
-    host = original.contiguous().view(torch.int16).numpy()
-    engine = object.__new__(CudaCopyEngine)
-    engine.device = torch.device("cpu")
-    typed = engine._typed(host, str(original.dtype))
-    assert typed.dtype == torch.bfloat16
-    assert torch.equal(typed.view(torch.int16), original.contiguous().view(torch.int16))
-    fresh = engine._empty_like(host, tuple(original.stride()), str(original.dtype))
+    fake = FakeCuda()
+    engine = CudaCopyEngine(torch.device("cuda:0"), api=fake).for_backend(TorchBackend())
+    assert CudaSource(original, ready=None).dtype == np.dtype(np.int16)
+    (source,) = engine.span_sources([(original, 0, original.numel() * 2)])
+    assert source is not None and source.nbytes == original.numel() * 2
+    (host,) = engine.d2h_many([source])
+    bits = host.view(np.int16).reshape(3, 5).T  # the storage's bytes, viewed as the view
+    fresh = engine.h2d(bits, tuple(original.stride()), str(original.dtype))
     assert fresh.dtype == torch.bfloat16 and fresh.stride() == original.stride()
-    fresh.copy_(typed)
     assert torch.equal(fresh.view(torch.int16), original.view(torch.int16))
+    assert fake.violations == []
+    engine.release_host(host)
