@@ -323,4 +323,6 @@ def _collect_losses(plan: RunPlan, ranks: list[RankRuntime]) -> list[float]:
     if not replicas:
         return []
     micros = sorted(replicas[0].losses)
-    return [sum(actor.losses[m] for actor in replicas) / len(replicas) for m in micros]
+    kept = plan.backend.host_floats([actor.losses[m] for m in micros for actor in replicas])
+    count = len(replicas)
+    return [sum(kept[i * count : (i + 1) * count]) / count for i in range(len(micros))]

@@ -379,6 +379,17 @@ class Backend(Protocol):
         """Where a module's parameters live (``"cpu"``, ``"cuda:0"``)."""
         ...
 
+    def keep_scalar(self, value: Tensor) -> Any:
+        """A run's 0-d result (a micro-batch's loss) as the run keeps it until its end,
+        without waiting for the device (torch: the tensor, detached, where it is);
+        :meth:`host_floats` turns what it kept into floats."""
+        ...
+
+    def host_floats(self, values: Sequence[Any]) -> list[float]:
+        """What :meth:`keep_scalar` returned, as floats, in order: at the end of a run, in
+        one transfer per device."""
+        ...
+
     def scalar_like(self, value: float, like: Tensor) -> Tensor:
         """A 0-d tensor of ``like``'s dtype and device holding ``value``."""
         ...

@@ -187,3 +187,15 @@ async def test_a_swap_run_asks_its_engine_about_the_stages_devices_before_any_wo
     assert all(stage.generation == 0 for stage in stages)  # no run began
     await run_case(stages, case, swap=False, device=device)
     assert device.asked == [["cpu", "cpu"]]
+
+
+def test_losses_are_kept_where_they_are_and_read_in_one_transfer() -> None:
+    """``keep_scalar`` keeps a loss tensor (detached, on its device) and a host value as
+    it is; ``host_floats`` gives each as ``float()`` would, in order, across dtypes."""
+    backend = TorchBackend()
+    weight = torch.tensor(3.0, requires_grad=True)
+    loss = weight * 2
+    kept = backend.keep_scalar(loss)
+    assert isinstance(kept, torch.Tensor) and not kept.requires_grad
+    values = [kept, np.float32(0.1), backend.keep_scalar(torch.tensor(0.3, dtype=torch.float16))]
+    assert backend.host_floats(values) == [6.0, float(np.float32(0.1)), float(values[2])]

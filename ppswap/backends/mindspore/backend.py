@@ -266,6 +266,12 @@ class MindSporeBackend:
     def device_of(self, module: Module) -> str:
         return str(ms.get_context("device_target")).lower()
 
+    def keep_scalar(self, value: Tensor) -> float:
+        return float(value)  # host memory (MindSpore runs on CPU here): nothing to wait for
+
+    def host_floats(self, values: Sequence[Any]) -> list[float]:
+        return [float(value) for value in values]
+
     def scalar_like(self, value: float, like: Tensor) -> Tensor:
         return Tensor(np.array(value, dtype=self.numpy_dtype(like) or np.float32))
 

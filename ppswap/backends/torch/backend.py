@@ -146,6 +146,16 @@ def _numpy_of(tensor: torch.Tensor, *, detach: bool = False) -> HostArray:
     return array
 
 
+def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without the host waiting for the device: staged in
+    page-locked memory and copied with ``non_blocking=True`` on the current stream (a
+    pageable copy would make the host wait for the stream to drain first). The caching
+    host allocator keeps the staging buffer until the copy is done."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _tensor_of(array: HostArray) -> torch.Tensor:
     """The tensor sharing ``array``'s memory (a numpy bfloat16 array, ``ml_dtypes``' or
     MindSpore's: a ``torch.bfloat16`` one, through ``int16``)."""
@@ -355,7 +365,7 @@ class TorchBackend:
     def from_host(self, array: HostArray, like: torch.Tensor | None = None) -> torch.Tensor:
         tensor = _tensor_of(array)
         if like is not None and like.device.type != "cpu":
-            return tensor.to(like.device)
+            return _upload(tensor, like.device)
         return tensor
 
     def to_payload(self, tensor: torch.Tensor, *, copy: bool, host: bool) -> Any:
@@ -366,8 +376,33 @@ class TorchBackend:
 
     def from_payload(self, payload: Any, like: torch.Tensor | None) -> torch.Tensor:
         if isinstance(payload, torch.Tensor):
-            return payload if like is None else payload.to(like.device)
+            if like is None or payload.device == like.device:
+                return payload
+            if payload.device.type == "cpu":
+                return _upload(payload, like.device)
+            return payload.to(like.device)
         return self.from_host(payload, like)
+
+    def keep_scalar(self, value: Any) -> Any:
+        # A tensor stays on its device (reading it now would wait for the device); a host
+        # value (a numpy scalar) is kept as it is.
+        return value.detach() if isinstance(value, torch.Tensor) else value
+
+    def host_floats(self, values: Sequence[Any]) -> list[float]:
+        # One transfer per (device, dtype): a stack of the values, copied to the host once
+        # (float() of each CUDA value would wait for the device once per value).
+        found: list[float | None] = [None] * len(values)
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index, value in enumerate(values):
+            if isinstance(value, torch.Tensor):
+                groups.setdefault((value.device, value.dtype), []).append(index)
+            else:
+                found[index] = float(value)
+        for indices in groups.values():
+            stacked = torch.stack([values[i].reshape(()) for i in indices]).cpu()
+            for index, number in zip(indices, stacked.tolist(), strict=True):
+                found[index] = float(number)
+        return [float(number) for number in found if number is not None]
 
     def scalar_like(self, value: float, like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(value, dtype=like.dtype, device=like.device)
