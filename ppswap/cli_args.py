@@ -22,15 +22,17 @@ INTERLEAVED_DEFAULT_VPP = 2
 """``--vpp`` when it is not given with ``--schedule interleaved_1f1b`` (which needs >= 2)."""
 VPP_HELP = (
     f"virtual stages per rank (default: {INTERLEAVED_DEFAULT_VPP} for interleaved_1f1b, "
-    "which needs at least 2; 1 for gpipe and 1f1b, the only value they allow)"
+    "which needs at least 2, and for zbv and dualpipev, which need exactly 2; 1 for the "
+    "others)"
 )
 
 
 def vpp_of(args: argparse.Namespace) -> int:
-    """``--vpp``, or its default: 2 for interleaved_1f1b, 1 for the other schedules."""
+    """``--vpp``, or its default: 2 for interleaved_1f1b, zbv and dualpipev, else 1."""
     if args.vpp is not None:
         return int(args.vpp)
-    return INTERLEAVED_DEFAULT_VPP if args.schedule == "interleaved_1f1b" else 1
+    two_or_more = ("interleaved_1f1b", "zbv", "dualpipev")
+    return INTERLEAVED_DEFAULT_VPP if args.schedule in two_or_more else 1
 
 
 def install_hint(extra: str) -> str:

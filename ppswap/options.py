@@ -31,6 +31,7 @@ from ppswap.scheduler.config import (
     ScheduleName,
 )
 from ppswap.scheduler.cost import SWAP_POLICIES, CostModel, SwapPolicy, check_swap_policy
+from ppswap.scheduler.user_orders import OrderSpec, read_orders
 from ppswap.swap.manager import SWAP_MIN_BYTES
 from ppswap.swap.tensor import CHECK_MODES, CheckMode
 
@@ -105,7 +106,10 @@ class RunOptions:
     ``forward_only``: evaluation (no graph, no swap); ``step_timeout``: the deadline of
     every single wait; ``transport`` (default in-process), ``device`` (the copy engine;
     default the stages' backend's), ``mesh`` (FSDP; read from the stages when None),
-    ``faults`` (tests).
+    ``faults`` (tests); ``order``: every rank's compute order in torch's action notation
+    (rows of ``"0F0"``, ``"1I0"`` ..., or the path of the CSV torch's schedules write;
+    ``ppswap.scheduler.user_orders``), run instead of ``schedule``'s (pp defaults to its
+    number of rows).
     """
 
     micro_batch_num: int
@@ -128,6 +132,7 @@ class RunOptions:
     device: CopyEngine | None = None
     mesh: DeviceMesh | None = None
     faults: FaultPlan | None = None
+    order: OrderSpec | None = None
 
     def __post_init__(self) -> None:
         _check_one_of("schedule", self.schedule, SCHEDULE_NAMES)
@@ -157,6 +162,8 @@ class RunOptions:
             )
         _check_instance("mesh", self.mesh, DeviceMesh, "be a ppswap.DeviceMesh")
         _check_instance("faults", self.faults, FaultPlan, "be a ppswap.core.faults.FaultPlan")
+        if self.order is not None:
+            read_orders(self.order)  # its notation, now; the rest once the stages are known
         if self.forward_only and self.swap:
             raise ValueError(
                 "swap must be False for a forward-only run, got swap=True "

@@ -275,6 +275,11 @@ class BatchRun:
                 self.announce(index, result)
         return self._outcome(None)
 
+    def at(self) -> MetaStep:
+        """The step of the job the batch is at (its last job's once it is done)."""
+        position = min(len(self.results), len(self.jobs) - 1)
+        return self.jobs[self.order[position] if self.order else position].step
+
     def now(self) -> str:
         position, jobs, order = len(self.results), self.jobs, self.order
         if position >= len(jobs):

@@ -15,8 +15,7 @@ receive lands the arrival again, which is a no-op), so results, statistics, dead
 hang dumps stay as they are. Both paths carry the same object, never a copy. Because the
 handoff carries the payload, the sender's batch does not announce it to the loop (one
 wake-up per send saved): the send is posted with the batch's outcome, and no receiving
-step of these ranks waits for it on the loop (``ComputeActor._local_step`` takes arrivals
-too).
+step of these ranks waits for it on the loop (every wait of a step is on the thread).
 
 An entry lives until it is matched, or (an expectation) until its arrival lands another
 way, so nothing is held for a message already received. A payload put for a receive that

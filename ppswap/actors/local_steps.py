@@ -17,9 +17,13 @@ budget). Ranks that share the thread get a budget of their whole order: their ba
 park rather than block. A composite (OVERLAP_B_F) joins as its two leaves, which may run in
 either order: the ready ones first, then those that wait for their input on the thread;
 where both wait, the batch waits for whichever comes first and runs that leaf first
-(``BatchRun.pairs``). A composite whose inputs cannot be waited for on the thread ends the
-batch, and the actor runs its leaves as two tasks. A send's payload maker also gets the
-``RankMail.hand_off`` of the send, if any. Everything here runs on the event loop.
+(``BatchRun.pairs``). A composite whose inputs the budget left cannot cover ends the
+batch; the next one starts with it. A send's payload maker also gets the
+``RankMail.hand_off`` of the send, if any. A run's ``BatchHooks`` add the rest: FSDP
+steps join as the FSDP driver's jobs, each compute leaf after the job that installs its
+stage's gathered parameters, and a fault plan's callback ends a batch before its step.
+Every step of an order is thus a job of some batch, or a send or receive posted on the
+way. Everything here runs on the event loop.
 """
 
 from __future__ import annotations
@@ -41,12 +45,14 @@ from ppswap.scheduler.steps import (
     StepKind,
 )
 from ppswap.scheduler.steps import COMPUTE_KINDS as LEAVES
+from ppswap.scheduler.steps import FSDP_KINDS as _FSDP_KINDS
 from ppswap.scheduler.steps import RECV_KINDS as _RECVS
 from ppswap.scheduler.steps import SEND_KINDS as _SENDS
 from ppswap.stage import PipelineStage
 
 __all__ = [
     "ARRIVAL_WAITS_PER_BATCH",
+    "BatchHooks",
     "BatchPlan",
     "LocalSteps",
     "RankInputs",
@@ -69,6 +75,20 @@ class RankInputs:
     inputs: Sequence[HostArray] | Sequence[tuple[HostArray, ...]]
     targets: Sequence[HostArray] | Sequence[tuple[HostArray, ...]] | None
     outputs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BatchHooks:
+    """What a run adds to its batches, beside its local steps: ``fsdp_job(step)``, the
+    job of an FSDP_UNSHARD / FSDP_RESHARD (the FSDP driver's); ``install(leaf)``, a job
+    that must run before compute leaf ``leaf`` (the install of its stage's gathered
+    parameters) or None; ``stops(step)``: the batch ends before ``step`` (a fault plan's
+    callback at it runs on the event loop first). Each may raise for a step the order
+    cannot run."""
+
+    fsdp_job: Callable[[MetaStep], StepJob] | None = None
+    install: Callable[[MetaStep], StepJob | None] | None = None
+    stops: Callable[[MetaStep], bool] | None = None
 
 
 @dataclass(slots=True)
@@ -98,6 +118,7 @@ class LocalSteps:
     bodies: StepBodies
     session: SwapDriver
     failure: Callable[[MetaStep, str], PipelineError]
+    hooks: BatchHooks = BatchHooks()
 
     def job_if_ready(
         self,
@@ -142,28 +163,31 @@ class LocalSteps:
         index: int,
         post_receive: Callable[[MetaStep, bool], None],
         *,
-        one_leaf: bool = False,
         arrival_waits: int = 0,
     ) -> tuple[BatchPlan, int]:
         """The batch of ready local steps from ``order[index]`` on (module docstring), and
         the index of the next step to look at. A receive met on the way is posted at once,
-        ``post_receive(step, first)`` (``first``: before the batch's first job).
-        ``one_leaf`` (FSDP: a leaf is preceded by its all-gather's install): at most one
-        leaf, the first step, and no send rides along. ``arrival_waits``: how many jobs
-        may wait for their received input on the thread."""
+        ``post_receive(step, first)`` (``first``: before the batch's first job). FSDP
+        steps join as the jobs of ``hooks.fsdp_job``, and every compute leaf is preceded
+        by the job ``hooks.install`` gives for it, if any. ``arrival_waits``: how many
+        jobs may wait for their received input on the thread."""
         plan = BatchPlan()
         jobs = plan.jobs
         launched: dict[CopyKey, CopyCompletion | None] = {}
         waits_left = arrival_waits
+        fsdp_job, install, stops = self.hooks.fsdp_job, self.hooks.install, self.hooks.stops
+        start = index
         while index < len(order):
             step = order[index]
+            if stops is not None and index > start and stops(step):
+                break
             if step.kind in _RECVS:
                 post_receive(step, not jobs)
                 if jobs:
                     plan.posted.append((len(jobs), step))
                 index += 1
                 continue
-            if step.kind in _SENDS and not one_leaf:
+            if step.kind in _SENDS:
                 producer = payload_maker(jobs, step)
                 if producer is None:
                     break
@@ -182,10 +206,12 @@ class LocalSteps:
                 plan.posted.append((producer + 1, step))
                 index += 1
                 continue
-            if step.kind in COMPOSITE_KINDS and not one_leaf:
+            if step.kind in COMPOSITE_KINDS:
                 leaves = self._composite_jobs(step, launched, waits_left)
                 if leaves is None:
                     break
+                if install is not None:
+                    jobs.extend(j for leaf in step.sub_steps if (j := install(leaf)) is not None)
                 waits = sum(job.arrival is not None for job in leaves)
                 if waits == len(leaves):
                     plan.pairs.add(len(jobs))
@@ -194,13 +220,24 @@ class LocalSteps:
                 plan.composites.append(step)
                 index += 1
                 continue
-            if step.kind not in LOCAL_KINDS or (jobs and one_leaf and step.kind in LEAVES):
+            if step.kind in _FSDP_KINDS:
+                if fsdp_job is None:
+                    raise self.failure(
+                        step,
+                        "the order has FSDP steps but no stage of this rank is fully_shard()-ed",
+                    )
+                jobs.append(fsdp_job(step))
+                index += 1
+                continue
+            if step.kind not in LOCAL_KINDS:
                 break
             job = self.job_if_ready(
                 step, launched, wait=waits_left > 0, wait_copy=arrival_waits > 0
             )
             if job is None:
                 break
+            if install is not None and step.kind in LEAVES and (pre := install(step)):
+                jobs.append(pre)
             if job.arrival is not None and job.kind != "swap_finish":
                 waits_left -= 1
             jobs.append(job)
@@ -210,8 +247,8 @@ class LocalSteps:
     def _composite_jobs(
         self, step: MetaStep, launched: dict[CopyKey, CopyCompletion | None], waits_left: int
     ) -> list[StepJob] | None:
-        """The jobs of a composite's two leaves, or None (the composite then runs as two
-        concurrent tasks, ``ComputeActor._composite``). Its leaves may run in either
+        """The jobs of a composite's two leaves, or None (the budget left does not cover
+        them: the composite begins the next batch). Its leaves may run in either
         order, so a batch takes them when both are ready (in the composite's order), when
         one is and the other may wait for its input on the thread (the ready one first,
         as two tasks would run them), or when both may wait (a pair: whichever input

@@ -56,6 +56,7 @@ from ppswap.scheduler.planning import planned_orders
 from ppswap.scheduler.steps import FSDP_KINDS as _FSDP_KINDS
 from ppswap.scheduler.steps import P2P_KINDS as _P2P_KINDS
 from ppswap.scheduler.steps import Order, iter_leaves
+from ppswap.scheduler.user_orders import check_orders_given, read_orders
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap.tensor import CheckMode
 
@@ -174,6 +175,14 @@ def prepare_run(
         min_swap_gap=options.min_swap_gap,
         forward_only=options.forward_only,
         fsdp=mesh is not None,
+        order=None
+        if options.order is None
+        else check_orders_given(
+            read_orders(options.order),
+            stage_num,
+            options.micro_batch_num,
+            forward_only=options.forward_only,
+        ),
     )
     if mesh is not None:
         check_mesh(mesh, pp, distributed)
@@ -279,6 +288,8 @@ def _resolve_pp(
         if pp is not None and pp != world:
             raise ValueError(f"pp must equal the distributed world size {world}, got {pp!r}")
         pp = world
+    if pp is None and options.order is not None:
+        pp = len(read_orders(options.order))  # a given order has one row per rank
     if pp is None:
         if options.schedule == "interleaved_1f1b":
             raise ValueError(

@@ -13,7 +13,9 @@ from functools import partial
 
 from anyio.abc import TaskGroup
 
-from ppswap.actors.compute import ComputeActor, RankInputs
+from ppswap.actors.batch import StepBodies
+from ppswap.actors.compute import BatchMode, ComputeActor, RankInputs
+from ppswap.actors.context import RunContext
 from ppswap.actors.copy_stream import CopyStream, CopyStreamActor
 from ppswap.actors.data import Batches
 from ppswap.actors.handoff import ThreadHandoff
@@ -55,6 +57,15 @@ class RankRuntime:
         self.stages: tuple[PipelineStage, ...] = plan.stages_of(rank)
         order = plan.orders[rank]
         config = plan.config
+        run = RunContext(
+            rank=rank,
+            generation=generation,
+            step_timeout_s=plan.step_timeout,
+            recorder=recorder,
+            faults=plan.faults,
+            log_steps=log_steps,
+        )
+        self.context = run
         eligible = eligible_chunks(order)
         self._copies_planned = bool(eligible)
         self.session = PipelineSwapSession(
@@ -63,7 +74,7 @@ class RankRuntime:
             rank=rank,
             generation=generation,
             eligible=eligible,
-            wait_timeout_s=plan.step_timeout,
+            wait_timeout_s=run.step_timeout_s,
             check=plan.swap_check,
             count_saved=plan.count_saved_bytes or bool(eligible),  # swap counts what it holds
             min_bytes=plan.swap_min_bytes,
@@ -84,40 +95,38 @@ class RankRuntime:
                 stages=by_index,
                 compute=compute,
                 p2p=p2p_tx,
-                timeout_s=plan.step_timeout,
+                timeout_s=run.step_timeout_s,
                 reduce_grads=not config.forward_only,
             )
-        # Where a rank runs batches, a batch's compute thread waits for the receives (and
-        # copies) its jobs need: blocking, when the rank is alone in its process (nobody
-        # else needs the thread); parked, when the ranks of this process share it and
-        # hand payloads over on it (nothing is held while parked, so there is no budget).
-        shares_thread = len(plan.local_ranks) > 1
-        arrival_waits = 0
-        if plan.runs_batches:
-            if not shares_thread:
-                arrival_waits = ARRIVAL_WAITS_PER_BATCH
-            elif handoff is not None:
-                arrival_waits = len(order)
+        # A batch waits for the receives, copies and all-gathers its jobs need on the
+        # compute thread: blocking when the rank is alone in its process (nobody else
+        # needs the thread; ARRIVAL_WAITS_PER_BATCH bounds the receives it runs ahead
+        # of), parked when the ranks of this process share the thread (nothing is held
+        # while parked, so the budget is the whole order).
+        if len(plan.local_ranks) > 1:
+            mode = BatchMode(arrival_waits=len(order), parks=True, handoff=handoff)
+        else:
+            mode = BatchMode(arrival_waits=ARRIVAL_WAITS_PER_BATCH)
+        record = not config.forward_only
+        bodies = StepBodies(
+            self.session,
+            self.copy_stream,
+            host_payloads=not is_immediate(transport),
+            record=record,
+            # A forward-only output is not kept by the stage, so it is always copied.
+            zero_copy_sends=config.p2p == "boundary" and record,
+        )
         replica = batches.of_replica(plan.dp_index(rank), config.micro)
         self.compute_actor = ComputeActor(
-            rank=rank,
+            run,
             order=order,
-            config=config,
             stages=by_index,
-            compute=compute,
-            session=self.session,
-            p2p=p2p_tx,
-            copies=self.copy_stream,
-            recorder=recorder,
             data=RankInputs(replica.inputs, replica.targets, outputs=plan.returns_outputs),
-            generation=generation,
-            timeout_s=plan.step_timeout,
-            log_steps=log_steps,
+            bodies=bodies,
+            compute=compute,
+            p2p=p2p_tx,
             fsdp=self.fsdp,
-            faults=plan.faults,
-            host_payloads=not is_immediate(transport),
-            arrival_waits=arrival_waits,
-            handoff=handoff if arrival_waits > 0 else None,
+            mode=mode,
         )
         self.copy_actor = CopyStreamActor(self.copy_stream, timeout_s=plan.step_timeout)
         self.p2p_actor = P2PActor(

@@ -1,20 +1,19 @@
 """StepWaits: the compute actor's waits, each bounded by the step deadline.
 
-A compute actor waits for three things: a reply future (a received payload, a send's
-completion), a launched copy (a SWAP_WAIT_*'s exposed wait) and a job on the compute
-thread. Each wait has the deadline ``timeout_s``; a missed one raises the
-``PipelineHangError`` of ``StepFailures.hang`` (with the flight recorder's dump), naming
-the step that waited. While a wait is in progress it is listed in ``waiting`` for hang
-dumps; a wait that failed stays listed. Everything here runs on the event loop.
+A compute actor waits on the event loop for two things: a job on the compute thread (a
+batch, which itself waits for the inputs of its steps on the thread) and a reply future
+(a send's completion, at the end of the order). Each wait has the deadline
+``timeout_s``; a missed one raises the ``PipelineHangError`` of ``StepFailures.hang``
+(with the flight recorder's dump), naming the step that waited. While a wait is in
+progress it is listed in ``waiting`` for hang dumps; a wait that failed stays listed.
+Everything here runs on the event loop.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ppswap.actors.copy_stream import CopyCompletion
 from ppswap.actors.failures import StepFailures
 from ppswap.core.executor import DedicatedThread, JobDeadlineError, Resume, job_name
 from ppswap.core.messages import FutureTimeoutError, ReplyFuture
@@ -27,7 +26,7 @@ T = TypeVar("T")
 
 class StepWaits:
     """One compute actor's deadline-bounded waits (module docstring). ``exposed_copy_s``
-    sums the time blocked on copies."""
+    sums the time batches waited for copies on the thread."""
 
     def __init__(self, compute: DedicatedThread, errors: StepFailures, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -49,26 +48,9 @@ class StepWaits:
         del self.waiting[id(future)]
         return result
 
-    async def copy(self, completion: CopyCompletion, step: MetaStep) -> float:
-        """Wait for a launched copy (the exposed copy wait); the seconds waited. Raises
-        the copy's error if it failed."""
-        started = time.perf_counter()
-        if not completion.is_set():
-            self.waiting[id(completion)] = f"{step.short()} waits for {completion.label}"
-            if not await completion.wait_async(self.timeout_s):
-                raise self._errors.hang(
-                    step, f"{completion.label} not done within {self.timeout_s}s"
-                )
-            del self.waiting[id(completion)]
-        waited = time.perf_counter() - started
-        self.exposed_copy_s += waited
-        if completion.error is not None:
-            raise completion.error
-        return waited
-
     async def call(
         self,
-        at: MetaStep | str | None,
+        at: MetaStep | str | Callable[[], MetaStep] | None,
         fn: Callable[..., T | Resume],
         *args: Any,
         urgent: bool = False,
@@ -77,9 +59,10 @@ class StepWaits:
     ) -> T:
         """Run ``fn(*args)`` on the compute thread with the step deadline, or
         ``timeout_s`` (the job itself cannot be interrupted: on a missed deadline the run
-        fails, naming ``at``, and teardown waits for the job). ``urgent``: on the thread's
-        urgent lane, ahead of the leaves queued there; ``progress``: where the job is, the
-        deadline then bounds the time without progress (``DedicatedThread.run``).
+        fails, naming ``at``, or ``at()``: where a batch is then; teardown waits for the
+        job). ``urgent``: on the thread's urgent lane, ahead of the leaves queued there;
+        ``progress``: where the job is, the deadline then bounds the time without progress
+        (``DedicatedThread.run``).
 
         The message of a missed deadline says what the thread is running then: where
         ranks share the thread, the job that holds it may be another rank's (the one
@@ -96,5 +79,6 @@ class StepWaits:
             message = f"compute job {job_name(fn)} made no progress for {deadline_s}s"
             message += f" ({progress()})"
         message += f"; the compute thread is running {running or 'nothing'}"
-        where = at if at is not None else "idle"
+        where = at() if callable(at) else at
+        where = where if where is not None else "idle"
         raise self._errors.hang(where, message)

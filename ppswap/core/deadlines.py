@@ -17,7 +17,16 @@ from __future__ import annotations
 import asyncio
 import math
 
-__all__ = ["resolve", "wait_woken"]
+__all__ = ["DEFAULT_STEP_TIMEOUT_S", "resolve", "wait_woken"]
+
+# The deadline of every single wait (a receive, a copy, a collective, a compute job), not
+# of the run; the one default of it (``RunOptions.step_timeout``, which every actor and the
+# swap session get from the run). The longest legitimate wait is a receive on the last
+# rank during the pipeline fill (about 2 * pp compute slots) or a first step that compiles
+# kernels; five minutes is far above that for the models this runtime serves, and short
+# enough that a service learns of a hang in minutes (torch.distributed's NCCL default is
+# ten). Raise it for very slow steps; math.inf turns the watchdog off.
+DEFAULT_STEP_TIMEOUT_S = 300.0
 
 
 def resolve(future: asyncio.Future[None]) -> None:

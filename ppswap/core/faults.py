@@ -11,12 +11,14 @@ matching rule of the plan wins.
 
 Sites, the steps they see and what they can do:
 
-- ``COMPUTE`` (the compute actor, before it runs a step; the step may be a leaf inside a
-  composite): ``RAISE`` on the compute thread in FWD / BWD / BWD_INPUT / BWD_WEIGHT (the
-  failure travels the same path as a MindSpore error would); ``DELAY`` blocks the compute
-  thread for ``delay_s`` (a stuck kernel: the step deadline applies); ``CALL`` runs
-  ``callback()`` on the event loop at any step kind (tests cancel a run at an exact step
-  with it).
+- ``COMPUTE`` (the compute actor; the step may be a leaf inside a composite): ``RAISE``
+  on the compute thread in FWD / BWD / BWD_INPUT / BWD_WEIGHT (the failure travels the
+  same path as a MindSpore error would); ``DELAY`` blocks the compute thread for
+  ``delay_s`` before the step (a stuck kernel: the step deadline applies); ``CALL`` runs
+  ``callback()`` on the event loop before a step of any kind (tests cancel a run at an
+  exact step with it). ``ComputeFaults`` applies them on the path every run takes: RAISE
+  and DELAY *wrap* the step's body in its batch, and a batch ends before a step with a
+  CALL rule, whose callback runs on the loop before the next batch starts with it.
 - ``COPY`` (the copy-stream actor, before it runs a copy; the step is the
   SWAP_LAUNCH_OFFLOAD / SWAP_LAUNCH_LOAD that queued it): ``RAISE`` or ``DELAY`` the copy
   (a slow copy engine).
@@ -33,9 +35,11 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
+from typing import Any, Literal
 
 from ppswap.scheduler.steps import (
     COMPUTE_KINDS,
@@ -47,6 +51,7 @@ from ppswap.scheduler.steps import (
 )
 
 __all__ = [
+    "ComputeFaults",
     "FaultAction",
     "FaultPlan",
     "FaultRule",
@@ -189,12 +194,68 @@ class FaultPlan:
             if not isinstance(rule, FaultRule):
                 raise TypeError(f"rules must hold FaultRule objects, got {rule!r}")
 
+    def covers(self, site: FaultSite) -> bool:
+        """Whether any rule applies at ``site``."""
+        return any(rule.site is site for rule in self.rules)
+
     def match(self, site: FaultSite, rank: int, step: MetaStep) -> FaultRule | None:
         """The first rule for ``step`` served by ``site`` on ``rank``, or None."""
         for rule in self.rules:
             if rule.matches(site, rank, step):
                 return rule
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeFaults:
+    """The COMPUTE rules of ``plan`` for ``rank``, as its compute actor applies them
+    (module docstring); ``note(event)`` records what fired in the flight recorder."""
+
+    plan: FaultPlan
+    rank: int
+    note: Callable[[str], None]
+
+    def wrap(self, step: MetaStep, body: Callable[[], Any]) -> Callable[[], Any]:
+        """``body`` (the compute-thread work of ``step``), or, under a RAISE or DELAY rule
+        for the step, ``body`` behind that fault (raised or slept on the thread)."""
+        rule = self.plan.match(FaultSite.COMPUTE, self.rank, step)
+        if rule is None or rule.action is FaultAction.CALL:
+            return body
+        return partial(_faulted, rule, self.rank, step, self.note, body)
+
+    def stops(self, step: MetaStep) -> bool:
+        """Whether a CALL rule matches ``step`` or one of its sub-steps."""
+        return any(rule is not None for rule in self._calls(step))
+
+    def call_before(self, step: MetaStep) -> bool:
+        """Event loop, before ``step``: run the callbacks of the CALL rules of it and its
+        sub-steps; whether any ran."""
+        ran = False
+        for leaf, rule in zip((step, *step.sub_steps), self._calls(step), strict=True):
+            if rule is not None and rule.callback is not None:
+                self.note(rule.describe(self.rank, leaf))
+                rule.callback()
+                ran = True
+        return ran
+
+    def _calls(self, step: MetaStep) -> list[FaultRule | None]:
+        rules = [self.plan.match(FaultSite.COMPUTE, self.rank, s) for s in (step, *step.sub_steps)]
+        return [r if r is not None and r.action is FaultAction.CALL else None for r in rules]
+
+
+def _faulted(
+    rule: FaultRule,
+    rank: int,
+    step: MetaStep,
+    note: Callable[[str], None],
+    body: Callable[[], Any],
+) -> Any:
+    """Compute thread: the rule's fault, then (after a delay) ``body()``."""
+    note(rule.describe(rank, step))
+    if rule.action is FaultAction.RAISE:
+        rule.raise_fault(rank, step)
+    time.sleep(rule.delay_s)
+    return body()
 
 
 Direction = Literal["offload", "load"]

@@ -1,26 +1,35 @@
-"""FsdpRankDriver: one rank's FSDP_UNSHARD / FSDP_RESHARD work, driven by its compute actor.
+"""FsdpRankDriver: one rank's FSDP_UNSHARD / FSDP_RESHARD work, as jobs of its compute batches.
 
-The compute actor hands every FSDP step to ``run_step`` and calls ``before_compute`` before
-each compute leaf and ``finish`` after the last step. Collectives go to the rank's P2P
-actor as ``CollectiveRequest`` messages (the P2P lane of the trace shows them as
-``all_gather unshard.s{stage}`` and ``reduce_scatter_sum grads.s{stage}.{dtype}``);
-tensor work runs on the compute thread (``DedicatedThread``), one hop per step.
+The compute actor builds its batches on the event loop (``ppswap.actors.local_steps``) and
+asks the driver, as it goes, for the compute-thread job of every FSDP step (``job``) and,
+before each compute leaf, for the job that installs that stage's gathered parameters
+(``install_before``; None when they are installed already). So FSDP runs on the same
+batched path as everything else: a collective costs no hop of its own. Collectives go to
+the rank's P2P actor as ``CollectiveRequest`` messages, posted from the compute thread
+through the event loop (``loop_caller``: FIFO, never blocking the thread); the P2P lane of
+the trace shows them as ``all_gather unshard.s{stage}`` and ``reduce_scatter_sum
+grads.s{stage}.{dtype}``.
 
-- FSDP_UNSHARD(s): snapshot the local shards (one flat byte array per stage) and *issue*
-  the all-gather; the step returns at once. The plan's one-step lookahead therefore lets
-  the all-gather run under the preceding compute slot.
-- before a compute leaf of stage s: if an all-gather of s is in flight, await its reply
-  (step deadline) and install the full parameters. The first leaf of a use run is the
-  point where the data must be there; the leaf's own forward/backward then sees the full
-  parameters. (Probe, mindspore 2.10 CPU: a recorded forward reads the *current* data of
-  its Parameters at backward time, so FWD may run on one gathered copy and BWD on a later,
-  re-gathered one; gradients are bit-identical to never resharding.)
-- FSDP_RESHARD(s): install the kept shards (the full storage is released). After the
-  stage's *last* RESHARD of the order (its last backward is done) the gradients are split
-  into per-member rows and a reduce-scatter (sum) is issued; ``finish`` awaits it and sets
-  ``stage.grads`` to the shard gradients divided by ``dp`` (each replica seeds its backward
-  with ``1 / micro``, so this is the gradient of the mean loss over the global batch).
+- FSDP_UNSHARD(s): the job snapshots the local shards (one flat byte array per stage) and
+  *issues* the all-gather; it does not wait for it. The plan's one-step lookahead lets the
+  all-gather run under the preceding compute.
+- before a compute leaf of stage s, if an all-gather of s is in flight: a job that waits
+  for its reply on the compute thread (its ``Arrival``, with the step deadline, like a
+  received activation) and installs the full parameters. (Probe, mindspore 2.10 CPU: a
+  recorded forward reads the *current* data of its Parameters at backward time, so FWD may
+  run on one gathered copy and BWD on a later, re-gathered one; gradients are
+  bit-identical to never resharding.)
+- FSDP_RESHARD(s): the job installs the kept shards (the full storage is released); after
+  the stage's *last* RESHARD of the order (its last backward is done) it splits the
+  gradients into per-member rows and issues a reduce-scatter (sum) per dtype. ``finish``
+  (event loop, after the order) awaits them and sets ``stage.grads`` to the shard
+  gradients divided by ``dp`` (each replica seeds its backward with ``1 / micro``, so this
+  is the gradient of the mean loss over the global batch), in one compute-thread job.
 - Parameter memory is measured from the real storages after every install and reshard.
+
+Which stage is unsharded when is tracked as the batches are built (``job``,
+``install_before``): an order that uses a sharded stage, unshards twice, or ends
+unsharded is refused there, before the step's batch runs.
 """
 
 from __future__ import annotations
@@ -28,13 +37,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
 import numpy.typing as npt
 
-from ppswap.core.executor import DedicatedThread
+from ppswap.core.arrival import Arrival
+from ppswap.core.executor import DedicatedThread, loop_caller
 from ppswap.core.messages import (
     CollectiveOp,
     CollectiveRequest,
@@ -47,10 +58,21 @@ from ppswap.fsdp.shard import FsdpState, GradBucket, fsdp_state_of
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
 from ppswap.stage import PipelineStage
 
-__all__ = ["FsdpRankDriver", "FsdpStats"]
+__all__ = ["FsdpJob", "FsdpRankDriver", "FsdpStats"]
 
 T = TypeVar("T")
 Gathered = tuple[npt.NDArray[Any], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FsdpJob:
+    """A compute-thread job of the FSDP driver: ``run()``, after ``arrival`` (a gathered
+    reply's ``Arrival``, which ``run`` reads) where there is one. ``step``: the FSDP step
+    (for an install, the FSDP_UNSHARD that issued the all-gather)."""
+
+    step: MetaStep
+    run: Callable[[], Any]
+    arrival: Arrival | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +93,18 @@ class FsdpStats:
 
 @dataclass(slots=True)
 class _GradSync:
+    """A stage's gradient reduce-scatters: filled by its last RESHARD's job (compute
+    thread), read by ``finish`` once every batch ran."""
+
     stage: int
-    buckets: list[GradBucket]
-    replies: list[ReplyFuture[Gathered]]
+    buckets: list[GradBucket] = field(default_factory=list)
+    replies: list[ReplyFuture[Gathered]] = field(default_factory=list)
 
 
 class FsdpRankDriver:
-    """Runs the FSDP steps of world rank ``rank`` over its fully_shard()-ed ``stages``."""
+    """Runs the FSDP steps of world rank ``rank`` over its fully_shard()-ed ``stages``
+    (module docstring). ``job`` and ``install_before`` run on the event loop while a
+    batch is built; the jobs they return run on the compute thread."""
 
     def __init__(
         self,
@@ -109,9 +136,12 @@ class FsdpRankDriver:
         self._reduce_grads = reduce_grads
         self._last_reshard = Counter(s.stage for s in order if s.kind is StepKind.FSDP_RESHARD)
         self._reshards_done: Counter[int] = Counter()
-        self._gathers: dict[int, ReplyFuture[Gathered]] = {}
+        # As the batches are built: all-gathers issued and not installed yet, and the
+        # stages whose full parameters are installed by then.
+        self._gathers: dict[int, tuple[MetaStep, ReplyFuture[Gathered]]] = {}
+        self._full: set[int] = set()
         self._grad_syncs: list[_GradSync] = []
-        self._locks = {index: anyio.Lock() for index in self._stages}
+        self._post: Callable[..., None] | None = None  # loop_caller(), made on the loop
         self._peak = 0
         self._resident = 0
         self._all_gathers = 0
@@ -126,7 +156,7 @@ class FsdpRankDriver:
             reduce_scatters=self._reduce_scatters,
         )
 
-    # -- compute-thread jobs -------------------------------------------------------------------
+    # -- before and after the run (compute thread) -----------------------------------------
     def begin(self) -> None:
         """Compute thread, before the run: every stage sharded (a failed run may have left
         one unsharded), and the first measurement."""
@@ -139,113 +169,136 @@ class FsdpRankDriver:
         for state in self._states.values():
             state.reshard()
 
+    # -- building batches (event loop) ------------------------------------------------------
+    def job(self, step: MetaStep) -> FsdpJob:
+        """The compute-thread job of FSDP_UNSHARD / FSDP_RESHARD ``step`` (module
+        docstring). Raises ValueError / RuntimeError for a step the order cannot run."""
+        stage = self._stage(step)
+        if step.kind is StepKind.FSDP_UNSHARD:
+            if stage in self._full or stage in self._gathers:
+                raise RuntimeError(
+                    f"{step.short()}: stage {stage} is already unsharded (an UNSHARD "
+                    "without a RESHARD before it)"
+                )
+            label = f"all_gather unshard.s{stage}"
+            reply: ReplyFuture[Gathered] = ReplyFuture(label, Arrival(label))
+            self._gathers[stage] = (step, reply)
+            self._all_gathers += 1
+            return FsdpJob(step, partial(self._unshard, step, reply))
+        if step.kind is not StepKind.FSDP_RESHARD:
+            raise ValueError(f"FSDP driver got a {step.kind.value} step")
+        # An all-gather nobody consumed (a run without compute) is dropped: the kept
+        # shard is the state to return to.
+        self._gathers.pop(stage, None)
+        self._full.discard(stage)
+        self._reshards_done[stage] += 1
+        final = self._reshards_done[stage] == self._last_reshard[stage]
+        sync = None
+        if final and self._reduce_grads:
+            sync = _GradSync(stage)
+            self._grad_syncs.append(sync)
+        return FsdpJob(step, partial(self._reshard, step, sync))
+
+    def install_before(self, step: MetaStep) -> FsdpJob | None:
+        """Before compute leaf ``step``: the job that installs its stage's gathered
+        parameters, or None when they are installed already. Raises RuntimeError when
+        they are sharded and no all-gather was issued."""
+        stage = self._stage(step)
+        issued = self._gathers.pop(stage, None)
+        if issued is None:
+            if stage not in self._full:
+                raise RuntimeError(
+                    f"{step.short()} needs the full parameters of stage {stage}, but they "
+                    "are sharded: no FSDP_UNSHARD was issued for this use"
+                )
+            return None
+        self._full.add(stage)
+        unshard, reply = issued
+        arrival = reply.arrival
+        assert arrival is not None
+        return FsdpJob(unshard, partial(self._install, stage, arrival), arrival)
+
+    def _stage(self, step: MetaStep) -> int:
+        if step.stage not in self._states:
+            raise ValueError(f"{step.short()}: rank {self.rank} holds no stage {step.stage}")
+        if self._post is None:
+            self._post = loop_caller()
+        return step.stage
+
+    # -- compute-thread jobs ----------------------------------------------------------------
+    def _unshard(self, step: MetaStep, reply: ReplyFuture[Gathered]) -> None:
+        flat = self._states[step.stage].snapshot_shard()
+        key = f"unshard.s{step.stage}"
+        self._issue(CollectiveRequest(step, "all_gather", self._group, key, (flat,), reply))
+
+    def _install(self, stage: int, arrival: Arrival) -> None:
+        gathered: Gathered = arrival.wait(0.0)  # the batch waited for it
+        self._states[stage].install_full(gathered)
+        self._note(self._measure())
+
+    def _reshard(self, step: MetaStep, sync: _GradSync | None) -> None:
+        stage = step.stage
+        state = self._states[stage]
+        if sync is not None:
+            pipeline_stage = self._stages[stage]
+            sync.buckets = state.grad_buckets(pipeline_stage.parameters, pipeline_stage.grads)
+        state.reshard()
+        self._note(self._measure())
+        if sync is None:
+            return
+        for bucket in sync.buckets:
+            op: CollectiveOp = "reduce_scatter_sum"
+            key = f"grads.s{stage}.{bucket.dtype}"
+            reply: ReplyFuture[Gathered] = ReplyFuture(f"{op} {key}")
+            sync.replies.append(reply)
+            self._issue(CollectiveRequest(step, op, self._group, key, bucket.contributions, reply))
+            self._reduce_scatters += 1
+
+    def _issue(self, request: CollectiveRequest) -> None:
+        """Compute thread: hand ``request`` to the P2P actor on the event loop."""
+        assert self._post is not None
+        self._post(self._send, request)
+
+    def _send(self, request: CollectiveRequest) -> None:
+        """Event loop: post a collective; a failure to post fails its reply (whoever
+        waits for it raises)."""
+        try:
+            self._p2p.send_nowait(request)
+        except Exception as exc:
+            request.reply.fail(exc)
+
+    def _install_grads(self, syncs: list[_GradSync], sums: list[list[npt.NDArray[Any]]]) -> None:
+        for sync, stage_sums in zip(syncs, sums, strict=True):
+            stage = self._stages[sync.stage]
+            state = self._states[sync.stage]
+            stage.replace_grads(state.shard_grads(stage.parameters, sync.buckets, stage_sums))
+        self._note(self._measure())
+
     def _measure(self) -> int:
         return sum(state.resident_bytes() for state in self._states.values())
-
-    def _install(self, stage: int, gathered: Gathered) -> int:
-        self._states[stage].install_full(gathered)
-        return self._measure()
-
-    def _reshard(self, stage: int, with_grads: bool) -> tuple[list[GradBucket], int]:
-        state = self._states[stage]
-        buckets: list[GradBucket] = []
-        if with_grads:
-            pipeline_stage = self._stages[stage]
-            buckets = state.grad_buckets(pipeline_stage.parameters, pipeline_stage.grads)
-        state.reshard()
-        return buckets, self._measure()
-
-    def _install_grads(self, sync: _GradSync, sums: list[npt.NDArray[Any]]) -> int:
-        stage = self._stages[sync.stage]
-        grads = self._states[sync.stage].shard_grads(stage.parameters, sync.buckets, sums)
-        stage.replace_grads(grads)
-        return self._measure()
 
     def _note(self, resident: int) -> None:
         self._resident = resident
         self._peak = max(self._peak, resident)
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        with anyio.move_on_after(self._timeout_s):
-            return await self._compute.run(fn, *args)
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise FutureTimeoutError(f"compute job {name} still running after {self._timeout_s}s")
-
-    async def _collective(
-        self, step: MetaStep, op: CollectiveOp, key: str, payload: Gathered
-    ) -> ReplyFuture[Gathered]:
-        reply: ReplyFuture[Gathered] = ReplyFuture(f"{op} {key}")
-        await self._p2p.send(CollectiveRequest(step, op, self._group, key, payload, reply))
-        return reply
-
-    # -- the FsdpDriver protocol (event loop) ----------------------------------------------------
-    async def run_step(self, step: MetaStep) -> None:
-        """FSDP_UNSHARD: issue the all-gather. FSDP_RESHARD: drop the full parameters (and,
-        after the stage's last use, issue the gradient reduce-scatter)."""
-        stage = step.stage
-        state = self._states.get(stage)
-        if state is None:
-            raise ValueError(f"{step.short()}: rank {self.rank} holds no stage {stage}")
-        async with self._locks[stage]:
-            if step.kind is StepKind.FSDP_UNSHARD:
-                if state.unsharded:
-                    raise RuntimeError(
-                        f"{step.short()}: stage {stage} is already unsharded (an UNSHARD "
-                        "without a RESHARD before it)"
-                    )
-                flat = await self._call(state.snapshot_shard)
-                self._gathers[stage] = await self._collective(
-                    step, "all_gather", f"unshard.s{stage}", (flat,)
-                )
-                self._all_gathers += 1
-                return
-            if step.kind is not StepKind.FSDP_RESHARD:
-                raise ValueError(f"FSDP driver got a {step.kind.value} step")
-            # An all-gather nobody consumed (a run without compute): drop it; the kept
-            # shard is the state to return to.
-            self._gathers.pop(stage, None)
-            self._reshards_done[stage] += 1
-            final = self._reshards_done[stage] == self._last_reshard[stage]
-            with_grads = final and self._reduce_grads
-            buckets, resident = await self._call(self._reshard, stage, with_grads)
-            self._note(resident)
-            if buckets:
-                replies = [
-                    await self._collective(
-                        step, "reduce_scatter_sum", f"grads.s{stage}.{b.dtype}", b.contributions
-                    )
-                    for b in buckets
-                ]
-                self._reduce_scatters += len(replies)
-                self._grad_syncs.append(_GradSync(stage, buckets, replies))
-
-    async def before_compute(self, step: MetaStep) -> None:
-        """Before a compute leaf of ``step.stage``: its full parameters must be installed."""
-        stage = step.stage
-        state = self._states.get(stage)
-        if state is None:
-            raise ValueError(f"{step.short()}: rank {self.rank} holds no stage {stage}")
-        async with self._locks[stage]:
-            reply = self._gathers.pop(stage, None)
-            if reply is None:
-                if not state.unsharded:
-                    raise RuntimeError(
-                        f"{step.short()} needs the full parameters of stage {stage}, but they "
-                        "are sharded: no FSDP_UNSHARD was issued for this use"
-                    )
-                return
-            gathered = await reply.wait(self._timeout_s)
-            self._note(await self._call(self._install, stage, gathered))
-
-    async def finish(self) -> None:
-        """After the order: await the gradient reduce-scatters, install the shard grads."""
-        still_unsharded = sorted(s for s, state in self._states.items() if state.unsharded)
-        if still_unsharded:
+    # -- after the order (event loop) -------------------------------------------------------
+    async def finish(self) -> int:
+        """After the order: await the gradient reduce-scatters, then install every
+        stage's shard gradients in one compute-thread job; the jobs run (0 or 1)."""
+        if self._full:
             raise RuntimeError(
-                f"stages {still_unsharded} of rank {self.rank} are still unsharded at the end "
-                "of the order (an FSDP_UNSHARD without its FSDP_RESHARD)"
+                f"stages {sorted(self._full)} of rank {self.rank} are still unsharded at the "
+                "end of the order (an FSDP_UNSHARD without its FSDP_RESHARD)"
             )
-        for sync in self._grad_syncs:
-            sums = [(await reply.wait(self._timeout_s))[0] for reply in sync.replies]
-            self._note(await self._call(self._install_grads, sync, sums))
-        self._grad_syncs.clear()
+        syncs, self._grad_syncs = self._grad_syncs, []
+        sums = [
+            [(await reply.wait(self._timeout_s))[0] for reply in sync.replies] for sync in syncs
+        ]
+        if not syncs:
+            return 0
+        with anyio.move_on_after(self._timeout_s):
+            await self._compute.run(self._install_grads, syncs, sums)
+            return 1
+        raise FutureTimeoutError(
+            f"compute job FsdpRankDriver._install_grads still running after {self._timeout_s}s"
+        )

@@ -45,7 +45,8 @@ STEP_DESCRIPTIONS: Mapping[StepKind, str] = {
 _CODE = re.compile(r"[A-Z]+")
 _LEGEND_HEAD = (
     "legend: a cell CODE<m>.<s> is a step of micro-batch m on stage s (stage s runs on rank",
-    "s % pp), e.g. F3.0 is the forward of micro-batch 3 on stage 0.",
+    "s % pp; zbv and dualpipev fold it back in a V: rank 2*pp-1-s for s >= pp), e.g. F3.0",
+    "is the forward of micro-batch 3 on stage 0.",
 )
 _LEGEND_CHUNK = "A chunk is what one forward of one stage saves for its backward."
 

@@ -54,6 +54,7 @@ import structlog
 
 from ppswap.backends.base import CopyEngine, StorageRef
 from ppswap.backends.types import Module, Tensor
+from ppswap.core.deadlines import DEFAULT_STEP_TIMEOUT_S
 from ppswap.swap.accounting import Chunk, SwapAccounting, storage_block
 from ppswap.swap.errors import SwapError, SwapTimeoutError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
@@ -143,7 +144,7 @@ class PipelineSwapSession:
         rank: int,
         generation: int,
         eligible: CollectionABC[tuple[int, int]],
-        wait_timeout_s: float = 60.0,
+        wait_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         bucket_bytes: int = MAX_BUCKET_BYTES,
         check: CheckMode = "sampled",
         count_saved: bool = True,

@@ -155,8 +155,12 @@ async def test_stuck_compute_job_hits_the_deadline_and_teardown_waits_for_it() -
     )
     assert failure.error_type is PipelineHangError
     assert (failure.rank, failure.actor, failure.step) == (1, "compute", "F0.1")
-    assert "compute job sleep still running after 0.5s" in failure.message
-    assert failure.dump is not None and "compute thread: running sleep" in failure.dump
+    # The delay stalls the step's body inside its batch, as a stuck kernel would: the
+    # deadline bounds the batch's time without progress, and names where it is stuck.
+    assert "compute job BatchRun.run made no progress for" in failure.message
+    assert "(rank 1 at F0.1)" in failure.message
+    assert failure.dump is not None
+    assert "compute thread: running BatchRun.run (rank 1 at F0.1" in failure.dump
     # The run returns only after the stuck job ended: no compute thread outlives it.
     assert time.perf_counter() - started >= 2.0
     assert_clean(stages, device)

@@ -9,12 +9,16 @@ A real MindSpore MLP whose blocks are swap-wrapped; the torch counterpart is
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ppswap import PipelineStage, run_schedule
 from ppswap.demo.model import build_mlp_stages, mse_loss, unsplit_loss_and_grads
+from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.schedules import compute_order
+from ppswap.scheduler.user_orders import write_csv
 from ppswap.swap import swap_wrapper
 
 DIM = 8
@@ -113,5 +117,52 @@ async def test_a_configuration_the_family_cannot_serve_is_refused(
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         await run_schedule(
             stages, schedule, micro_batch_num=micro, inputs=x, targets=y, loss_fn=mse_loss, pp=pp
+        )
+    assert all(s.live_chunks == 0 for s in stages)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("schedule", "pp", "stage_num", "micro"), [("zbv", 2, 4, 4), ("dualpipev", 2, 4, 4)]
+)
+async def test_a_given_order_runs_as_the_family_it_spells(
+    schedule: str, pp: int, stage_num: int, micro: int, tmp_path: Path
+) -> None:
+    """The family's orders written as torch's CSV and given as ``order=``: with swap, the
+    same losses and gradients bit for bit as the family run by name (pp from the rows)."""
+    config = ScheduleConfig(schedule=schedule, pp=pp, vpp=stage_num // pp, micro=micro)  # type: ignore[arg-type]
+    path = tmp_path / "order.csv"
+    write_csv([compute_order(config, rank) for rank in range(pp)], path)
+    x, y = _data()
+    grads = []
+    losses = []
+    for spec in ({"schedule": schedule, "pp": pp}, {"order": path}):
+        stages = _stages(stage_num)
+        result = await run_schedule(
+            stages,
+            micro_batch_num=micro,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            swap=True,
+            step_timeout=60,
+            **spec,
+        )
+        losses.append(result.losses)
+        grads.append([[g.asnumpy() for g in s.grads] for s in stages])
+    assert losses[0] == losses[1]
+    for stage_a, stage_b in zip(*grads, strict=True):
+        for g0, g1 in zip(stage_a, stage_b, strict=True):
+            np.testing.assert_array_equal(g0, g1)
+
+
+@pytest.mark.asyncio
+async def test_a_bad_given_order_is_refused_before_running() -> None:
+    stages = _stages(2)
+    x, y = _data()
+    rows = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1", "1B1"]]
+    with pytest.raises(ValueError, match=r"^order rank 1 position 4 \(1B1\): repeated"):
+        await run_schedule(
+            stages, micro_batch_num=2, inputs=x, targets=y, loss_fn=mse_loss, order=rows
         )
     assert all(s.live_chunks == 0 for s in stages)

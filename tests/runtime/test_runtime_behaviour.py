@@ -218,9 +218,8 @@ def _other_tasks() -> set[asyncio.Task[Any]]:
 @pytest.mark.asyncio
 async def test_composite_leaves_run_as_joined_tasks(tmp_path: Path) -> None:
     """In OVERLAP_B_F(B_i, F_j) on rank 0 of 1F1B pp2, B_i waits for a gradient that
-    arrives late; F_j must not wait for it, and the composite ends after both. (A fault
-    plan runs the steps one at a time, so the composite runs its leaves as two tasks; in a
-    batch the leaf whose input comes first runs first, test_parked_batches.)"""
+    arrives late; F_j must not wait for it, and the composite ends after both (in its
+    batch the leaf whose input comes first runs first, ``BatchRun.pairs``)."""
     stages = _stages(2)
     x, y = _data()
     delay = 0.5

@@ -12,6 +12,7 @@ family's minimum. ppswap refuses exactly the configurations torch's constructors
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -20,6 +21,7 @@ schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 from ppswap.scheduler.config import ScheduleConfig  # noqa: E402
 from ppswap.scheduler.schedules import compute_order  # noqa: E402
+from ppswap.scheduler.user_orders import read_orders, write_csv  # noqa: E402
 
 TORCH_CLASSES = {
     "looped_bfs": schedules.ScheduleLoopedBFS,
@@ -108,3 +110,26 @@ def test_refused_exactly_where_torch_refuses(schedule: str) -> None:
                 except ValueError:
                     ppswap_accepts = False
                 assert ppswap_accepts == torch_accepts, (schedule, pp, vpp, micro)
+
+
+@pytest.mark.parametrize("schedule", sorted(TORCH_CLASSES))
+def test_torchs_csv_reads_as_ppswaps_orders(schedule: str, tmp_path: Path) -> None:
+    """The CSV torch writes (``_dump_csv(format="compute_only")``, bubbles as empty cells)
+    read by ``read_orders`` gives ppswap's orders; ppswap's CSV loads into torch."""
+    pp, vpp, micro = 3, 2, 6
+    num_stages = pp * vpp
+    indices = [0, num_stages - 1] if schedule in V_SHAPED else [c * pp for c in range(vpp)]
+    stages = [StandInStage(index, num_stages, pp, 0) for index in indices]
+    built = TORCH_CLASSES[schedule](cast(Any, stages), micro)
+    path = tmp_path / "torch.csv"
+    built._dump_csv(str(path), format="compute_only")
+    config = ScheduleConfig(schedule=schedule, pp=pp, vpp=vpp, micro=micro)  # type: ignore[arg-type]
+    ours = tuple(compute_order(config, rank) for rank in range(pp))
+    assert read_orders(path) == ours
+    mine = tmp_path / "ppswap.csv"
+    write_csv(ours, mine)
+    built._load_csv(str(mine), format="compute_only")
+    assert {
+        rank: [_short(a) for a in row if a is not None]
+        for rank, row in built.pipeline_order.items()
+    } == ppswap_orders(schedule, pp, vpp, micro)
