@@ -21,7 +21,9 @@ __all__ = [
     "DEMO_BACKENDS",
     "DEMO_DEFAULTS",
     "DEMO_FSDP_DP",
+    "DEMO_TRANSPORTS",
     "add_demo_parser",
+    "demo_backend",
     "demo_config",
     "run_demo_command",
 ]
@@ -41,6 +43,13 @@ DEMO_DEFAULTS: Mapping[str, int | str] = {
 """The defaults of ``ppswap demo``'s options: ``DemoOptions``' own (a test checks that
 they agree; they are repeated here so that the CLI does not import the demo, and with it
 MindSpore, before it runs one)."""
+DEMO_TRANSPORTS: Mapping[str, str] = {
+    "inprocess": "every rank in this process",
+    "mpi": "one process per rank, under mpiexec -n PP",
+    "torch": "one process per rank over torch.distributed (gloo), under torchrun "
+    "--nproc-per-node PP; the torch LM",
+}
+"""The values of ``ppswap demo --transport``, each with what it runs."""
 DEMO_BACKENDS: Mapping[str, str] = {"mindspore": "MindSpore", "torch": "torch"}
 """The values of ``ppswap demo --backend`` (``ppswap.demo.run.DEMO_MODELS``' keys; a test
 checks that they agree) -> the framework's name in the error when it is not installed.
@@ -68,6 +77,13 @@ def _check_count(name: str, value: object) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+def demo_backend(args: argparse.Namespace) -> str:
+    """``--backend``, or its default: torch with ``--transport torch``, else mindspore."""
+    if args.backend is not None:
+        return str(args.backend)
+    return "torch" if args.transport == "torch" else str(DEMO_DEFAULTS["backend"])
+
+
 def demo_config(args: argparse.Namespace) -> ScheduleConfig:
     """Check every option of ``ppswap demo`` and return its schedule configuration.
 
@@ -77,10 +93,17 @@ def demo_config(args: argparse.Namespace) -> ScheduleConfig:
     (``ScheduleConfig``: sizes >= 1, vpp against the schedule, micro a multiple of pp for
     interleaved_1f1b), ``batch`` and ``steps`` >= 1, ``batch`` divisible by ``micro`` (by
     ``micro * 2`` with ``--fsdp``, whose batch is split over dp=2 replicas), ``--fsdp``
-    only in one process and with the mindspore backend, ``--out`` a folder.
+    only in one process and with the mindspore backend, ``--transport torch`` only with the
+    torch backend, ``--out`` a folder.
     """
-    if args.backend not in DEMO_BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(DEMO_BACKENDS)}, got {args.backend!r}")
+    backend = demo_backend(args)
+    if backend not in DEMO_BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(DEMO_BACKENDS)}, got {backend!r}")
+    if args.transport == "torch" and backend != "torch":
+        raise ValueError(
+            f"backend must be 'torch' with --transport torch (torch.distributed moves the "
+            f"torch LM's tensors), got {backend!r}"
+        )
     config = ScheduleConfig(
         schedule=args.schedule, pp=args.pp, vpp=vpp_of(args), micro=args.micro, swap=True
     )
@@ -119,7 +142,7 @@ def _run_demo(args: argparse.Namespace, config: ScheduleConfig) -> int:
     imported at the top: they import a tensor framework (seconds; an optional extra),
     which ``ppswap plan``, ``ppswap plot`` and a refused demo never need.
     """
-    backend: str = args.backend
+    backend = demo_backend(args)
     try:
         demo = importlib.import_module(DEMO_MODULE)
         demo.load_demo_model(backend)  # imports the framework: missing is one line
@@ -215,15 +238,15 @@ def add_demo_parser(subparsers: Any) -> None:
     )
     demo.add_argument(
         "--transport",
-        choices=("inprocess", "mpi"),
+        choices=tuple(DEMO_TRANSPORTS),
         default=defaults["transport"],
-        help=f"inprocess: every rank in this process; mpi: one process per rank, under "
-        f"mpiexec -n PP (default {defaults['transport']})",
+        help="; ".join(f"{name}: {what}" for name, what in DEMO_TRANSPORTS.items())
+        + f" (default {defaults['transport']})",
     )
     demo.add_argument(
         "--backend",
-        default=defaults["backend"],
+        default=None,
         help=f"tensor framework of the LM: {' or '.join(DEMO_BACKENDS)} "
-        f"(default {defaults['backend']})",
+        f"(default {defaults['backend']}; torch with --transport torch)",
     )
     demo.set_defaults(handler=run_demo_command)

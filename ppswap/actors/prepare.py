@@ -298,6 +298,11 @@ def _resolve_pp(
             )
         pp = stage_num
     if stage_num % pp != 0:
+        if distributed is not None and mesh is None:
+            raise ValueError(
+                f"pp={pp} comes from the world size (torchrun --nproc-per-node, mpiexec -n); "
+                f"it must divide stage_num={stage_num} (vpp = stage_num // pp)"
+            )
         raise ValueError(
             f"pp must divide stage_num={stage_num} (vpp = stage_num // pp), got pp={pp}"
         )

@@ -15,6 +15,7 @@ its framework: ``ModuleNotFoundError`` naming the framework when it is not insta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import sys
@@ -207,8 +208,10 @@ class DemoOptions:
             raise ValueError(
                 f"batch must be divisible by micro={self.micro}, got batch={self.batch}"
             )
-        if self.transport not in ("inprocess", "mpi"):
-            raise ValueError(f"transport must be 'inprocess' or 'mpi', got {self.transport!r}")
+        if self.transport not in LAUNCHERS and self.transport != "inprocess":
+            raise ValueError(
+                f"transport must be 'inprocess', 'mpi' or 'torch', got {self.transport!r}"
+            )
 
 
 def load_corpus() -> str:
@@ -232,6 +235,12 @@ def lm_batches(
     return out
 
 
+LAUNCHERS: Mapping[str, str] = {"mpi": "mpiexec -n", "torch": "torchrun --nproc-per-node"}
+"""The transports of one process per rank -> the launcher option that sets the world size."""
+TORCH_DEMO_TIMEOUT_S = 300.0
+"""The deadline of every torch.distributed operation of the demo (a step takes seconds)."""
+
+
 def mpi_transport() -> Transport:
     """An MPITransport for this process (``mpiexec -n PP ppswap demo --transport mpi``).
 
@@ -239,6 +248,22 @@ def mpi_transport() -> Transport:
     initializes MPI, which only an MPI run should do.
     """
     transport: Transport = importlib.import_module("ppswap.actors.mpi").MPITransport()
+    return transport
+
+
+class ClosingTransport(Transport, Protocol):
+    """A transport the demo closes when it ends (``TorchDistTransport``)."""
+
+    def close(self) -> None: ...
+
+
+def torch_transport() -> ClosingTransport:
+    """A TorchDistTransport for this process (``torchrun --nproc-per-node PP -m ppswap.cli
+    demo --transport torch``), over gloo; it initializes torch.distributed from
+    torchrun's environment. Looked up by name, as ``mpi_transport``: only such a run
+    imports torch.distributed."""
+    module = importlib.import_module("ppswap.backends.torch.distributed")
+    transport: ClosingTransport = module.TorchDistTransport(timeout_s=TORCH_DEMO_TIMEOUT_S)
     return transport
 
 
@@ -361,10 +386,12 @@ def run_demo(opts: DemoOptions, transport: Transport | None = None) -> DemoRepor
     is written in ``opts.backend``'s framework (``load_demo_model``)."""
     model = load_demo_model(opts.backend)
     model.prepare()
-    if transport is not None and getattr(transport, "world_size", opts.pp) != opts.pp:
+    world = getattr(transport, "world_size", opts.pp)
+    if world != opts.pp:
+        launcher = LAUNCHERS[opts.transport]
         raise DemoConfigError(
-            f"pp must equal the MPI world size {transport.world_size}, got "  # type: ignore[attr-defined]
-            f"pp={opts.pp} (launch with mpiexec -n {opts.pp})"
+            f"pp={opts.pp} must equal the world size {world} ({launcher} {world}): launch "
+            f"with {launcher} {opts.pp}, or pass --pp {world}"
         )
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     text = load_corpus()
@@ -410,9 +437,19 @@ def _plot(config: ScheduleConfig, path: Path) -> None:
 
 
 def main_demo(opts: DemoOptions) -> int:
+    """Run the demo of ``opts`` and print its report (under MPI or torchrun, rank 0 does);
+    0 when swap on and off gave the same losses, else 1. A torch.distributed transport is
+    closed at the end, whatever happened."""
     started = time.perf_counter()
-    transport = mpi_transport() if opts.transport == "mpi" else None
-    report = run_demo(opts, transport)
+    with contextlib.ExitStack() as stack:
+        transport: Transport | None = None
+        if opts.transport == "mpi":
+            transport = mpi_transport()
+        elif opts.transport == "torch":
+            closing = torch_transport()
+            stack.callback(closing.close)
+            transport = closing
+        report = run_demo(opts, transport)
     if getattr(transport, "rank", 0):
         return 0 if report.losses_no_swap == report.losses_swap else 1
     print(format_report(report))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ppswap.cli import build_parser, main
-from ppswap.cli_demo import DEMO_BACKENDS, DEMO_DEFAULTS, demo_config
+from ppswap.cli_demo import DEMO_BACKENDS, DEMO_DEFAULTS, demo_backend, demo_config
 from ppswap.demo.run import DEMO_MODELS, DemoOptions
 
 
@@ -38,6 +38,10 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
         (("--fsdp", "--transport", "mpi"), "transport must be 'inprocess' with --fsdp"),
         (("--backend", "jax"), "backend must be one of mindspore, torch, got 'jax'"),
         (("--backend", "Torch"), "backend must be one of mindspore, torch, got 'Torch'"),
+        (("--transport", "torch", "--backend", "mindspore"),
+         "backend must be 'torch' with --transport torch"),
+        (("--transport", "torch", "--fsdp", "--micro", "4"),
+         "transport must be 'inprocess' with --fsdp"),
     ],
 )  # fmt: skip
 def test_bad_demo_config_is_one_line_and_exit_2(
@@ -77,6 +81,14 @@ def test_bad_demo_config_from_the_console_has_no_traceback(tmp_path: Path) -> No
 
 def _demo_args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["demo", *argv])
+
+
+def test_the_demo_backend_defaults_to_torch_under_torchrun(tmp_path: Path) -> None:
+    out = ("--out", str(tmp_path))
+    assert demo_backend(_demo_args(*out)) == "mindspore"
+    assert demo_backend(_demo_args("--transport", "torch", *out)) == "torch"
+    assert demo_backend(_demo_args("--transport", "mpi", "--backend", "torch", *out)) == "torch"
+    assert demo_config(_demo_args("--transport", "torch", *out)).pp == 4
 
 
 def test_interleaved_demo_defaults_vpp_to_2(tmp_path: Path) -> None:
@@ -187,7 +199,8 @@ def test_demo_help_gives_every_default(capsys: pytest.CaptureFixture[str]) -> No
         "skip the diagram (default: draw it)",
         "(default: off)",
         "(default inprocess)",
-        "mindspore or torch (default mindspore)",
+        "mindspore or torch (default mindspore; torch with --transport torch)",
+        "torch: one process per rank over torch.distributed (gloo), under torchrun",
     ):
         assert expected in text
 
