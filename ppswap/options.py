@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ppswap.backends.base import CopyEngine
+from ppswap.core.deadlines import DEFAULT_STEP_TIMEOUT_S
 from ppswap.core.faults import FaultPlan
 from ppswap.core.protocols import conforms
 from ppswap.core.transport import Transport, is_transport
@@ -37,13 +38,6 @@ from ppswap.swap.tensor import CHECK_MODES, CheckMode
 
 __all__ = ["DEFAULT_STEP_TIMEOUT_S", "RunOptions"]
 
-# The deadline of every single wait (a receive, a copy, a collective, a compute job), not
-# of the run. The longest legitimate wait is a receive on the last rank during the
-# pipeline fill (about 2 * pp compute slots) or a first step that compiles kernels; five
-# minutes is far above that for the models this runtime serves, and short enough that a
-# service learns of a hang in minutes (torch.distributed's NCCL default is ten). Raise it
-# for very slow steps; math.inf turns the watchdog off.
-DEFAULT_STEP_TIMEOUT_S = 300.0
 
 
 def _check_one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

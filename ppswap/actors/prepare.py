@@ -122,13 +122,6 @@ class RunPlan:
         """A forward-only run without ``loss_fn``: its result is the last stage's outputs."""
         return self.options.forward_only and self.loss_fn is None
 
-    @property
-    def runs_batches(self) -> bool:
-        """Whether a rank's consecutive local steps run as one batch on the compute thread
-        (``actors/batch.py``): not with FSDP, whose collectives are steps of their own,
-        and not under a fault plan, which injects its faults one step at a time."""
-        return self.mesh is None and self.faults is None
-
     def stages_of(self, rank: int) -> tuple[PipelineStage, ...]:
         if self.mesh is not None:
             coords = self.mesh.coords(rank)
