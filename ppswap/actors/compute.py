@@ -150,7 +150,7 @@ class ComputeActor:
         self._waits = StepWaits(compute, self._errors, run.step_timeout_s)
         self._waited_s: dict[MetaStep, float] = {}  # a SWAP_WAIT's exposed wait, for its log
         self._trace = BatchTrace(recorder, rank, self.actor_name)
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, Any] = {}  # Backend.keep_scalar of each micro-batch's loss
         self.outputs: dict[int, Any] = {}  # the last stage's, where they are the result
         self._steps_executed = 0
         self._batches = 0
@@ -426,7 +426,8 @@ class ComputeActor:
             if self._data.outputs:
                 self.outputs[step.micro] = result
             else:
-                self.losses[step.micro] = float(result)
+                # kept where it is (a device tensor on torch): host_floats at the run's end
+                self.losses[step.micro] = self._stages[step.stage].backend.keep_scalar(result)
         elif kind in _WAITS:
             waited = self._waited_s.pop(step, 0.0)
             if self._run.log_steps:
