@@ -1,15 +1,17 @@
 """The ``ppswap`` command line: ``ppswap plan``, ``ppswap plot`` and ``ppswap demo``.
 
-``ppswap plan --schedule {gpipe,1f1b,interleaved_1f1b} --pp N [--vpp V] --micro M
+``ppswap plan --schedule SCHEDULE --pp N [--vpp V] --micro M
 [--split-dw] [--overlap-b-f] [--p2p plain|batch|boundary] [--fsdp] [--swap] [--min-swap-gap N]
 [--swap-policy gap|peak|cost [--copy-leaves X] [--cost-budget B]] [--compute-only]
-[--format text|json] [--width N]`` prints every rank's order: the finalized order (compute
+[--format text|json|torch-csv] [--width N]`` prints every rank's order: the finalized order (compute
 -> FSDP -> P2P -> swap, the swapped chunks those of ``--swap-policy``), or with
 ``--compute-only`` the compute slots alone. The orders are validated (per-rank invariants,
 P2P pairing and the cross-rank progress simulation) before anything is printed. JSON is
 ``{"schedule", "pp", "vpp", "micro", "ranks": [{"rank": r, "steps": [MetaStep.to_dict(),
 ...]}]}``, with ``--swap`` also ``"swap_policy"`` and ``"memory"`` (the memory model's rows
-per rank, ``simulate.memory_rows``); text is a per-rank grid (``MetaStep.short()`` cells)
+per rank, ``simulate.memory_rows``); torch-csv is the compute orders as the CSV
+torch.distributed.pipelining writes and loads (``user_orders.csv_text``: one row per
+rank, one action per cell, ``0F0``); text is a per-rank grid (``MetaStep.short()`` cells)
 folded into blocks of at most ``--width`` columns, then a legend of every step code in it
 and, with ``--swap``, the memory model's table.
 
@@ -61,6 +63,7 @@ from ppswap.scheduler.render import format_grid, step_legend
 from ppswap.scheduler.schedules import compute_order
 from ppswap.scheduler.simulate import memory_rows
 from ppswap.scheduler.steps import Order
+from ppswap.scheduler.user_orders import csv_text
 from ppswap.scheduler.validate import validate_all, validate_order
 
 __all__ = [
@@ -274,6 +277,9 @@ def run_plan(args: argparse.Namespace) -> int:
     chosen = {"compute_only": args.compute_only, "swap_policy": policy, "cost_model": cost_model}
     if args.format == "json":
         print(format_json(plan_payload(config, **chosen)))
+    elif args.format == "torch-csv":
+        # compute slots only: the CSV torch's schedules write and load (compute_only)
+        print(csv_text(plan_orders(config, compute_only=True)), end="")
     else:
         orders = plan_orders(config, **chosen)
         width = args.width or None
@@ -358,9 +364,11 @@ def _add_plan_parser(subparsers: Any) -> None:
     )
     plan.add_argument(
         "--format",
-        choices=("text", "json"),
+        choices=("text", "json", "torch-csv"),
         default="text",
-        help="text: a grid of step codes and their legend; json: every step (default text)",
+        help="text: a grid of step codes and their legend; json: every step; torch-csv: "
+        "the compute orders as the CSV torch.distributed.pipelining writes and loads, one "
+        "row per rank (default text)",
     )
     plan.add_argument(
         "--width",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ppswap.cli import main
 from ppswap.scheduler.config import SCHEDULE_NAMES, ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.schedules import compute_order
@@ -150,3 +151,30 @@ def test_a_good_order_passes() -> None:
     assert given.placement == (0, 1)
     config = ScheduleConfig(pp=2, micro=2, order=given, swap=True)
     validate_all(config, build_all_orders(config))
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved_zb", "looped_bfs"])
+def test_ppswap_plan_writes_torch_csv_that_reads_back(
+    schedule: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "plan",
+                "--schedule",
+                schedule,
+                "--pp",
+                "2",
+                "--vpp",
+                "2",
+                "--micro",
+                "4",
+                "--format",
+                "torch-csv",
+            ]
+        )
+        == 0
+    )
+    config = ScheduleConfig(schedule=schedule, pp=2, vpp=2, micro=4)  # type: ignore[arg-type]
+    rows = [line.split(",") for line in capsys.readouterr().out.splitlines()]
+    assert read_orders(rows) == _orders(config)
