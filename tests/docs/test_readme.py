@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ppswap import RunOptions
+from ppswap.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,3 +78,20 @@ def test_the_readme_lists_as_options_only_run_options_fields() -> None:
     assert set(named) <= fields, set(named) - fields
     assert "trace" not in fields  # an argument of run_schedule and .run() only
     assert 'run_schedule(..., trace="run.json")' in text
+
+
+def test_the_readme_plan_and_plot_commands_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every ``.venv/bin/ppswap plan`` / ``plot`` line of the README, as written (a
+    diagram's file goes to a temporary folder)."""
+    text = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^    \.venv/bin/ppswap (plan|plot) (.*?)(?:\s+#.*)?$", text, re.M)
+    assert {name for name, _ in commands} == {"plan", "plot"}
+    for name, rest in commands:
+        argv = [name, *shlex.split(rest)]
+        if name == "plot":
+            pytest.importorskip("matplotlib")
+            argv[argv.index("-o") + 1] = str(tmp_path / argv[argv.index("-o") + 1])
+        assert main(argv) == 0, argv
+        assert capsys.readouterr().err == ""
