@@ -10,10 +10,10 @@ launches an offload of ``--offload-mib`` MiB (one chunk's activations to the hos
 once a load of ``--load-mib`` MiB of another chunk (its backward is next), both real
 ``EmulatedDevice`` copies (``numpy`` memcpy of real buffers) held to ``--gbps`` GB/s in
 each direction, as on a PCIe link (the default is low enough that the emulated link, not
-the host's memcpy on a small machine, sets each copy's time). Reported per mode: the load's exposed wait (from its
-launch to its completion, less its own copy time at that bandwidth), median and max over
-``--rounds`` rounds, and the round's wall time. With one stream the load waits for the
-whole offload; with two it waits only for its own copy.
+the host's memcpy on a small machine, sets each copy's time). Reported per mode: the
+load's exposed wait (from its launch to its completion, less its own copy time at that
+bandwidth), median and max over ``--rounds`` rounds, and the round's wall time. With one
+stream the load waits for the whole offload; with two it waits only for its own copy.
 """
 
 from __future__ import annotations

@@ -82,10 +82,13 @@ from gpu_measure import (
     Json,
     Pipeline,
     TimedCudaCopyEngine,
+    allocator_figures,
     clear_engine,
+    hidden_syncs,
     make_engine,
     max_rel_diff,
     measure_unsplit,
+    pinned_host_bytes,
     plan_prediction,
     probe,
     release_device,
@@ -147,16 +150,24 @@ def measure_model(
         )
 
     def no_swap() -> None:
+        release_device(device)
         engine = make_engine(device)
         figures, _ = state["pipeline"].measure(swap=False, engine=engine, steps=steps)
+        figures["allocator"] = allocator_figures(device)
         entry["pipeline"]["no_swap"] = figures
         entry["memory"]["peak_no_swap"] = figures["peak_bytes"]
         entry["timing"]["no_swap_s"] = figures["median_step_s"]
 
     def swap() -> None:
+        release_device(device)
         engine = make_engine(device)
         try:
             figures, _ = state["pipeline"].measure(swap=True, engine=engine, steps=steps)
+            figures["allocator"] = allocator_figures(device)
+            figures["pinned_host_bytes"] = pinned_host_bytes(engine)
+            entry["syncs"] = hidden_syncs(
+                partial(state["pipeline"].run, swap=True, engine=engine), device
+            )
         finally:
             clear_engine(engine)
         entry["pipeline"]["swap"] = figures
@@ -170,6 +181,7 @@ def measure_model(
             )
 
     def copies() -> None:
+        release_device(device)
         engine = make_engine(device, timed_copies=True)
         pipeline: Pipeline = state["pipeline"]
         try:
@@ -320,6 +332,7 @@ def new_entry(size: ModelSize, dtype: str, tolerance: float, autocast: bool = Fa
             "achieved_tflops_no_swap": None,
         },
         "copies": None,
+        "syncs": None,
         "plan": None,
         "targets": [],
         "errors": [],
@@ -452,6 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     md_path.write_text(markdown, encoding="utf-8")
     print(markdown)
     for entry in report["models"]:
+        for message, count in ((entry.get("syncs") or {}).get("by_message") or {}).items():
+            print(f"SYNC [{entry['name']}] x{count}: {message}")
         for target in entry["targets"]:
             print(f"{target['status']} [{entry['name']}] {target['name']}: {target['detail']}")
     print(f"wrote {json_path} and {md_path}")

@@ -12,6 +12,7 @@ import gc
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -180,11 +181,57 @@ def _peak(device: torch.device) -> int | None:
 
 
 def release_device(device: torch.device) -> None:
-    """Collect garbage and give the caching allocator's free blocks back (CUDA)."""
+    """Collect garbage, give the caching allocator's free blocks back and reset its peak
+    statistics (CUDA): each section starts from the same allocator state, so its step
+    times hold no ``cudaFree`` of an earlier section's cache."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def allocator_figures(device: torch.device) -> Json:
+    """The caching allocator since the last ``release_device``: peak allocated and
+    reserved bytes and its retries (a retry frees the cache and allocates again: a stall);
+    None on CPU."""
+    if device.type != "cuda":
+        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None, "alloc_retries": None}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+    }
+
+
+def pinned_host_bytes(engine: CopyEngine) -> int | None:
+    """Page-locked (or, on CPU, plain) host bytes the engine's pool holds or lends."""
+    stats = getattr(engine, "pool_stats", None)
+    if stats is None:
+        return None
+    pool = stats()
+    return int(pool.bytes_held + pool.bytes_lent)
+
+
+def hidden_syncs(fn: Callable[[], object], device: torch.device) -> Json:
+    """``fn()`` (one step) under ``torch.cuda.set_sync_debug_mode("warn")``: each
+    synchronizing call torch reports, by message (its first line), with a count."""
+    if device.type != "cuda":
+        return {"checked": False, "syncs": None, "by_message": {}}
+    caught: list[str] = []
+    with warnings.catch_warnings(record=True) as found:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        caught = [str(w.message).splitlines()[0][:200] for w in found]
+    by_message: dict[str, int] = {}
+    for message in caught:
+        by_message[message] = by_message.get(message, 0) + 1
+    return {"checked": True, "syncs": len(caught), "by_message": by_message}
 
 
 def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float, int | None]:
@@ -307,9 +354,7 @@ def make_engine(device: torch.device, *, timed_copies: bool = False) -> CopyEngi
 
 def clear_engine(engine: CopyEngine) -> None:
     """Give the engine's idle host buffers back (to torch's pinned cache on CUDA)."""
-    pool = getattr(engine, "pool", None)
-    if pool is not None:
-        pool.clear()
+    engine.clear_pool()
 
 
 def unsplit_step(

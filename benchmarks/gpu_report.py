@@ -203,6 +203,12 @@ def render_markdown(report: Json) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _allocator(entry: Json, run: str, key: str) -> str:
+    figures = (entry["pipeline"].get(run) or {}).get("allocator") or {}
+    value = figures.get(key)
+    return "-" if value is None else str(value)
+
+
 def _model_markdown(entry: Json) -> list[str]:
     memory, timing = entry["memory"], entry["timing"]
     off = memory.get("peak_no_swap")
@@ -256,6 +262,13 @@ def _model_markdown(entry: Json) -> list[str]:
         f"| peak reserved no swap / swap (allocator) | "
         f"{gib((entry['pipeline'].get('no_swap') or {}).get('peak_reserved_bytes'))} / "
         f"{gib((entry['pipeline'].get('swap') or {}).get('peak_reserved_bytes'))} |",
+        f"| allocator retries no swap / swap | "
+        f"{_allocator(entry, 'no_swap', 'alloc_retries')} / "
+        f"{_allocator(entry, 'swap', 'alloc_retries')} |",
+        f"| page-locked host bytes of the swap engine | "
+        f"{gib((entry['pipeline'].get('swap') or {}).get('pinned_host_bytes'))} |",
+        f"| syncs in one swap step (set_sync_debug_mode) | "
+        f"{(entry.get('syncs') or {}).get('syncs', '-')} |",
         f"| swap losses identical / grad norms max rel diff | "
         f"{entry['pipeline'].get('losses_identical')} / "
         f"{_num(entry['pipeline'].get('grad_norm_max_rel_diff'), 9)} |",

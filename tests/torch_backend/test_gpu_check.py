@@ -44,6 +44,7 @@ ENTRY_KEYS = {
     "memory",
     "timing",
     "copies",
+    "syncs",
     "plan",
     "targets",
     "errors",
@@ -175,7 +176,14 @@ def test_cpu_mode_writes_every_field(cpu_run: tuple[dict[str, Any], str, str]) -
     assert set(entry["timing"]) == TIMING_KEYS
     assert set(entry["copies"]) == COPY_KEYS
     for run in ("no_swap", "swap"):
-        assert set(entry["pipeline"][run]) >= STEP_KEYS | {"ranks", "grad_norms"}
+        assert set(entry["pipeline"][run]) >= STEP_KEYS | {"ranks", "grad_norms", "allocator"}
+        assert set(entry["pipeline"][run]["allocator"]) == {
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "alloc_retries",
+        }
+    assert entry["pipeline"]["swap"]["pinned_host_bytes"] > 0  # CPU: the pool's plain memory
+    assert entry["syncs"] == {"checked": False, "syncs": None, "by_message": {}}  # CUDA only
     for run in ("no_offload", "save_on_cpu"):
         assert set(entry["unsplit"][run]) == STEP_KEYS
     # What CPU mode measures is there; what only a device has is None.
