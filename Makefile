@@ -79,5 +79,12 @@ bench: $(STAMP)
 plan: $(STAMP)
 	$(BIN)/ppswap plan --schedule gpipe --pp 4 --micro 8 --swap
 
+# Everything a CUDA machine without internet needs beyond its own torch and numpy: pinned
+# wheels of ppswap's other dependencies in .gpu_wheels/ (docs/gpu.md); then, there,
+# bash benchmarks/gpu_run.sh
+.PHONY: gpu-wheels
+gpu-wheels: $(STAMP)
+	PYTHON=$(BIN)/python bash benchmarks/gpu_wheels.sh
+
 clean:
 	rm -rf $(VENV) $(TORCH_VENV) $(TORCH_OLDEST_VENV) .mypy_cache .ruff_cache .pytest_cache

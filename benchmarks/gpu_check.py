@@ -1,7 +1,7 @@
-"""One prepared check for a lent GPU: ppswap's swap on a GPT-like model, every pipeline
-rank on the one GPU, against no swap, the plan, and ``torch.autograd.graph.save_on_cpu``.
+"""The GPU check: ppswap's swap on a GPT-like model, every pipeline rank on one GPU,
+against no swap, the plan, and ``torch.autograd.graph.save_on_cpu``.
 
-    bash benchmarks/gpu_run.sh                  # on the lent machine (docs/gpu.md)
+    bash benchmarks/gpu_run.sh                  # on a CUDA machine (docs/gpu.md)
     python benchmarks/gpu_check.py --cpu        # the same code path, a tiny model, on CPU
 
 Contract: it runs the configurations below in one process, writes every figure as JSON

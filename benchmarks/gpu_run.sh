@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
-# The one command for the lent GPU machine (docs/gpu.md), from the repository root:
+# The GPU check on a CUDA machine (docs/gpu.md), from the repository root:
 #
 #     bash benchmarks/gpu_run.sh [gpu_check.py options]
 #
-# Needs .gpu_wheels/ (benchmarks/gpu_wheels.sh, carried with the checkout). Picks $PYTHON or
-# the first python3 / python that imports torch; installs from the carried wheels only what
-# that Python lacks (structlog; anyio and its dependencies if its own is missing or outside
-# >=4.4,<5) into a scratch folder put first on PYTHONPATH, with the repository (ppswap is
-# pure Python and is not installed); runs benchmarks/gpu_check.py writing into $OUT (the
-# folder the device tool brings back) or out/gpu_check, and a copy of its output into
-# gpu_check.log there. Bounded: the check starts no section after 240 s, and the command is
-# stopped at GPU_CHECK_TIMEOUT_S (default 290 s). Exits with the check's status.
+# Needs .gpu_wheels/ (`make gpu-wheels` on a machine with internet, copied with the
+# checkout) where the machine's Python lacks structlog or a suitable anyio. Picks $PYTHON
+# or the first python3 / python that imports torch; installs from the wheels only what
+# that Python lacks into a scratch folder put first on PYTHONPATH, with the repository
+# (ppswap is pure Python and is not installed); runs benchmarks/gpu_check.py writing into
+# $OUT or out/gpu_check, and a copy of its output into gpu_check.log there. Bounded: the
+# check starts no section after 240 s, and the command is stopped at GPU_CHECK_TIMEOUT_S
+# (default 290 s). Exits with the check's status.
 #
 # GPU_RUN_PEER=1: afterwards, benchmarks/bench_torch_peer.py on the machine's CPUs (gloo,
-# no GPU), once on every core and once held to two (--cores 2, as on this project's own
-# machine), into torch_peer_all.* and torch_peer_2cpu.* there, each stopped at 90 s, with
-# GPU_RUN_PEER_OPTIONS added (say "--model wide"). It measures how ppswap's step over
-# torch.distributed.pipelining's depends on the cores a rank has, which the 2-core machine
-# cannot show.
+# no GPU), once on every core and once held to two (--cores 2), into torch_peer_all.* and
+# torch_peer_2cpu.* there, each stopped at 90 s, with GPU_RUN_PEER_OPTIONS added (say
+# "--model wide"): how ppswap's step over torch.distributed.pipelining's depends on the
+# cores a rank has.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-$repo/out/gpu_check}"
@@ -51,7 +50,7 @@ for name in ${need[@]+"${need[@]}"}; do
     wheel="$(ls "$wheels/$name"-*.whl 2>/dev/null | head -n 1)"
     if [ -z "$wheel" ]; then
         echo "gpu_run: $py lacks $name and $wheels has no wheel of it:" \
-            "run benchmarks/gpu_wheels.sh here and carry .gpu_wheels" >&2
+            "run make gpu-wheels on a machine with internet and copy .gpu_wheels here" >&2
         exit 1
     fi
     if ! "$py" -m pip install --quiet --no-index --no-deps --target "$deps" "$wheel" \

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Fetch here, for the lent GPU machine's Python 3.12, the pure-Python wheels it lacks, into
-# .gpu_wheels/ (ignored by git; the device call carries it: carry [".gpu_wheels"]).
+# Wheels of ppswap's dependencies other than torch and numpy, pinned to the versions this
+# repository's environment runs, for a CUDA machine without internet (Python 3.12, which
+# has torch and numpy), into .gpu_wheels/ (ignored by git; copy it there with the
+# checkout). `make gpu-wheels` runs this.
 #
 #     bash benchmarks/gpu_wheels.sh
 #
-# structlog: ppswap's core imports it (with numpy and anyio) and that machine has none.
-# anyio, idna, typing_extensions: a fallback only, which gpu_run.sh installs when the
-# machine's own anyio is missing or outside ppswap's range (>=4.4,<5). Every wheel is
-# py3-none-any, pinned to the version this project's .venv runs. No dependencies are
-# resolved (--no-deps): the list above is all of them on Python 3.12.
+# structlog: ppswap's core imports it (with numpy and anyio). anyio, idna,
+# typing_extensions: a fallback, which gpu_run.sh installs when the machine's own anyio is
+# missing or outside ppswap's range (>=4.4,<5). Every wheel is py3-none-any. No
+# dependencies are resolved (--no-deps): the list above is all of them on Python 3.12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
