@@ -7,8 +7,11 @@ the options are made, before anything runs. A bad value raises a ``TypeError`` o
 ``ValueError`` naming the parameter, the value and what is allowed; an unknown keyword
 names itself and lists the fields.
 
-What depends on the stages (``pp`` against ``stage_num``, interleaved ``vpp``, the mesh
-against the stages' shards) is checked by the planner, which knows them.
+The options of the schedule itself are checked by the scheduler's own checks
+(``ppswap.scheduler.config.check_schedule_options``, which ``ScheduleConfig`` runs too): one
+definition of each. What depends on the stages (``pp`` against ``stage_num``, interleaved
+``vpp``, the mesh against the stages' shards) is checked by the planner, which knows them,
+when it builds the run's ``ScheduleConfig`` (``RunOptions.schedule_config``).
 """
 
 from __future__ import annotations
@@ -24,39 +27,20 @@ from ppswap.core.faults import FaultPlan
 from ppswap.core.protocols import conforms
 from ppswap.core.transport import Transport, is_transport
 from ppswap.fsdp.mesh import DeviceMesh
+from ppswap.scheduler.checks import check_bool, check_int, check_one_of
 from ppswap.scheduler.config import (
     DEFAULT_MIN_SWAP_GAP,
-    P2P_MODES,
-    SCHEDULE_NAMES,
     P2PMode,
+    ScheduleConfig,
     ScheduleName,
+    check_schedule_options,
 )
 from ppswap.scheduler.cost import SWAP_POLICIES, CostModel, SwapPolicy, check_swap_policy
-from ppswap.scheduler.user_orders import OrderSpec, read_orders
+from ppswap.scheduler.user_orders import OrderSpec, check_orders_given, read_orders
 from ppswap.swap.manager import SWAP_MIN_BYTES
 from ppswap.swap.tensor import CHECK_MODES, CheckMode
 
 __all__ = ["DEFAULT_STEP_TIMEOUT_S", "RunOptions"]
-
-
-
-def _check_one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _check_positive(name: str, value: object, what: str) -> None:
@@ -129,18 +113,23 @@ class RunOptions:
     order: OrderSpec | None = None
 
     def __post_init__(self) -> None:
-        _check_one_of("schedule", self.schedule, SCHEDULE_NAMES)
-        _check_int("micro_batch_num", self.micro_batch_num, 1)
+        check_schedule_options(
+            schedule=self.schedule,
+            split_dw=self.split_dw,
+            overlap_b_f=self.overlap_b_f,
+            p2p=self.p2p,
+            swap=self.swap,
+            min_swap_gap=self.min_swap_gap,
+            forward_only=self.forward_only,
+        )
+        check_int("micro_batch_num", self.micro_batch_num, 1)
         if self.pp is not None:
-            _check_int("pp", self.pp, 1)
-        for name in ("swap", "split_dw", "overlap_b_f", "count_saved_bytes", "forward_only"):
-            _check_bool(name, getattr(self, name))
-        _check_one_of("p2p", self.p2p, P2P_MODES)
-        _check_int("min_swap_gap", self.min_swap_gap, 2)
-        _check_one_of("swap_policy", self.swap_policy, SWAP_POLICIES)
+            check_int("pp", self.pp, 1)
+        check_bool("count_saved_bytes", self.count_saved_bytes)
+        check_one_of("swap_policy", self.swap_policy, SWAP_POLICIES)
         check_swap_policy(self.swap_policy, self.cost_model)
-        _check_one_of("swap_check", self.swap_check, CHECK_MODES)
-        _check_int("swap_min_bytes", self.swap_min_bytes, 0)
+        check_one_of("swap_check", self.swap_check, CHECK_MODES)
+        check_int("swap_min_bytes", self.swap_min_bytes, 0)
         _check_positive("loss_scale", self.loss_scale, "a finite number > 0")
         if math.isinf(self.loss_scale):
             raise ValueError(f"loss_scale must be a finite number > 0, got {self.loss_scale!r}")
@@ -158,11 +147,32 @@ class RunOptions:
         _check_instance("faults", self.faults, FaultPlan, "be a ppswap.core.faults.FaultPlan")
         if self.order is not None:
             read_orders(self.order)  # its notation, now; the rest once the stages are known
-        if self.forward_only and self.swap:
-            raise ValueError(
-                "swap must be False for a forward-only run, got swap=True "
-                "(there is no backward to load the activations for)"
-            )
+
+    def schedule_config(self, *, pp: int, vpp: int, fsdp: bool) -> ScheduleConfig:
+        """The schedule of a run of these options on ``pp`` ranks of ``vpp`` stages each
+        (the planner resolves both from the stages), with FSDP steps or not. Only the
+        rules that depend on the sizes can still refuse it (``ScheduleConfig``)."""
+        return ScheduleConfig(
+            schedule=self.schedule,
+            pp=pp,
+            vpp=vpp,
+            micro=self.micro_batch_num,
+            split_dw=self.split_dw,
+            overlap_b_f=self.overlap_b_f,
+            p2p=self.p2p,
+            fsdp=fsdp,
+            swap=self.swap,
+            min_swap_gap=self.min_swap_gap,
+            forward_only=self.forward_only,
+            order=None
+            if self.order is None
+            else check_orders_given(
+                read_orders(self.order),
+                pp * vpp,
+                self.micro_batch_num,
+                forward_only=self.forward_only,
+            ),
+        )
 
     @classmethod
     def of(cls, base: RunOptions | None = None, **changes: Any) -> RunOptions:

@@ -1,12 +1,13 @@
 """Schedule classes: a schedule family bound to its stages and options, run many times.
 
 ``ScheduleGPipe(stages, micro_batch_num=8, loss_fn=loss, swap=True)`` checks its options
-at once (they are a :class:`~ppswap.options.RunOptions`: bad input fails at construction,
-before any work), owns the copy engine (so host buffers are pooled across runs) and runs
-with ``await schedule.run_async(x, targets=y)`` or, from synchronous code,
-``schedule.run(x, targets=y)``. ``swap_policy="cost"`` with ``cost_model=CostModel(...)``
-(``ppswap.scheduler.cost``) chooses the swapped chunks by their copy cost instead of the
-fixed gap rule.
+at once (they are a :class:`~ppswap.options.RunOptions`: a bad option fails at
+construction; what depends on the stages and the data, such as ``pp`` against
+``stage_num``, the run planner checks before any work of each run), owns the copy engine
+(so host buffers are pooled across runs) and runs with ``await schedule.run_async(x,
+targets=y)`` or, from synchronous code, ``schedule.run(x, targets=y)``.
+``swap_policy="cost"`` with ``cost_model=CostModel(...)`` (``ppswap.scheduler.cost``)
+chooses the swapped chunks by their copy cost instead of the fixed gap rule.
 """
 
 from __future__ import annotations
@@ -56,14 +57,6 @@ class _PipelineSchedule:
             micro_batch_num=micro_batch_num,
             **option_fields,
         )
-        stage_num = self.stages[0].stage_num
-        pp = (
-            options.pp if options.pp is not None else getattr(options.transport, "world_size", None)
-        )
-        if self.schedule_name == "interleaved_1f1b" and pp is None:
-            raise ValueError("pp must be given for ScheduleInterleaved1F1B, got pp=None")
-        if pp is not None and stage_num % pp:
-            raise ValueError(f"pp must be an int >= 1 dividing stage_num={stage_num}, got {pp!r}")
         if options.device is None:
             options = RunOptions.of(options, device=self.stages[0].default_copy_engine())
         self.options = options

@@ -9,8 +9,8 @@ What is checked (docs/reliability.md lists the tests):
 
 - the options: ``RunOptions`` checked each field when it was made; here what depends on
   the stages: ``pp`` against ``stage_num`` (and the distributed transport's world size),
-  the schedule's own rules (``ScheduleConfig``: interleaved ``vpp``, ``overlap_b_f``
-  with GPipe...), the FSDP mesh against the stages' shards (and, across processes,
+  the schedule's rules on its sizes (``RunOptions.schedule_config``: interleaved ``vpp``
+  and ``micro``...), the FSDP mesh against the stages' shards (and, across processes,
   against the transport: one process per world rank); ``trace`` a path;
 - the backend: every stage's module of one framework (``ppswap.backends``: a module of no
   supported framework is refused at ``PipelineStage``, a mix here), and that framework
@@ -56,7 +56,7 @@ from ppswap.scheduler.planning import planned_orders
 from ppswap.scheduler.steps import FSDP_KINDS as _FSDP_KINDS
 from ppswap.scheduler.steps import P2P_KINDS as _P2P_KINDS
 from ppswap.scheduler.steps import Order, iter_leaves
-from ppswap.scheduler.user_orders import check_orders_given, read_orders
+from ppswap.scheduler.user_orders import read_orders
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap.tensor import CheckMode
 
@@ -156,27 +156,7 @@ def prepare_run(
     distributed = _multi_process(options.transport)
     mesh = resolve_mesh(stage_list, options.mesh)
     pp = _resolve_pp(options, stage_num, distributed, mesh)
-    config = ScheduleConfig(
-        schedule=options.schedule,
-        pp=pp,
-        vpp=stage_num // pp,
-        micro=options.micro_batch_num,
-        split_dw=options.split_dw,
-        overlap_b_f=options.overlap_b_f,
-        p2p=options.p2p,
-        swap=options.swap,
-        min_swap_gap=options.min_swap_gap,
-        forward_only=options.forward_only,
-        fsdp=mesh is not None,
-        order=None
-        if options.order is None
-        else check_orders_given(
-            read_orders(options.order),
-            stage_num,
-            options.micro_batch_num,
-            forward_only=options.forward_only,
-        ),
-    )
+    config = options.schedule_config(pp=pp, vpp=stage_num // pp, fsdp=mesh is not None)
     if mesh is not None:
         check_mesh(mesh, pp, distributed)
     local_ranks = _check_coverage(stage_list, config, distributed, mesh)

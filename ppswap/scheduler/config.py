@@ -8,8 +8,9 @@ what is allowed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
+from ppswap.scheduler.checks import check_bool, check_int, check_one_of
 from ppswap.scheduler.families import (
     COMPOSITE_FAMILIES,
     FAMILIES,
@@ -26,6 +27,7 @@ __all__ = [
     "P2PMode",
     "ScheduleConfig",
     "ScheduleName",
+    "check_schedule_options",
 ]
 
 ScheduleName = Literal[
@@ -37,16 +39,42 @@ P2P_MODES: tuple[str, ...] = get_args(P2PMode)
 DEFAULT_MIN_SWAP_GAP = 4
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+def check_schedule_options(
+    *,
+    schedule: object,
+    split_dw: object,
+    overlap_b_f: object,
+    p2p: object,
+    swap: object,
+    min_swap_gap: object,
+    forward_only: object,
+) -> None:
+    """Check the options of a schedule that need no sizes (pp, vpp, micro): each one's
+    type and range, and the rules between them. ``ScheduleConfig`` runs this first;
+    ``RunOptions`` (``ppswap.options``), whose fields these are too, when it is made.
+    TypeError / ValueError naming the parameter, the value and what is allowed."""
+    check_one_of("schedule", schedule, SCHEDULE_NAMES)
+    check_bool("split_dw", split_dw)
+    check_bool("overlap_b_f", overlap_b_f)
+    check_bool("swap", swap)
+    check_bool("forward_only", forward_only)
+    check_one_of("p2p", p2p, P2P_MODES)
+    check_int("min_swap_gap", min_swap_gap, 2)
+    if overlap_b_f and schedule == "gpipe":
+        raise ValueError(
+            "overlap_b_f needs a steady state where a backward is followed by a "
+            "forward; schedule 'gpipe' has none. Use schedule='1f1b' or "
+            "'interleaved_1f1b', or overlap_b_f=False"
+        )
+    if forward_only and swap:
+        raise ValueError(
+            "swap must be False for a forward-only run, got swap=True "
+            "(there is no backward to load the activations for)"
+        )
+    if forward_only and (split_dw or overlap_b_f):
+        raise ValueError(
+            "split_dw and overlap_b_f need a backward; they must be False with forward_only=True"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,18 +103,19 @@ class ScheduleConfig:
     order: ComputeOrders | None = None
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULE_NAMES:
-            raise ValueError(
-                f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}"
-            )
-        _check_int("pp", self.pp, 1)
-        _check_int("vpp", self.vpp, 1)
-        _check_int("micro", self.micro, 1)
-        for flag in ("split_dw", "overlap_b_f", "fsdp", "swap", "forward_only"):
-            _check_bool(flag, getattr(self, flag))
-        if self.p2p not in P2P_MODES:
-            raise ValueError(f"p2p must be one of {', '.join(P2P_MODES)}, got {self.p2p!r}")
-        _check_int("min_swap_gap", self.min_swap_gap, 2)
+        check_schedule_options(
+            schedule=self.schedule,
+            split_dw=self.split_dw,
+            overlap_b_f=self.overlap_b_f,
+            p2p=self.p2p,
+            swap=self.swap,
+            min_swap_gap=self.min_swap_gap,
+            forward_only=self.forward_only,
+        )
+        check_int("pp", self.pp, 1)
+        check_int("vpp", self.vpp, 1)
+        check_int("micro", self.micro, 1)
+        check_bool("fsdp", self.fsdp)
         if self.order is not None:
             self._check_order()
         elif self.schedule in FAMILIES:
@@ -111,22 +140,6 @@ class ScheduleConfig:
             raise ValueError(
                 f"vpp must be 1 for schedule {self.schedule!r}, got {self.vpp!r} "
                 "(virtual stages need schedule='interleaved_1f1b')"
-            )
-        if self.overlap_b_f and self.schedule == "gpipe":
-            raise ValueError(
-                "overlap_b_f needs a steady state where a backward is followed by a "
-                "forward; schedule 'gpipe' has none. Use schedule='1f1b' or "
-                "'interleaved_1f1b', or overlap_b_f=False"
-            )
-        if self.forward_only and self.swap:
-            raise ValueError(
-                "swap must be False for a forward-only run, got swap=True "
-                "(there is no backward to load the activations for)"
-            )
-        if self.forward_only and (self.split_dw or self.overlap_b_f):
-            raise ValueError(
-                "split_dw and overlap_b_f need a backward; they must be False with "
-                "forward_only=True"
             )
 
     def _check_order(self) -> None:
