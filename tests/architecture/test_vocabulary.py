@@ -15,6 +15,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+from ppswap.scheduler.steps import StepKind
+
 PACKAGE = Path(__file__).resolve().parents[2] / "ppswap"
 VOCABULARY = PACKAGE / "scheduler" / "steps.py"
 
@@ -137,5 +139,4 @@ def test_the_check_sees_each_form_of_restatement() -> None:
 
 
 def test_the_members_are_read_from_steps_py() -> None:
-    assert {"FWD", "BWD_INPUT", "SWAP_WAIT_LOAD", "BATCH_SEND_RECV"} <= MEMBERS
-    assert len(MEMBERS) == 17
+    assert {kind.name for kind in StepKind} == MEMBERS
