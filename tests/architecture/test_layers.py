@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ppswap"
 LAYERS = [
     {"errors", "scheduler"},
     {"core", "backends"},
-    {"logs", "swap", "stage", "autograd"},
+    {"logs", "swap", "stage"},
     {"results", "fsdp"},
     {"options"},
     {"actors"},
