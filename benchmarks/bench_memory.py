@@ -5,9 +5,9 @@
 The model is the demo transformer LM (``ppswap.demo.model.build_lm_stages``) with 8 blocks,
 cut into equal stages (2 blocks per stage at pp4, 1 per virtual stage at pp4 vpp2; stage 0
 also embeds, the last stage also projects and takes the loss), every block wrapped with
-``swap_wrapper`` as RFC 5.2.1 does. The FSDP row runs two replicas of pp4 (8 ranks in
+``swap_wrapper``. The FSDP row runs two replicas of pp4 (8 ranks in
 the process, world rank ``w`` at pipeline rank ``w % 4``), each stage ``fully_shard``-ed
-after wrapping (RFC 5.2.3); each replica takes half of the batch, so its chunks are half
+after wrapping; each replica takes half of the batch, so its chunks are half
 as large. Parameters are not in these figures (they are never saved activations).
 
 Each schedule runs one training step without swap and one with (the default copy engine,
@@ -117,7 +117,7 @@ def configure_mindspore() -> None:
 def build_stages(case: BenchCase) -> list[PipelineStage]:
     """The LM cut into the case's equal stages (``BLOCKS // stage_num`` blocks each), every
     block wrapped with ``swap_wrapper``; with FSDP one copy per replica (same seed), each
-    ``fully_shard``-ed after wrapping (RFC 5.2.3)."""
+    ``fully_shard``-ed after wrapping."""
     stage_num = case.stage_num
     mesh = DeviceMesh(pp=case.config.pp, dp=case.dp) if case.config.fsdp else None
     stages = []

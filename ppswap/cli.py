@@ -384,7 +384,7 @@ def _add_plot_parser(subparsers: Any) -> None:
     plot = subparsers.add_parser(
         "plot",
         help="draw the schedule diagram (PNG or SVG)",
-        description="Per-rank lanes on the logical time axis (RFC 6.8); with --swap, the "
+        description="Per-rank lanes on the logical time axis; with --swap, the "
         "swap plan: offload and load windows, and resident chunks with against without swap.",
     )
     _add_schedule_arguments(plot)

@@ -2,7 +2,7 @@
 
 The LM is ``opts.backend``'s (MindSpore or torch, ``load_demo_model``). Every (stage, dp
 replica) holds its own copy of the stage, built from the same seed, its layers wrapped
-with ``swap_wrapper`` and the stage ``fully_shard()``-ed with its dp rank (RFC 5.2.3).
+with ``swap_wrapper`` and the stage then ``fully_shard()``-ed with its dp rank.
 The demo trains ``steps`` steps with swap off and with swap on, their steps taken in turn
 (same weights, same batches: the losses must agree bit for bit), each step updating the
 *shards* with plain SGD on the shard gradients, and reports per world rank:

@@ -154,8 +154,8 @@ def build_mlp_stages(
 ) -> list[nn.Cell]:
     """``stage_num`` MLP stage modules with deterministic weights.
 
-    ``wrap`` is applied to every block (``swap_wrapper`` in the swap tests), as RFC 5.2.1
-    does with a model's layers.
+    ``wrap`` is applied to every block (``swap_wrapper`` in the swap tests), as a user
+    wraps a model's layers.
     """
     ms.set_seed(seed)
     np.random.seed(seed)

@@ -1,6 +1,6 @@
 """``fully_shard``: dim-0 parameter shards of one dp replica's module, and their moves.
 
-``fully_shard(module, mesh=mesh, dp_rank=d)`` (RFC 5.2.3) shards every parameter of
+``fully_shard(module, mesh=mesh, dp_rank=d)`` (after swap_wrapper) shards every parameter of
 ``module`` along dim 0 across the ``mesh.dp`` replicas: the rows are padded with zeros to
 ``dp * rows`` (``rows = ceil(dim0 / dp)``) and replica ``d`` keeps rows
 ``d * rows .. (d + 1) * rows - 1``. The parameter's data is replaced by that shard (the

@@ -1,4 +1,4 @@
-"""The cost-aware swap policy, ``swap_policy="cost"`` (RFC section 3.2, follow-up 4).
+"""The cost-aware swap policy, ``swap_policy="cost"``: copies that hide, within a budget.
 
 The fixed rule (``swap_policy="gap"``, the default) swaps every chunk whose gap is at least
 ``min_swap_gap`` and ignores how long a copy takes. On a slow link the copies queue on the

@@ -1,6 +1,6 @@
 """The peak policy, ``swap_policy="peak"``: the gap rule's peak with the fewest copies.
 
-The fixed rule (``swap_policy="gap"``, the default, RFC 6.4.2) swaps every chunk whose gap
+The fixed rule (``swap_policy="gap"``, the default: the gap rule) swaps every chunk whose gap
 is at least ``min_swap_gap``. A rank's peak of resident chunks, the memory that runs out,
 is lowered only where *every* compute slot at the peak is covered by some swapped chunk's
 window (``cost_memory``: a swapped chunk is off device over the compute slots from the
@@ -27,8 +27,8 @@ Peaks are in resident chunks, the model of ``simulate.memory_profile`` that the 
 predictions use; chunks of one rank are taken as equal in size (on the last stage the loss
 adds to its chunks). Below its peak a rank holds more chunks than under the fixed rule, so
 what else the device holds at those moments (gradients, a backward's temporaries) meets
-more activations than before: the fixed rule stays the default for that reason, and for
-the RFC's figures.
+more activations than before: the fixed rule stays the default for that reason, and
+because the published memory figures are its.
 
 Nothing here imports MindSpore or anyio; every function is pure.
 """

@@ -1,4 +1,4 @@
-"""The schedule diagram (RFC 6.8): per-rank lanes on the global logical time axis.
+"""The schedule diagram: per-rank lanes on the global logical time axis.
 
 Only the CLI's ``plot`` command imports this module (matplotlib is an optional extra,
 ``ppswap[plot]``); ``ppswap.scheduler`` itself never imports it.

@@ -1,4 +1,4 @@
-"""Global logical timeline, bubbles and the resident-chunk memory model (RFC 6.8, 8.3).
+"""Global logical timeline, bubbles and the resident-chunk memory model.
 
 Timeline
     Every compute slot (a top-level compute leaf or a composite, see

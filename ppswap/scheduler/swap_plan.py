@@ -1,18 +1,19 @@
 """The swap planner: the last lowering pass, injecting four swap MetaSteps per chunk.
 
-This follows RFC section 6.4 (planner), 6.3 (the four steps) and 6.6 (FSDP, P2P, dx/dw).
-It works on one rank's *finalized* order (compute -> FSDP -> P2P transport), so it sees
-the final FSDP lookahead and the final P2P containers. It is a pure function: the input
+It chooses the chunks (the gap rule), places each chunk's four swap steps (offload launch
+and wait, load launch and wait) and orders them with FSDP, P2P and the dx/dw split. It
+works on one rank's *finalized* order (compute -> FSDP -> P2P transport), so it sees the
+final FSDP lookahead and the final P2P containers. It is a pure function: the input
 order is never changed, and removing the swap steps gives it back exactly.
 
-Leaves and compute slots (RFC 6.4.1)
+Leaves and compute slots
     FWD, BWD, BWD_INPUT and BWD_WEIGHT are compute leaves. A top-level compute leaf is one
     compute slot; an OVERLAP_B_F / OVERLAP_F_B composite is expanded to pair its leaves but
     counts as ONE compute slot (two concurrent leaves do not hide a window). Slots are
     numbered 0, 1, 2 ... in order; communication steps (P2P, BATCH_SEND_RECV, FSDP) are not
     slots (``analysis.compute_slots``; re-exported here).
 
-Pairing and eligibility (RFC 6.4.2)
+Pairing and eligibility
     Each FWD(s, i) is paired with its activation consumer: BWD(s, i), or BWD_INPUT(s, i)
     with the dx/dw split. BWD_WEIGHT never loads or releases anything.
     ``gap = consumer_slot - fwd_slot``; the chunk is eligible iff
@@ -20,14 +21,14 @@ Pairing and eligibility (RFC 6.4.2)
     leaves no load window, gap 2 frees storage only to re-allocate it at once, gap 3 has
     a single edge window; from 4 on the whole D2H/H2D life cycle is injected.
 
-Placement (RFC 6.4.3 and 6.6). Let ``t(k)`` be the top-level index of compute slot ``k``,
+Placement. Let ``t(k)`` be the top-level index of compute slot ``k``,
 ``f`` the FWD's slot and ``c`` the consumer's slot. A step "at point p" is inserted
 before the input step ``p``:
 
 - SWAP_LAUNCH_OFFLOAD right after the FWD's top-level step (the leaf or its composite)
   and that slot's sends (SEND_* steps, or the BATCH_SEND_RECV container holding them),
   before its FSDP_RESHARD (``FWD -> sends -> SWAP_LAUNCH_OFFLOAD -> FSDP_RESHARD``). The
-  RFC's anchor is "after the FWD's container, before FSDP_RESHARD"; the sends go first
+  anchor is after the FWD's container and before FSDP_RESHARD; the sends go first
   because launching an offload runs a prepare job on the compute thread, and with ranks
   sharing one compute thread that job can wait behind another rank's leaf: a send placed
   after it reached the next stage up to a leaf late (measured: 33 ms in a 1F1B trace).
@@ -358,7 +359,7 @@ def inject_swap_steps(
 def eligible_chunks(order: Order) -> frozenset[tuple[int, int]]:
     """The chunks ``(stage, micro)`` with a SWAP_LAUNCH_OFFLOAD in a finalized order.
 
-    The runtime opens a swap group only for these (RFC 6.5); every other FWD runs without.
+    The runtime opens a swap group only for these; every other FWD runs without one.
     """
     check_order(order)
     return frozenset(step.chunk for step in order if step.kind is SWAP_LAUNCH_OFFLOAD)

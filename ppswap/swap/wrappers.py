@@ -1,4 +1,4 @@
-"""swap_wrapper and swap_tensor_wrapper: choosing which activations are swapped (RFC 5.1).
+"""swap_wrapper and swap_tensor_wrapper: the user's choice of which activations may move.
 
 Both only *select*; when bytes move is decided by the pipeline schedule (the session).
 Both dispatch on the framework of what they are given (``ppswap.backends``): the same

@@ -1,5 +1,5 @@
 """The repository stands alone: no file in it points to documents outside it (the design
-notes and the RFC the project started from live beside the repository, not in it)."""
+notes the project started from live beside the repository, not in it)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The RFC 6.6 orders with FSDP and swap: on the finalized orders, and in a real run's trace.
+"""The order of FSDP's and swap's steps: on the finalized orders, and in a real run's trace.
 
 ``FWD -> (its sends) -> SWAP_LAUNCH_OFFLOAD -> FSDP_RESHARD`` and
 ``SWAP_LAUNCH_LOAD -> FSDP_UNSHARD -> SWAP_WAIT_LOAD -> BWD``; when the consumer's stage
@@ -38,7 +38,7 @@ def _is_send(step: MetaStep) -> bool:
 
 
 def check_rfc_orders(order: Order) -> tuple[int, int, int]:
-    """Assert the RFC 6.6 orders on one finalized order. Returns how many chunks had
+    """Assert the FSDP and swap steps' order on one finalized order. Returns how many chunks had
     ``FWD -> LO -> RESHARD``, ``LL -> UNSHARD -> WL -> consumer`` and a delayed load."""
     at = _leaf_index(order)
     offload_reshard = load_unshard = delayed = 0

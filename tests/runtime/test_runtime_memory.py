@@ -28,7 +28,7 @@ PP, MICRO, DIM = 4, 8, 32
 
 
 def _stages() -> list[PipelineStage]:
-    # Equal stages, every block wrapped (RFC 5.2.1): what swap may move is the same on
+    # Equal stages, every block wrapped: what swap may move is the same on
     # every rank; the loss's own saved tensors (last stage) stay on device.
     modules = build_mlp_stages(PP, dim=DIM, blocks_per_stage=6, wrap=swap_wrapper)
     return [PipelineStage(m, i, PP) for i, m in enumerate(modules)]

@@ -1,4 +1,4 @@
-"""swap_wrapper / swap_tensor_wrapper: RFC 5.1 inputs and what they select."""
+"""swap_wrapper / swap_tensor_wrapper: their inputs and what they select."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ppswap.swap import (
     swap_wrapper,
 )
 
-# -- RFC 5.1 bad inputs ---------------------------------------------------------------------
+# -- bad inputs -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("module", [None, 3, "dense", [nn.Dense(2, 2)]])

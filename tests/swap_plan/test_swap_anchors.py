@@ -1,4 +1,4 @@
-"""The four anchors of RFC table 6.4.3, the orderings of 6.6 (FSDP, P2P, dx/dw) and 6.8.4.
+"""The four swap steps' anchors, their order with FSDP, P2P and dx/dw, and with overlap.
 
 Hand-built orders with communication, FSDP and composites; each expected order was worked
 out by hand from the placement rules in ``ppswap.scheduler.swap_plan``.
@@ -175,7 +175,7 @@ def test_p2p_steps_never_reordered() -> None:
         assert strip_swap_steps(out) == order
 
 
-# -- FSDP (RFC 6.6) -----------------------------------------------------------------------
+# -- FSDP ---------------------------------------------------------------------------------
 
 # Rank 0 of pp=2 vpp=2 (stages 0 and 2) with FSDP: stage 0 is resharded after F0.0 and
 # unsharded again with a one-step lookahead (before B1.2) for the run that B0.0 starts.
@@ -256,7 +256,7 @@ def test_fsdp_unshard_then_fwd_kept_in_order() -> None:
     assert strip_swap_steps(out) == FSDP_LOOKAHEAD
 
 
-# -- dx/dw (RFC 6.6) and real overlap + dx/dw (RFC 6.8.4) ---------------------------------
+# -- dx/dw, and real overlap with dx/dw ----------------------------------------------------
 
 # Rank 1 (stage 1) of a 3-rank 1F1B with overlap_b_f and split_dw: the steady-state slot is
 # OVERLAP_B_F(BWD_INPUT_0, FWD_2); the dx send SB0 follows it, then BWD_WEIGHT_0.

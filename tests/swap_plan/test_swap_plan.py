@@ -1,4 +1,4 @@
-"""Swap planner on hand-built orders: RFC table 6.4.2 (gap rows), leaves, pairing, errors.
+"""Swap planner on hand-built orders: the gap rule (one test per gap), leaves, pairing, errors.
 
 Every expected order here was worked out by hand from the placement rules in the
 ``ppswap.scheduler.swap_plan`` module docstring.
@@ -43,7 +43,7 @@ def config(micro: int = 4, min_swap_gap: int = 4, **kw: object) -> ScheduleConfi
     )  # type: ignore[arg-type]
 
 
-# -- RFC table 6.4.2: one test per gap row ----------------------------------------------
+# -- the gap rule: one test per gap ------------------------------------------------------
 
 
 def test_gap_1_is_never_eligible() -> None:
@@ -64,7 +64,7 @@ def test_gap_2_not_eligible_by_default() -> None:
 
 def test_gap_2_with_min_gap_2_frees_and_reloads_at_once() -> None:
     # Storage released at WAIT_OFFLOAD is re-requested by the very next step: no benefit,
-    # which is why the RFC keeps gap 2 out by default.
+    # which is why the default min_swap_gap keeps gap 2 out.
     out = inject_swap_steps(gpipe_one_stage(2), config(micro=2, min_swap_gap=2), 0)
     assert text(out) == "F0.0 LO0.0 F1.0 LO1.0 WO0.0 LL0.0 WL0.0 B0.0 WO1.0 LL1.0 WL1.0 B1.0"
 

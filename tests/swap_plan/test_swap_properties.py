@@ -72,7 +72,7 @@ def _top_index_of_leaf(order: Order, kinds: frozenset[StepKind]) -> dict[tuple[i
 def check_fsdp_anchor(
     order: Order, base: Order, swap_at: dict[tuple[int, int], list[tuple[StepKind, int]]]
 ) -> None:
-    """LAUNCH_LOAD agrees with lowering's own notion of the consumer's unshard (RFC 6.6)."""
+    """LAUNCH_LOAD agrees with lowering's own notion of the consumer's unshard."""
     new_index = [i for i, step in enumerate(order) if not step.is_swap]
     for (stage, _micro), found in swap_at.items():
         wait_offload, launch_load, wait_load = (index for _, index in found[1:])
