@@ -142,7 +142,9 @@ async def test_the_runtime_executes_the_orders_and_gathers_on_the_p2p_lane(
         compute = [s for s in _top_level(spans, rank, "compute") if s.name in names]
         # The compute actor ran the finalized order, step after step, in that order.
         assert [s.name for s in compute] == [step.short() for step in order]
-        assert all(a.end <= b.start for a, b in itertools.pairwise(compute))
+        # (two sends and receives posted in one gap of a batch are drawn in it side by
+        # side: their microsecond timestamps may meet with a rounding of 1 ns)
+        assert all(a.end <= b.start + 0.002 for a, b in itertools.pairwise(compute))
         # One all-gather on the P2P lane per FSDP_UNSHARD, issued by it and done before
         # the first compute that needs it ends.
         gathers = [s for s in spans if s.rank == rank and s.lane == "p2p"]
