@@ -4,16 +4,15 @@ Lanes: ``make test-fast`` runs ``pytest -m "not slow"`` (the development lane); 
 check`` runs everything, then ``make test-torch``: the torch backend's tests and the
 framework-free ones in an environment without MindSpore and with NumPy 2, where a test
 marked ``mindspore`` (it runs MindSpore, in process or in a script) is skipped. A test is
-``slow`` when it is marked so itself, when it is marked ``mpi`` or ``soak``, or when it
-lives in one of ``SLOW_FILES``: suites that launch processes (mpiexec, torchrun, the demo,
-the examples, a fresh interpreter) or search many configurations (hypothesis).
+``slow`` when it is marked so itself or marked ``mpi`` or ``soak``; a suite that launches
+processes (mpiexec, torchrun, the demo, the examples, a fresh interpreter) or searches many
+configurations (hypothesis) says ``pytestmark = pytest.mark.slow`` at its top.
 """
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -22,23 +21,7 @@ try:  # a torch-only environment (the GPU machine) has no MindSpore
 except ImportError:  # pragma: no cover - depends on the environment
     ms = None
 
-TESTS = Path(__file__).parent
 SLOW_MARKERS = ("mpi", "soak")
-SLOW_FILES = frozenset(
-    {
-        "mpi/test_mpi_runtime.py",
-        "mpi/test_mpi_transport.py",
-        "reliability/test_async_service.py",
-        "reliability/test_cancellation.py",
-        "reliability/test_fuzz.py",
-        "reliability/test_soak.py",
-        "runtime/test_demo.py",
-        "runtime/test_examples.py",
-        "fsdp/test_fsdp_demo.py",
-        "cost/test_cost_planner.py",
-        "torch_backend/test_gpu_check.py",
-    }
-)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -65,10 +48,7 @@ def _frozen_imports() -> Iterator[None]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     no_mindspore = pytest.mark.skip(reason="needs MindSpore, which this environment lacks")
     for item in items:
-        relative = (
-            item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
-        )
-        if relative in SLOW_FILES or any(item.get_closest_marker(m) for m in SLOW_MARKERS):
+        if any(item.get_closest_marker(m) for m in SLOW_MARKERS):
             item.add_marker(pytest.mark.slow)
         if ms is None and item.get_closest_marker("mindspore"):
             item.add_marker(no_mindspore)

@@ -29,6 +29,8 @@ from ppswap.scheduler.simulate import memory_profile
 from ppswap.scheduler.steps import StepKind
 from ppswap.scheduler.swap_plan import eligible_chunks, inject_swap_steps, strip_swap_steps
 
+pytestmark = pytest.mark.slow
+
 GPIPE_PP1 = ScheduleConfig(schedule="gpipe", pp=1, micro=4, swap=True)
 
 CONFIGS = [

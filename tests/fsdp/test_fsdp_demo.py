@@ -11,6 +11,8 @@ import pytest
 from ppswap.demo.fsdp_demo import format_fsdp_report, run_fsdp_demo
 from ppswap.demo.run import DEMO_LM_SIZES, DemoOptions
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("backend", ["mindspore", "torch"])
 def test_fsdp_demo_reports_parameter_and_activation_savings(

@@ -22,7 +22,7 @@ from ppswap import PipelineStage, run_schedule
 from ppswap.demo.model import build_mlp_stages, build_tuple_stages, mse_loss
 from ppswap.swap import swap_wrapper
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 sys.path.insert(0, str(SCRIPTS))
 from pipeline_data import DIM, bf16_data, bf16_loss, bf16_stages, data, host  # noqa: E402

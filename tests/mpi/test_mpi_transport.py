@@ -18,7 +18,7 @@ from process_group import Launch, run_group
 
 pytest.importorskip("mpi4py")
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ABORT_DEADLINE_S = 10.0

@@ -51,6 +51,8 @@ from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.steps import Order
 from ppswap.swap import EmulatedDevice
 
+pytestmark = pytest.mark.slow
+
 OVERLAP_DXDW = Case(schedule="1f1b", pp=2, stage_num=2, micro=4, split_dw=True, overlap_b_f=True)
 CASES = [GPIPE, OVERLAP_DXDW, INTERLEAVED]
 HYPOTHESIS = settings(

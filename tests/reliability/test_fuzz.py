@@ -32,6 +32,8 @@ import ppswap.actors.runtime as runtime
 from ppswap import PipelineStage, run_schedule
 from ppswap.demo.model import mse_loss
 
+pytestmark = pytest.mark.slow
+
 STAGES_2 = make_stages(2)
 STAGES_4 = make_stages(4)
 X, Y = make_data()

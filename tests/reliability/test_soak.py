@@ -71,6 +71,8 @@ from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.swap_plan import chunks_on_host_peak
 
+pytestmark = pytest.mark.slow
+
 SOAK_RUNS = int(os.environ.get("PPSWAP_SOAK_RUNS", "48"))
 SOAK_DIM = 256
 SOAK_BATCH = 128  # 4 micro-batches of 32: 0.19 / 0.25 MB of saved activations per chunk

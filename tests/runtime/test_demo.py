@@ -15,6 +15,8 @@ from ppswap.demo.progress import Progress
 from ppswap.demo.report import format_report, step_time_line
 from ppswap.demo.run import DemoOptions, run_demo
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.mindspore
 def test_demo_trains_and_swap_agrees(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

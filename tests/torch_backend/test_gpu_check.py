@@ -22,6 +22,8 @@ from fake_cuda import FakeCuda
 from ppswap.backends.torch.backend import TorchBackend
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine, CudaSource
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).parents[2]
 GIB = 2**30
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
