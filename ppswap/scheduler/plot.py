@@ -45,7 +45,14 @@ from ppswap.scheduler.simulate import (
     copy_windows,
     resident_by_column,
 )
-from ppswap.scheduler.steps import COMPUTE_KINDS, MetaStep, Order, StepKind, iter_leaves
+from ppswap.scheduler.steps import (
+    COMPUTE_KINDS,
+    CONSUMER_KINDS,
+    MetaStep,
+    Order,
+    StepKind,
+    iter_leaves,
+)
 from ppswap.scheduler.swap_plan import eligible_chunks
 
 __all__ = ["PLOT_SUFFIXES", "cell_label", "pack_windows", "plot_schedule", "schedule_figure"]
@@ -84,7 +91,7 @@ def cell_label(leaf: MetaStep, eligible: frozenset[tuple[int, int]]) -> str:
     plain = _PLAIN[leaf.kind]
     if leaf.chunk in eligible and leaf.kind is StepKind.FWD:
         return "C·F"
-    if leaf.chunk in eligible and leaf.kind in (StepKind.BWD, StepKind.BWD_INPUT):
+    if leaf.chunk in eligible and leaf.kind in CONSUMER_KINDS:
         return f"W·{plain}"
     return plain
 
