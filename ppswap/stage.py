@@ -46,7 +46,7 @@ arguments. Its backward returns one gradient per input, None for an input that g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -90,7 +90,19 @@ class _Chunk:
 class PipelineStage:
     """One stage ``stage_index`` of ``stage_num`` (global index; rank = index % pp)."""
 
-    def __init__(self, module: Module, stage_index: int, stage_num: int):
+    def __init__(
+        self,
+        module: Module,
+        stage_index: int,
+        stage_num: int,
+        *,
+        tied: Mapping[str, str] | None = None,
+    ):
+        """``tied``: parameters this stage shares with other stages, by attribute path,
+        each under a key that every stage holding a copy declares (``{"wte.weight":
+        "embedding"}``; ``ppswap/actors/ties.py``): after a training run each copy's
+        gradient is the sum over the copies. In one process a parameter object that
+        several stages hold is tied without it."""
         backend = backend_for(module)
         if not backend.is_module(module):
             raise TypeError(
@@ -110,6 +122,7 @@ class PipelineStage:
         self.backend: Backend = backend
         self.stage_index = stage_index
         self.stage_num = stage_num
+        self.tied: Mapping[str, str] = tied if tied is not None else {}
         self.generation = 0
         self._params: tuple[Tensor, ...] = backend.trainable_parameters(module)
         self._grads: list[Tensor | None] = [None] * len(self._params)

@@ -38,6 +38,7 @@ from typing import Any
 
 from ppswap.actors.data import Batches, check_data, split_data
 from ppswap.actors.p2p import InProcessTransport
+from ppswap.actors.ties import NO_TIES, Ties, plan_ties
 from ppswap.backends import type_name
 from ppswap.backends.base import Backend, ForwardScope
 from ppswap.core.faults import FaultPlan
@@ -84,6 +85,8 @@ class RunPlan:
     # FSDP: the DP x PP mesh; ranks are then world ranks and ``orders`` is indexed by them.
     mesh: DeviceMesh | None = None
     forward_scope: ForwardScope = nullcontext
+    # Parameters several stages hold (tied embeddings): summed at the run's end.
+    ties: Ties = NO_TIES
 
     @property
     def step_timeout(self) -> float:
@@ -165,6 +168,7 @@ def prepare_run(
     )
     orders = planned_orders(config, options.swap_policy, options.cost_model)
     orders = world_orders(orders, mesh)
+    ties = plan_ties(stage_list, backend, config, mesh, distributed=distributed is not None)
     return RunPlan(
         options=options,
         stages=tuple(sorted(stage_list, key=lambda s: s.stage_index)),
@@ -178,6 +182,7 @@ def prepare_run(
         trace=None if trace is None else Path(trace),
         channel_capacity=max(_p2p_requests(order) for order in orders) + 1,
         mesh=mesh,
+        ties=ties,
         forward_scope=backend.caller_forward_scope(
             [backend.device_of(stage.module) for stage in stage_list]
         ),

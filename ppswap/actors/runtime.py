@@ -47,6 +47,7 @@ from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.p2p import InProcessTransport
 from ppswap.actors.prepare import RunPlan, prepare_run, split_batches
 from ppswap.actors.rank import RankRuntime
+from ppswap.actors.ties import grads_to_give, resolve_ties, sum_tied_grads
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
@@ -179,6 +180,9 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     recorder.register_status("compute thread", lambda: f"running {compute.current_job}")
     recorder.register_status("transport", lambda: repr(transport.stats()))
     configure_transport(transport, plan.config.num_stages, plan.config.micro)
+    training, ties = not plan.config.forward_only, plan.ties
+    args = (plan.stages, transport, plan.config, plan.mesh, plan.step_timeout)
+    tie_groups = await resolve_ties(ties, *args) if training else ()
     if log_steps:
         log.info("run_start", generation=generation, ranks=list(plan.local_ranks))
     started = time.perf_counter()
@@ -194,6 +198,8 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
         try:
             await _run_ranks(compute, ranks)
+            if tie_groups:  # TIED_GRAD_SUM, each holder rank's last step
+                await sum_tied_grads(ties, tie_groups, plan.backend, compute, *args[1:])
             stats = await compute.run(_closed_stats, plan, ranks)
         except BaseException as exc:
             error = first_pipeline_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
@@ -266,8 +272,7 @@ def _closed_stats(plan: RunPlan, ranks: list[RankRuntime]) -> list[RankStats]:
     for rank in ranks:
         rank.session.close()
     if not plan.config.forward_only:
-        given = [pair for stage in plan.stages for pair in stage.run_grads()]
-        plan.backend.give_grads([param for param, _ in given], [grad for _, grad in given])
+        plan.backend.give_grads(*grads_to_give(plan.stages))
     measure = plan.mesh is None
     return [rank.stats(param_storage_bytes(rank.stages) if measure else 0) for rank in ranks]
 

@@ -39,6 +39,7 @@ STEP_DESCRIPTIONS: Mapping[StepKind, str] = {
     StepKind.SWAP_WAIT_OFFLOAD: "swap: wait for that copy, then free the chunk's device memory",
     StepKind.SWAP_LAUNCH_LOAD: "swap: start copying the chunk's activations back to device",
     StepKind.SWAP_WAIT_LOAD: "swap: wait for that copy (the chunk's backward needs it)",
+    StepKind.TIED_GRAD_SUM: "sum a tied parameter's gradients over the stages holding it",
 }
 """What each step kind does, in words (the legend of ``ppswap plan``'s grid)."""
 

@@ -10,7 +10,9 @@ Conventions (fixed here, relied on everywhere):
   receiver's stage for RECV_*) and ``peer`` is the remote rank.
   ``SEND_F(s, i)`` on rank(s) pairs with ``RECV_F(s + 1, i)`` on rank(s + 1);
   ``SEND_B(s, i)`` on rank(s) pairs with ``RECV_B(s - 1, i)`` on rank(s - 1).
-- FSDP steps are per stage, not per micro-batch: ``micro == -1``.
+- FSDP steps are per stage, not per micro-batch: ``micro == -1``; so is TIED_GRAD_SUM,
+  the sum of a tied parameter's gradients over the stages holding it (``stage``: this
+  rank's last holder), the last step of a holder rank's order.
 - Containers (BATCH_SEND_RECV) and composites (OVERLAP_B_F / OVERLAP_F_B) carry the stage
   and micro of their first sub-step; their meaning is in ``sub_steps``.
 - Swap steps name the chunk ``(stage, micro)`` they move.
@@ -57,6 +59,7 @@ __all__ = [
     "SWAP_WAIT_KINDS",
     "SWAP_WAIT_LOAD",
     "SWAP_WAIT_OFFLOAD",
+    "TIED_GRAD_SUM",
     "MetaStep",
     "Order",
     "StepKind",
@@ -85,6 +88,7 @@ class StepKind(enum.Enum):
     SWAP_WAIT_OFFLOAD = "SWAP_WAIT_OFFLOAD"
     SWAP_LAUNCH_LOAD = "SWAP_LAUNCH_LOAD"
     SWAP_WAIT_LOAD = "SWAP_WAIT_LOAD"
+    TIED_GRAD_SUM = "TIED_GRAD_SUM"
 
     # Members are singletons compared by identity: hash them by identity too (in C), not
     # by Enum's Python-level hash of the name. The planner and the runtime hash a kind at
@@ -115,6 +119,7 @@ SWAP_LAUNCH_OFFLOAD = StepKind.SWAP_LAUNCH_OFFLOAD
 SWAP_WAIT_OFFLOAD = StepKind.SWAP_WAIT_OFFLOAD
 SWAP_LAUNCH_LOAD = StepKind.SWAP_LAUNCH_LOAD
 SWAP_WAIT_LOAD = StepKind.SWAP_WAIT_LOAD
+TIED_GRAD_SUM = StepKind.TIED_GRAD_SUM
 
 COMPUTE_KINDS = frozenset({FWD, BWD, BWD_INPUT, BWD_WEIGHT})
 """The compute leaves: the steps that run the stage's module."""
@@ -179,6 +184,7 @@ _SHORT: dict[StepKind, str] = {
     StepKind.SWAP_WAIT_OFFLOAD: "WO",
     StepKind.SWAP_LAUNCH_LOAD: "LL",
     StepKind.SWAP_WAIT_LOAD: "WL",
+    StepKind.TIED_GRAD_SUM: "TS",
 }
 
 
@@ -233,6 +239,7 @@ class MetaStep:
             self.kind in P2P_KINDS
             or self.kind is StepKind.BATCH_SEND_RECV
             or self.kind in FSDP_KINDS
+            or self.kind is StepKind.TIED_GRAD_SUM
         )
 
     @property
@@ -250,7 +257,7 @@ class MetaStep:
         if self.sub_steps:
             inner = "+".join(s.short() for s in self.sub_steps)
             return f"{_SHORT[self.kind]}[{inner}]"
-        if self.kind in FSDP_KINDS:
+        if self.kind in FSDP_KINDS or self.kind is StepKind.TIED_GRAD_SUM:
             return f"{_SHORT[self.kind]}.s{self.stage}"
         return f"{_SHORT[self.kind]}{self.micro}.{self.stage}"
 

@@ -1,0 +1,153 @@
+"""Tied parameters on torch, in one process (``ppswap/actors/ties.py``): a GPT-2 style
+model whose head multiplies by the input embedding's weight (``tied_model.py``).
+
+Held as one object by the first and the last stage (found by identity) or as two copies
+declared ``tied`` (the same key on both): the loss and every gradient equal the unsplit
+model's, both holders' ``stage.grads`` entries are the whole gradient, bit for bit the
+same, and ``.grad`` gets it once. Swap on is bit-identical to swap off; the schedules
+(GPipe, 1F1B, Interleaved, ZBV, where both holders are virtual stages of one rank), the
+dx/dw split, overlap and FSDP (shards summed shard-wise) all sum alike. Bad declarations
+are refused before the run, naming the stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from tied_model import TIED, lm_loss, tied_modules, tokens, unsplit
+
+from ppswap import PipelineStage, run_schedule
+from ppswap.fsdp import DeviceMesh, fully_shard
+from ppswap.fsdp.shard import full_gradients
+
+CASES = {
+    "gpipe-pp4": ("gpipe", 4, 4, {}),
+    "1f1b-pp2-split-dw": ("1f1b", 2, 2, {"split_dw": True}),
+    "interleaved-pp2": ("interleaved_1f1b", 2, 4, {}),
+    "interleaved-pp2-overlap": ("interleaved_1f1b", 2, 4, {"overlap_b_f": True}),
+    "zbv-pp2": ("zbv", 2, 4, {}),
+}
+
+
+def stages_of(stage_num: int, *, shared: bool, declare: bool) -> list[PipelineStage]:
+    modules = tied_modules(stage_num, shared=shared)
+    tied = {0: TIED[0], stage_num - 1: TIED[-1]} if declare else {}
+    return [
+        PipelineStage(module, index, stage_num, tied=tied.get(index))
+        for index, module in enumerate(modules)
+    ]
+
+
+async def train(
+    stages: list[PipelineStage], schedule: str, pp: int, swap: bool, **options: Any
+) -> float:
+    x, y = tokens()
+    result = await run_schedule(
+        stages,
+        schedule,
+        pp=pp,
+        micro_batch_num=4,
+        inputs=x,
+        targets=y,
+        loss_fn=lm_loss,
+        swap=swap,
+        step_timeout=60.0,
+        **options,
+    )
+    return result.loss
+
+
+def tied_index(stage: PipelineStage, weight: torch.Tensor) -> int:
+    return next(i for i, p in enumerate(stage.parameters) if p is weight)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("how", ["shared", "declared"])
+async def test_a_tied_model_equals_the_unsplit_one(case: str, how: str) -> None:
+    schedule, pp, stage_num, options = CASES[case]
+    want_loss, want = unsplit(stage_num)
+    runs = []
+    for swap in (False, True):
+        stages = stages_of(stage_num, shared=how == "shared", declare=how == "declared")
+        loss = await train(stages, schedule, pp, swap, **options)
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+        first, last = stages[0], stages[-1]
+        k_first = tied_index(first, first.module.wte.weight)
+        k_last = tied_index(last, last.module.head.weight)
+        # the whole gradient on both holders, the same bits
+        assert torch.equal(first.grads[k_first], last.grads[k_last])
+        torch.testing.assert_close(first.grads[k_first], want[0][0], rtol=1e-5, atol=1e-7)
+        for stage, reference in zip(stages, want, strict=True):
+            grads = [g for i, g in enumerate(stage.grads) if stage is not last or i != k_last]
+            reference = reference if stage is not last else reference[:-1]  # head: wte's
+            for grad, expected in zip(grads, reference, strict=True):
+                torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7)
+        # .grad: the sum once (not twice where the object is one)
+        for param, grad in zip(first.parameters, first.grads, strict=True):
+            assert param.grad is not None and torch.equal(param.grad, grad)
+        head = last.module.head.weight
+        assert head.grad is not None and torch.equal(head.grad, first.grads[k_first])
+        if how == "declared":  # two copies: each its own tensor
+            assert head.grad is not first.module.wte.weight.grad
+        runs.append([[g.clone() for g in s.grads] for s in stages])
+    for off, on in zip(*runs, strict=True):  # swap on bit-identical to swap off
+        assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
+
+
+@pytest.mark.asyncio
+async def test_fsdp_sums_the_tied_shards() -> None:
+    """GPipe pp2 x dp2: each replica's copies declared tied; after the run each holder's
+    shard gradient is the sum of both holders' shards, and the full gradients equal the
+    unsplit model's."""
+    stage_num, mesh = 2, DeviceMesh(pp=2, dp=2)
+    _, want = unsplit(stage_num)
+    stages = []
+    for dp_rank in range(mesh.dp):
+        for index, module in enumerate(tied_modules(stage_num, shared=False)):
+            fully_shard(module, mesh=mesh, dp_rank=dp_rank)
+            tied = TIED[0] if index == 0 else TIED[-1]
+            stages.append(PipelineStage(module, index, stage_num, tied=tied))
+    x, y = tokens()
+    result = await run_schedule(
+        stages, "gpipe", micro_batch_num=2, inputs=x, targets=y, loss_fn=lm_loss, mesh=mesh
+    )
+    assert result.loss == pytest.approx(unsplit(stage_num)[0], rel=1e-6)
+    by_index = {(s.stage_index, r): s for r in range(2) for s in stages[r * 2 : r * 2 + 2]}
+    for replica in range(mesh.dp):
+        first, last = by_index[(0, replica)], by_index[(1, replica)]
+        k_first = tied_index(first, first.module.wte.weight)
+        k_last = tied_index(last, last.module.head.weight)
+        assert torch.equal(first.grads[k_first], last.grads[k_last])
+    firsts = full_gradients([s for s in stages if s.stage_index == 0])
+    lasts = full_gradients([s for s in stages if s.stage_index == 1])
+    assert (firsts[0] == lasts[-1]).all()  # the tied weight's full gradient, on both
+    for full, reference in ((firsts, want[0]), (lasts[:-1], want[1][:-1])):
+        for grad, expected in zip(full, reference, strict=True):
+            torch.testing.assert_close(torch.from_numpy(grad), expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.from_numpy(firsts[0]), want[0][0], rtol=1e-5, atol=1e-7)
+
+
+def test_declared_copies_must_agree() -> None:
+    """Refused before anything runs, in one line naming both stages, the name, the key."""
+    modules = tied_modules(2, shared=False)
+    modules[1].head.weight = torch.nn.Parameter(torch.zeros(3, 8))
+    stages = [
+        PipelineStage(modules[0], 0, 2, tied=TIED[0]),
+        PipelineStage(modules[1], 1, 2, tied=TIED[-1]),
+    ]
+    with pytest.raises(ValueError, match=r"stage 0's 'wte.weight' .* stage 1's 'head.weight'"):
+        run(stages)
+    lonely = [PipelineStage(modules[0], 0, 2, tied=TIED[0]), PipelineStage(modules[1], 1, 2)]
+    with pytest.raises(ValueError, match="declared only by stage 0"):
+        run(lonely)
+    typo = [PipelineStage(modules[0], 0, 2, tied={"wte.wieght": "e"}), stages[1]]
+    with pytest.raises(ValueError, match=r"'wte\.wieght' is not a trainable parameter of stage 0"):
+        run(typo)
+
+
+def run(stages: list[PipelineStage]) -> None:
+    anyio.run(train, stages, "gpipe", 2, False)
