@@ -8,8 +8,10 @@ torch modules (``ppswap.backends``); importing ppswap imports neither framework.
 from ppswap.actors.runtime import run_schedule
 from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.errors import PipelineError, PipelineHangError, PipelineInputError
+from ppswap.events import RunEvents
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.logs import configure_logging
+from ppswap.metrics import LoopLagMonitor, RankMetrics, rank_metrics
 from ppswap.options import RunOptions
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.results import RankStats, RunResult
@@ -21,12 +23,15 @@ from ppswap.swap.errors import SwapWarning
 __all__ = [
     "DeviceMesh",
     "EmulatedDevice",
+    "LoopLagMonitor",
     "MetaStep",
     "PipelineError",
     "PipelineHangError",
     "PipelineInputError",
     "PipelineStage",
+    "RankMetrics",
     "RankStats",
+    "RunEvents",
     "RunOptions",
     "RunResult",
     "Schedule1F1B",
@@ -37,5 +42,6 @@ __all__ = [
     "SwapWarning",
     "configure_logging",
     "fully_shard",
+    "rank_metrics",
     "run_schedule",
 ]

@@ -46,6 +46,7 @@ with a CALL rule, whose callback runs on the loop first. ``faults=None`` costs o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -76,6 +77,7 @@ from ppswap.core.arrival import ArrivalTimeoutError
 from ppswap.core.executor import DedicatedThread, loop_caller
 from ppswap.core.faults import ComputeFaults
 from ppswap.errors import PipelineError
+from ppswap.events import ChunkLoaded, ChunkOffloaded, RankOrderFinished
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.logs import log_step
 from ppswap.scheduler.steps import LAUNCH_OF_WAIT as _WAITS
@@ -181,6 +183,7 @@ class ComputeActor:
     async def run(self) -> None:
         """Execute the order, then wait for the sends still in flight; close the P2P
         channel and the copy stream."""
+        started = time.perf_counter()
         async with self._p2p:
             await self._walk()
             if self._fsdp is not None:
@@ -189,6 +192,15 @@ class ComputeActor:
             for future in self._mail.sends:
                 await self._waits.reply(future, MetaStep(StepKind.SEND_F, -1, -1, peer=self.rank))
             self._current = None
+        if self._run.events is not None:
+            self._run.events.emit(
+                RankOrderFinished(
+                    generation=self._run.generation,
+                    rank=self.rank,
+                    steps_executed=self._steps_executed,
+                    elapsed_s=time.perf_counter() - started,
+                )
+            )
         self._copy_stream.close()
         leftovers = self._mail.leftovers()
         if leftovers is not None:
@@ -430,6 +442,18 @@ class ComputeActor:
                 self.losses[step.micro] = self._stages[step.stage].backend.keep_scalar(result)
         elif kind in _WAITS:
             waited = self._waited_s.pop(step, 0.0)
+            if self._run.events is not None:
+                chunk = ChunkOffloaded if kind is StepKind.SWAP_WAIT_OFFLOAD else ChunkLoaded
+                self._run.events.emit(
+                    chunk(
+                        generation=self._run.generation,
+                        rank=self.rank,
+                        stage=step.stage,
+                        micro=step.micro,
+                        bytes=int(result),
+                        waited_s=waited,
+                    )
+                )
             if self._run.log_steps:
                 log_step(
                     self._log,

@@ -17,6 +17,7 @@ import structlog
 
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.faults import FaultPlan
+from ppswap.events import RunEvents
 
 __all__ = ["RunContext"]
 
@@ -33,6 +34,7 @@ class RunContext:
     recorder: FlightRecorder
     faults: FaultPlan | None = None
     log_steps: bool = False
+    events: RunEvents | None = None  # progress events (ppswap.events), emitted on the loop
 
     def logger(self, actor: str) -> Any:
         """The structlog logger of ``actor`` on this rank."""

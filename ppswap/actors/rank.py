@@ -26,6 +26,7 @@ from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
 from ppswap.core.transport import Transport, is_immediate
+from ppswap.events import RunEvents
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.fsdp.plan import collectives_for
 from ppswap.results import RankStats
@@ -52,6 +53,7 @@ class RankRuntime:
         batches: Batches,
         log_steps: bool,
         handoff: ThreadHandoff | None = None,
+        events: RunEvents | None = None,
     ) -> None:
         self.rank = rank
         self.stages: tuple[PipelineStage, ...] = plan.stages_of(rank)
@@ -64,6 +66,7 @@ class RankRuntime:
             recorder=recorder,
             faults=plan.faults,
             log_steps=log_steps,
+            events=events,
         )
         self.context = run
         eligible = eligible_chunks(order)

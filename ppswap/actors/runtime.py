@@ -54,6 +54,7 @@ from ppswap.core.executor import DedicatedThread
 from ppswap.core.faults import FaultSite
 from ppswap.core.transport import Transport, is_distributed, is_immediate
 from ppswap.errors import first_pipeline_error
+from ppswap.events import RunCancelled, RunEvents, RunFailed, RunFinished, RunStarted
 from ppswap.fsdp.plan import param_storage_bytes
 from ppswap.options import DEFAULT_STEP_TIMEOUT_S, RunOptions
 from ppswap.results import RankStats, RunResult
@@ -99,6 +100,7 @@ async def run_schedule(
     loss_fn: LossFn | None = None,
     trace: str | Path | None = None,
     options: RunOptions | None = None,
+    events: RunEvents | None = None,
     **option_fields: Any,
 ) -> RunResult:
     """Run one training step of a pipeline schedule over ``stages``.
@@ -118,7 +120,8 @@ async def run_schedule(
     ``device``, ``mesh``, ``faults``), or pass ``options=RunOptions(...)`` (keywords
     override its fields). ``swap=True`` injects the swap steps; activations move only
     where the user marked them with ``swap_wrapper`` / ``swap_tensor_wrapper``.
-    ``trace``: a path for a Chrome trace of the run.
+    ``trace``: a path for a Chrome trace of the run. ``events``: a ``ppswap.events.RunEvents``
+    that gets the run's progress as it happens (never slowing it).
 
     FSDP (docs/fsdp.md): when the stages' modules are ``fully_shard()``-ed, ``stages`` lists
     every (stage, dp replica) and the run has ``pp * dp`` ranks in this process; with a
@@ -139,7 +142,7 @@ async def run_schedule(
     transport = run_options.transport or InProcessTransport()
     async with _exclusive_run():
         with plan.backend.run_scope():
-            return await _run(plan, transport, engine)
+            return await _run(plan, transport, engine, events)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +156,7 @@ class _Wiring:
     batches: Batches
     log_steps: bool
     handoff: ThreadHandoff | None
+    events: RunEvents | None
 
     def rank(self, rank: int, plan: RunPlan, generation: int) -> RankRuntime:
         return RankRuntime(
@@ -166,10 +170,13 @@ class _Wiring:
             batches=self.batches,
             log_steps=self.log_steps,
             handoff=self.handoff,
+            events=self.events,
         )
 
 
-async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunResult:
+async def _run(
+    plan: RunPlan, transport: Transport, engine: CopyEngine, events: RunEvents | None
+) -> RunResult:
     # The library stays silent unless the application configured structlog (structlog's
     # unconfigured default prints every event): then it logs run and per-step events.
     log_steps = structlog.is_configured()
@@ -185,6 +192,8 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     tie_groups = await resolve_ties(ties, *args) if training else ()
     if log_steps:
         log.info("run_start", generation=generation, ranks=list(plan.local_ranks))
+    if events is not None:
+        events.emit(_started(plan, generation))
     started = time.perf_counter()
     async with compute:
         batches = await compute.run(_begin_stages, plan, generation)
@@ -194,7 +203,7 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
         shared = is_immediate(transport) and len(plan.local_ranks) > 1
         wrapped = plan.faults is not None and plan.faults.covers(FaultSite.P2P)
         handoff = ThreadHandoff() if shared and not wrapped else None
-        wiring = _Wiring(compute, transport, engine, recorder, batches, log_steps, handoff)
+        wiring = _Wiring(compute, transport, engine, recorder, batches, log_steps, handoff, events)
         ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
         try:
             await _run_ranks(compute, ranks)
@@ -206,6 +215,8 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
             if isinstance(error, Exception):  # a failure, not a cancellation
                 abort_job(transport, error)
             await _teardown(compute, plan, ranks, transport)
+            if events is not None:
+                events.emit(_ended(generation, error))
             if error is exc:
                 raise
             # Keep the failure's own cause (the PipelineError contract), not the group.
@@ -231,7 +242,28 @@ async def _run(plan: RunPlan, transport: Transport, engine: CopyEngine) -> RunRe
     )
     if log_steps:
         log.info("run_end", generation=generation, loss=result.loss, step_time_s=elapsed)
+    if events is not None:
+        events.emit(RunFinished(generation=generation, result=result))
     return result
+
+
+def _started(plan: RunPlan, generation: int) -> RunStarted:
+    config = plan.config
+    return RunStarted(
+        generation=generation,
+        ranks=tuple(plan.local_ranks),
+        schedule=config.schedule,
+        swap=config.swap,
+        micro_batch_num=config.micro,
+    )
+
+
+def _ended(generation: int, error: BaseException) -> RunFailed | RunCancelled:
+    """The event of a run that ``error`` ended: a failure, or a cancellation."""
+    if isinstance(error, Exception):
+        message = (str(error).splitlines() or [""])[0]
+        return RunFailed(generation=generation, error_type=type(error).__name__, message=message)
+    return RunCancelled(generation=generation)
 
 
 async def _run_ranks(compute: DedicatedThread, ranks: list[RankRuntime]) -> None:

@@ -21,12 +21,12 @@ LAYERS = [
     {"core", "backends"},
     {"logs", "swap", "stage"},
     {"results", "fsdp"},
-    {"options"},
+    {"options", "events", "metrics"},
     {"actors"},
     {"pipeline"},
     {"cli_args"},
     {"cli_demo"},
-    {"__init__", "demo", "cli", "__main__"},
+    {"__init__", "demo", "cli", "__main__", "serve"},
 ]
 
 
