@@ -120,7 +120,8 @@ BAD_INPUTS: list[tuple[str, list[Any], Any, dict[str, Any], type[Exception], str
     ("count_saved_bytes not a bool", STAGES, "gpipe", _kwargs(swap=False, count_saved_bytes=1),
      TypeError, "count_saved_bytes must be a bool"),
     ("unknown schedule", STAGES, "pipedream", _kwargs(),
-     ValueError, "schedule must be one of gpipe, 1f1b, interleaved_1f1b, got 'pipedream'"),
+     ValueError, "schedule must be one of gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
+     "interleaved_zb, zbv, dualpipev, got 'pipedream'"),
     ("schedule not a string", STAGES, 3, _kwargs(), TypeError, "schedule must be one of"),
     ("unknown p2p", STAGES, "gpipe", _kwargs(p2p="udp"), ValueError, "p2p must be one of"),
     ("swap not a bool", STAGES, "gpipe", _kwargs(swap="yes"), TypeError, "swap must be a bool"),
