@@ -76,18 +76,20 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def tokens(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def tokens(seed: int = 1, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of token ids and its next-token targets."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    ids = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=generator)
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def unsplit(stage_num: int, seed: int = 0) -> tuple[float, list[list[torch.Tensor]]]:
+def unsplit(
+    stage_num: int, seed: int = 0, batch: int = BATCH
+) -> tuple[float, list[list[torch.Tensor]]]:
     """The unsplit model's loss and, per stage, its parameters' gradients (the tied
     weight's: the sum of both uses, as autograd makes it)."""
     modules = tied_modules(stage_num, shared=True, seed=seed)
-    x, y = tokens()
+    x, y = tokens(batch=batch)
     loss = lm_loss(nn.Sequential(*modules)(x), y)
     loss.backward()
     grads = []
