@@ -65,6 +65,7 @@ from ppswap.scheduler.simulate import memory_rows
 from ppswap.scheduler.steps import Order
 from ppswap.scheduler.user_orders import csv_text
 from ppswap.scheduler.validate import validate_all, validate_order
+from ppswap.serve.command import add_serve_parser
 
 __all__ = [
     "CLI_COPY_LEAVES",
@@ -401,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(subparsers)
     _add_plot_parser(subparsers)
     add_demo_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,229 @@
+"""The service's jobs: a queue, one job training at a time, cancel, and each job's events.
+
+``JobManager.run()`` (a task of the service's task group) takes queued jobs one after
+another (ppswap runs one pipeline at a time per process) and trains each: one
+``run_schedule`` per step, then the optimizer step, the record updated in the store
+after every step. Each live job has a ``RunEvents`` stream; a task of the job's own task
+group moves its events into the job's ``history`` (bounded: the oldest go first, counted
+in ``dropped``) as JSON-ready dicts, and wakes whoever follows it (server-sent events).
+``cancel`` cancels a queued job at once and a running one through its cancel scope: the
+runtime tears the run down and the next job runs on clean stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ppswap.events import EventsDropped, RunEvent, RunEvents, RunFinished
+from ppswap.metrics import LoopLagMonitor, RankMetrics, rank_metrics
+from ppswap.results import RunResult
+from ppswap.serve.store import ACTIVE_STATES, JobRecord, JobStore
+from ppswap.serve.training import JobSpec, Training
+
+__all__ = ["HISTORY_LIMIT", "QUEUE_LIMIT", "Job", "JobManager", "QueueFullError", "event_json"]
+
+QUEUE_LIMIT = 64
+HISTORY_LIMIT = 10_000
+
+
+class QueueFullError(RuntimeError):
+    """``QUEUE_LIMIT`` jobs are already waiting."""
+
+
+def event_json(event: RunEvent) -> dict[str, Any]:
+    """An event as a JSON object: ``type`` and its fields (a ``RunFinished``: the run's
+    losses, loss and step time instead of the whole ``RunResult``)."""
+    if isinstance(event, RunFinished):
+        result = event.result
+        return {
+            "type": "RunFinished",
+            "generation": event.generation,
+            "time_s": event.time_s,
+            "loss": _finite(result.loss),
+            "losses": [_finite(v) for v in result.losses],
+            "step_time_s": result.step_time_s,
+        }
+    return {"type": type(event).__name__, **dataclasses.asdict(event)}
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first exception that is not a group (a task group wraps what it raises)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+@dataclass
+class Job:
+    """A job this service runs (or ran): its spec, state and what it emits."""
+
+    id: str
+    spec: JobSpec
+    state: str = "queued"
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY_LIMIT))
+    posted: int = 0  # events put in history, in all (the next one's id)
+    scope: anyio.CancelScope | None = None
+    cancel_requested: bool = False
+    _changed: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def first_kept(self) -> int:
+        """The id of the oldest event still in ``history``."""
+        return self.posted - len(self.history)
+
+    def post(self, kind: str, **fields: Any) -> None:
+        self.history.append({"type": kind, **fields})
+        self.posted += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait_for_news(self, seen: int, timeout_s: float) -> None:
+        """Until an event after the ``seen`` first ones is posted or the job ends
+        (``timeout_s`` at most)."""
+        if self.posted > seen or self.state not in ACTIVE_STATES:
+            return
+        with anyio.move_on_after(timeout_s):
+            await self._changed.wait()
+
+
+class JobManager:
+    """The queue and the trainer (module docstring). ``on_step(job, step, result,
+    metrics)`` runs after every finished step (the service's Prometheus gauges)."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        lag: LoopLagMonitor,
+        on_step: Callable[[Job, int, RunResult, tuple[RankMetrics, ...]], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.jobs: dict[str, Job] = {}
+        self.running: Job | None = None
+        self._lag = lag
+        self.on_step = on_step
+        sender, receiver = anyio.create_memory_object_stream[Job](QUEUE_LIMIT)
+        self._queue_in: MemoryObjectSendStream[Job] = sender
+        self._queue_out: MemoryObjectReceiveStream[Job] = receiver
+        self._log = structlog.get_logger("ppswap.serve")
+
+    @property
+    def queued(self) -> int:
+        return sum(job.state == "queued" for job in self.jobs.values())
+
+    async def submit(self, spec: JobSpec) -> Job:
+        """Record and queue a job; ``QueueFullError`` when ``QUEUE_LIMIT`` wait."""
+        job = Job(uuid.uuid4().hex[:12], spec)
+        if self._queue_in.statistics().current_buffer_used >= QUEUE_LIMIT:
+            raise QueueFullError(f"{QUEUE_LIMIT} jobs are already queued; try again later")
+        await self.store.insert(
+            JobRecord(id=job.id, state="queued", options=spec.request, steps=spec.steps)
+        )
+        self.jobs[job.id] = job
+        self._queue_in.send_nowait(job)
+        job.post("JobState", state="queued")
+        self._log.info("job_queued", run_id=job.id, options=dict(spec.request))
+        return job
+
+    async def cancel(self, job: Job) -> None:
+        """Cancel a queued or running job (the caller checked that it is one)."""
+        job.cancel_requested = True
+        if job.state == "queued":
+            await self._end(job, "cancelled")
+        elif job.scope is not None:
+            job.scope.cancel()
+
+    async def run(self) -> None:
+        """Train queued jobs one after another, until cancelled."""
+        async with self._queue_out:
+            async for job in self._queue_out:
+                if job.state != "queued":  # cancelled while it waited
+                    continue
+                await self._train(job)
+
+    async def _end(self, job: Job, state: str, error: str | None = None) -> None:
+        job.state = state
+        job.post("JobState", state=state, error=error)  # a follower's last event
+        with anyio.CancelScope(shield=True):
+            await self.store.update(job.id, state=state, error=error)
+        self._log.info("job_" + state, run_id=job.id, error=error)
+
+    async def _train(self, job: Job) -> None:
+        log = self._log.bind(run_id=job.id)
+        job.state = "running"
+        self.running = job
+        await self.store.update(job.id, state="running")
+        job.post("JobState", state="running")
+        log.info("job_running")
+        events = RunEvents()
+        losses: list[float] = []
+        step_times: list[float] = []
+        error: str | None = None
+        try:
+            with anyio.CancelScope() as scope:
+                job.scope = scope
+                if job.cancel_requested:
+                    scope.cancel()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._pump, job, events)
+                    try:
+                        training = await anyio.to_thread.run_sync(Training, job.spec)
+                        for step in range(job.spec.steps):
+                            self._lag.take_max_s()
+                            result = await training.step(step, events)
+                            metrics = rank_metrics(result, loop_lag_s=self._lag.take_max_s())
+                            losses.append(result.loss)
+                            step_times.append(result.step_time_s)
+                            await self._record_step(job, step, result, metrics, losses, step_times)
+                            log.info("step_finished", step=step, loss=result.loss)
+                    finally:
+                        events.close()
+        except Exception as exc:  # a failed run (PipelineError) or a failed build
+            first = _first_leaf(exc)
+            error = (str(first).splitlines() or [type(first).__name__])[0]
+            log.error("job_error", error=error, error_type=type(first).__name__)
+        finally:
+            job.scope = None
+            self.running = None
+        if error is not None:
+            await self._end(job, "failed", error)
+        elif scope.cancelled_caught or job.cancel_requested:
+            await self._end(job, "cancelled")
+        else:
+            await self._end(job, "finished")
+
+    async def _record_step(
+        self,
+        job: Job,
+        step: int,
+        result: RunResult,
+        metrics: tuple[RankMetrics, ...],
+        losses: list[float],
+        step_times: list[float],
+    ) -> None:
+        rows = [dataclasses.asdict(m) for m in metrics]
+        await self.store.update(job.id, losses=losses, step_times=step_times, metrics=rows)
+        job.post("StepFinished", step=step, loss=_finite(result.loss), ranks=rows)
+        if self.on_step is not None:
+            self.on_step(job, step, result, metrics)
+
+    async def _pump(self, job: Job, events: RunEvents) -> None:
+        async for event in events:
+            if isinstance(event, EventsDropped):
+                job.post("EventsDropped", count=event.count)
+            else:
+                payload = event_json(event)
+                job.post(payload.pop("type"), **payload)

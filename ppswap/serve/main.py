@@ -1,0 +1,22 @@
+"""``ppswap serve``: the training service under uvicorn, with structlog JSON logs on stderr
+(one line per event, the job's ``run_id`` bound)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import uvicorn
+
+from ppswap.logs import configure_logging
+from ppswap.serve.app import create_app
+
+__all__ = ["serve"]
+
+
+def serve(host: str, port: int, db: Path) -> int:
+    """Serve on ``host:port`` until interrupted (Ctrl-C, SIGTERM: uvicorn shuts down
+    gracefully, cancelling the job in flight); jobs kept in the SQLite file ``db``."""
+    configure_logging(json=True)
+    config = uvicorn.Config(create_app(db), host=host, port=port, lifespan="on", access_log=False)
+    uvicorn.Server(config).run()
+    return 0

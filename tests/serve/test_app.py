@@ -1,0 +1,188 @@
+"""The service's ASGI app through httpx.AsyncClient (the app's lifespan run as the server
+runs it): real training jobs of the tiny demo LM on torch, events, cancel, metrics, bad
+input, and a restarted service that finds its jobs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from ppswap.serve.app import create_app
+from ppswap.serve.store import JobRecord, JobStore
+
+TINY = {"model": "tiny", "backend": "torch", "micro_batch_num": 4, "pp": 2, "swap": True}
+
+
+@asynccontextmanager
+async def service(db: Path) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(db)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            yield client
+
+
+async def wait_state(client: httpx.AsyncClient, run_id: str, states: set[str]) -> dict[str, Any]:
+    with anyio.fail_after(120):
+        while True:
+            shown = (await client.get(f"/runs/{run_id}")).json()
+            if shown["state"] in states:
+                return dict(shown)
+            await anyio.sleep(0.02)
+
+
+async def read_events(client: httpx.AsyncClient, run_id: str) -> list[dict[str, Any]]:
+    """Every server-sent event of a run, until the stream ends (the run ended; httpx's
+    ASGI transport returns the response once it is complete)."""
+    events: list[dict[str, Any]] = []
+    with anyio.fail_after(120):
+        async with client.stream("GET", f"/runs/{run_id}/events") as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+    return events
+
+
+@pytest.mark.asyncio
+async def test_a_job_trains_with_an_optimizer_step_and_reports_as_it_goes(tmp_path: Path) -> None:
+    async with service(tmp_path / "jobs.db") as client:
+        posted = await client.post("/runs", json=TINY | {"steps": 3})
+        assert posted.status_code == 202, posted.text
+        run_id = posted.json()["id"]
+        events = await read_events(client, run_id)
+        shown = await wait_state(client, run_id, {"finished"})
+        metrics = (await client.get("/metrics")).text
+        health = (await client.get("/healthz")).json()
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["JobState", "JobState"] and kinds[-1] == "JobState"
+    assert [e["state"] for e in events if e["type"] == "JobState"] == [
+        "queued",
+        "running",
+        "finished",
+    ]
+    assert kinds.count("RunStarted") == kinds.count("RunFinished") == 3
+    assert kinds.count("ChunkOffloaded") == kinds.count("ChunkLoaded") > 0
+    steps = [e for e in events if e["type"] == "StepFinished"]
+    assert [e["loss"] for e in steps] == shown["losses"] and shown["steps_done"] == 3
+    # the optimizer stepped: each step's batch differs, but so would the loss of one batch
+    assert len(set(shown["losses"])) == 3 and shown["loss"] == shown["losses"][-1]
+    assert [m["rank"] for m in shown["ranks"]] == [0, 1]
+    offloaded = sum(m["offloaded_bytes"] for m in shown["ranks"])
+    assert offloaded == sum(e["bytes"] for e in events if e["type"] == "ChunkOffloaded") // 3
+    assert 'ppswap_jobs{state="finished"} 1.0' in metrics
+    assert "ppswap_steps_total 3.0" in metrics
+    assert f'ppswap_rank_offloaded_bytes{{rank="0"}} {shown["ranks"][0]["offloaded_bytes"]}' in (
+        metrics.replace(".0\n", "\n")
+    )
+    assert health == {"status": "ok", "running": None, "queued": 0}
+
+
+@pytest.mark.asyncio
+async def test_the_losses_equal_the_library_run_with_the_same_sgd(tmp_path: Path) -> None:
+    from ppswap.serve.training import Training, parse_job
+
+    training = Training(parse_job(TINY | {"steps": 2}))
+    expected = [(await training.step(i)).loss for i in range(2)]
+    async with service(tmp_path / "jobs.db") as client:
+        run_id = (await client.post("/runs", json=TINY | {"steps": 2})).json()["id"]
+        shown = await wait_state(client, run_id, {"finished"})
+    assert shown["losses"] == expected
+
+
+@pytest.mark.asyncio
+async def test_cancel_mid_run_then_the_next_job_finishes(tmp_path: Path) -> None:
+    async with service(tmp_path / "jobs.db") as client:
+        first = (await client.post("/runs", json=TINY | {"steps": 50})).json()["id"]
+        queued = (await client.post("/runs", json=TINY | {"steps": 1})).json()["id"]
+        third = (await client.post("/runs", json=TINY | {"steps": 2})).json()["id"]
+        cancelled_queued = await client.delete(f"/runs/{queued}")
+        assert cancelled_queued.status_code == 202
+        # (httpx's ASGI transport hands a response over whole: the uvicorn test cancels
+        # from the event stream, inside a step)
+        with anyio.fail_after(120):
+            while (await client.get(f"/runs/{first}")).json()["steps_done"] < 2:
+                await anyio.sleep(0.005)
+        assert (await client.delete(f"/runs/{first}")).status_code == 202
+        shown = await wait_state(client, first, {"cancelled"})
+        assert shown["steps_done"] < 50
+        finished = await wait_state(client, third, {"finished"})
+        assert (await client.get(f"/runs/{queued}")).json()["state"] == "cancelled"
+        again = await client.delete(f"/runs/{third}")
+    assert finished["steps_done"] == 2
+    assert again.status_code == 409
+    assert again.json() == {
+        "error": {
+            "field": "id",
+            "reason": f"run {third} is finished; only a queued or running run can be cancelled",
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field", "reason"),
+    [
+        (b"{not json", 400, "body", "not JSON"),
+        (b"[1, 2]", 422, "body", "must be a JSON object, got list"),
+        (b'{"micro_batch_num": 4, "warp": 9}', 422, "warp", "warp is not an option"),
+        (b'{"micro_batch_num": 0}', 422, "micro_batch_num", "micro_batch_num must be"),
+        (b'{"schedule": "zigzag"}', 422, "schedule", "zigzag"),
+        (b'{"swap_check": "always"}', 422, "swap_check", "swap_check"),
+        (b'{"transport": "tcp"}', 422, "transport", "is an object"),
+        (b'{"steps": 0}', 422, "steps", "must be an int >= 1, got 0"),
+        (b'{"backend": "jax"}', 422, "backend", "must be one of"),
+        (b'{"micro_batch_num": 4, "batch": 6}', 422, "batch", "multiple of micro_batch_num=4"),
+        (b'{"lr": -1}', 422, "lr", "must be a number > 0, got -1"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_bad_input_is_one_json_error_and_starts_nothing(
+    tmp_path: Path, body: bytes, status: int, field: str, reason: str
+) -> None:
+    async with service(tmp_path / "jobs.db") as client:
+        answer = await client.post("/runs", content=body)
+        listed = (await client.get("/runs")).json()["runs"]
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert error["field"] == field and reason in error["reason"], error
+    assert listed == []
+
+
+@pytest.mark.asyncio
+async def test_unknown_ids_are_404(tmp_path: Path) -> None:
+    async with service(tmp_path / "jobs.db") as client:
+        for method, path in (("GET", "/runs/nope"), ("DELETE", "/runs/nope")):
+            answer = await client.request(method, path)
+            assert answer.status_code == 404
+            assert answer.json() == {"error": {"field": "id", "reason": "no run 'nope'"}}
+        assert (await client.get("/runs/nope/events")).status_code == 404
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_service_lists_its_jobs_and_marks_the_one_in_flight(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "jobs.db"
+    async with service(db) as client:
+        done = (await client.post("/runs", json=TINY | {"steps": 1})).json()["id"]
+        await wait_state(client, done, {"finished"})
+    # A service that stopped without a goodbye (a crash): its job was running.
+    crashed = JobStore(db)
+    await crashed.insert(JobRecord(id="inflight", state="queued", options=TINY, steps=5))
+    await crashed.update("inflight", state="running", losses=[4.5])
+    crashed.close()
+    async with service(db) as client:
+        runs = {r["id"]: r for r in (await client.get("/runs")).json()["runs"]}
+        stream = await client.get("/runs/inflight/events")
+        cancel = await client.delete("/runs/inflight")
+    assert runs[done]["state"] == "finished" and runs[done]["steps_done"] == 1
+    assert runs["inflight"]["state"] == "interrupted" and runs["inflight"]["losses"] == [4.5]
+    assert '"state": "interrupted"' in stream.text
+    assert cancel.status_code == 409 and "interrupted" in cancel.json()["error"]["reason"]
