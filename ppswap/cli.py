@@ -63,9 +63,9 @@ from ppswap.scheduler.render import format_grid, step_legend
 from ppswap.scheduler.schedules import compute_order
 from ppswap.scheduler.simulate import memory_rows
 from ppswap.scheduler.steps import Order
+from ppswap.scheduler.ties import check_tie_groups, with_tie_steps
 from ppswap.scheduler.user_orders import csv_text
 from ppswap.scheduler.validate import validate_all, validate_order
-from ppswap.serve.command import add_serve_parser
 
 __all__ = [
     "CLI_COPY_LEAVES",
@@ -135,9 +135,11 @@ def plan_orders(
     compute_only: bool = False,
     swap_policy: SwapPolicy = "gap",
     cost_model: CostModel | None = None,
+    ties: Sequence[Sequence[int]] = (),
 ) -> tuple[Order, ...]:
     """Every rank's validated order: finalized (its swapped chunks ``swap_policy``'s, with
-    ``cost_model`` for ``"cost"``), or the compute slots alone."""
+    ``cost_model`` for ``"cost"``; a TIED_GRAD_SUM last per tie in ``ties``, each the
+    stages holding one tied parameter), or the compute slots alone."""
     if compute_only:
         orders = tuple(compute_order(config, rank) for rank in range(config.pp))
         for rank, order in enumerate(orders):
@@ -145,7 +147,7 @@ def plan_orders(
         return orders
     orders = build_orders(config, swap_policy, cost_model)
     validate_all(config, orders)
-    return orders
+    return with_tie_steps(config, orders, ties) if ties else orders
 
 
 def plan_payload(
@@ -154,10 +156,11 @@ def plan_payload(
     compute_only: bool = False,
     swap_policy: SwapPolicy = "gap",
     cost_model: CostModel | None = None,
+    ties: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
     """The JSON document of ``ppswap plan``; extend it here."""
     orders = plan_orders(
-        config, compute_only=compute_only, swap_policy=swap_policy, cost_model=cost_model
+        config, compute_only=compute_only, swap_policy=swap_policy, cost_model=cost_model, ties=ties
     )
     payload: dict[str, Any] = {
         "schedule": config.schedule,
@@ -267,6 +270,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         config = _config_from_args(args)
         cost_model = _cost_model_from_args(args)
+        check_tie_groups(config, args.tie)
         if args.width != 0 and args.width < MIN_TEXT_WIDTH:
             raise ValueError(
                 f"width must be 0 (one line per rank) or an int >= {MIN_TEXT_WIDTH}, "
@@ -276,6 +280,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return fail(str(exc))
     policy: SwapPolicy = args.swap_policy
     chosen = {"compute_only": args.compute_only, "swap_policy": policy, "cost_model": cost_model}
+    chosen["ties"] = args.tie
     if args.format == "json":
         print(format_json(plan_payload(config, **chosen)))
     elif args.format == "torch-csv":
@@ -378,6 +383,15 @@ def _add_plan_parser(subparsers: Any) -> None:
         help=f"fold the text grid into blocks at most this many columns wide; 0: one line "
         f"per rank (default {TEXT_WIDTH})",
     )
+    plan.add_argument(
+        "--tie",
+        action="append",
+        default=[],
+        type=lambda text: tuple(int(part) for part in text.split(",")),
+        metavar="S,S[,S...]",
+        help="stages holding one tied parameter (e.g. 0,3: a head tied to the embedding): "
+        "each holder rank's order ends with its TIED_GRAD_SUM; repeatable",
+    )
     plan.set_defaults(handler=run_plan)
 
 
@@ -402,7 +416,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(subparsers)
     _add_plot_parser(subparsers)
     add_demo_parser(subparsers)
-    add_serve_parser(subparsers)
     return parser
 
 
