@@ -3,7 +3,12 @@
     pipeline.py [--perturb CASE=swap|unsplit ...] CASE [CASE ...]
 
 A case is ``SCHEDULE-P2P[-dw][-overlap][-big][-bf16][-dropout][-tuple][-autocast]``: SCHEDULE
-``gpipe``, ``1f1b`` or ``interleaved`` (vpp 2), P2P ``plain``, ``batch`` or ``boundary``,
+``gpipe``, ``1f1b``, ``interleaved`` (vpp 2), ``looped_bfs``, ``interleaved_zb``, ``zbv``
+or ``dualpipev`` (vpp 2; the last two place stages ``r`` and ``2N - 1 - r`` on rank ``r``),
+or ``vorder``: a compute order written here in torch's action notation and given as
+``order=`` (V placement; per rank the first leg's forwards, the second leg's forwards and
+full backwards, then the first leg's backwards split into BWD_INPUT and deferred
+BWD_WEIGHT), P2P ``plain``, ``batch`` or ``boundary``,
 ``-dw`` for ``split_dw``, ``-overlap`` for ``overlap_b_f``. The run has pp = N ranks,
 N * vpp stages and 2 * N micro-batches of 2 samples (``-big``: 160 samples, so every
 activation and gradient between ranks is 20 KiB, above the 16 KiB inline limit this script
@@ -22,9 +27,9 @@ process's own, carried to its compute thread: ``ppswap/backends/torch/caller.py`
 does not combine with ``-bf16``.
 
 Every process builds all stages from one seed (the attention + MLP stage model of
-``tests/torch_backend/torch_support.py``, both blocks swap-wrapped), keeps its own
-(``stage_index % N == rank``) and runs each case twice over one transport, swap off then
-on. Per case and rank it checks:
+``tests/torch_backend/torch_support.py``, both blocks swap-wrapped), keeps its own (the
+stages the schedule places on its rank) and runs each case twice over one transport, swap
+off then on. Per case and rank it checks:
 
 1. swap on is bit-identical to swap off: the losses and this rank's gradients, byte for
    byte;
@@ -80,6 +85,7 @@ from ppswap.core.wire import INLINE_MAX_BYTES
 from ppswap.scheduler.config import P2PMode, ScheduleConfig, ScheduleName
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.swap_plan import eligible_chunks
+from ppswap.scheduler.user_orders import check_orders_given, read_orders
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch_backend"))
 from torch_support import build_modules, make_data, mse_loss
@@ -91,11 +97,18 @@ SCHEDULES: dict[str, ScheduleName] = {
     "gpipe": "gpipe",
     "1f1b": "1f1b",
     "interleaved": "interleaved_1f1b",
+    "looped_bfs": "looped_bfs",
+    "interleaved_zb": "interleaved_zb",
+    "zbv": "zbv",
+    "dualpipev": "dualpipev",
+    "vorder": "gpipe",  # only a label: the case's order replaces the schedule's
 }
+TWO_STAGES_PER_RANK = frozenset({"interleaved", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"})
 BF16_LOSS_RTOL = 1e-2
 BF16_GRAD_TOLERANCE = 0.03  # of a gradient's largest magnitude (module docstring)
 CASE_NAME = re.compile(
-    r"(gpipe|1f1b|interleaved)-(plain|batch|boundary)(-dw)?(-overlap)?(-big)?(-bf16)?"
+    r"(gpipe|1f1b|interleaved_zb|interleaved|looped_bfs|zbv|dualpipev|vorder)"
+    r"-(plain|batch|boundary)(-dw)?(-overlap)?(-big)?(-bf16)?"
     r"(-dropout)?(-tuple)?(-autocast)?"
 )
 DROPOUT_SEED = 1234
@@ -113,6 +126,8 @@ class Case:
     dropout: bool = False
     tupled: bool = False
     autocast: bool = False
+    vpp: int = 1
+    given_order: bool = False
 
     @classmethod
     def parse(cls, name: str) -> Case:
@@ -141,6 +156,8 @@ class Case:
             dropout is not None,
             tupled is not None,
             autocast is not None,
+            2 if schedule in TWO_STAGES_PER_RANK or schedule == "vorder" else 1,
+            schedule == "vorder",
         )
 
     def data(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,8 +182,38 @@ class Case:
 
     def sizes(self, world: int) -> tuple[int, int, int]:
         """(vpp, stage_num, micro) for a run of ``world`` ranks."""
-        vpp = 2 if self.schedule == "interleaved_1f1b" else 1
-        return vpp, world * vpp, 2 * world
+        return self.vpp, world * self.vpp, 2 * world
+
+    def order_rows(self, world: int) -> list[list[str]] | None:
+        """A ``vorder`` case's compute orders, one row of torch's notation per rank (see
+        the module docstring); None for the other cases."""
+        if not self.given_order:
+            return None
+        _, stage_num, micro = self.sizes(world)
+        rows = []
+        for rank in range(world):
+            first, second = rank, stage_num - 1 - rank
+            row = [f"{first}F{i}" for i in range(micro)] + [f"{second}F{i}" for i in range(micro)]
+            row += [f"{second}B{i}" for i in range(micro)] + [f"{first}I{i}" for i in range(micro)]
+            rows.append(row + [f"{first}W{i}" for i in range(micro)])
+        return rows
+
+    def config(self, world: int) -> ScheduleConfig:
+        """The case's schedule on ``world`` ranks, with swap (its placement, its plan)."""
+        vpp, stage_num, micro = self.sizes(world)
+        rows = self.order_rows(world)
+        return ScheduleConfig(
+            schedule=self.schedule,
+            pp=world,
+            vpp=vpp,
+            micro=micro,
+            split_dw=self.split_dw,
+            overlap_b_f=self.overlap_b_f,
+            p2p=self.p2p,
+            swap=True,
+            min_swap_gap=MIN_SWAP_GAP,
+            order=None if rows is None else check_orders_given(read_orders(rows), stage_num, micro),
+        )
 
 
 class TupleStage(nn.Module):
@@ -212,11 +259,14 @@ async def run(
     """The case over ``transport`` (this rank's stages), or in this process (None: every
     stage, ``pp=world``)."""
     _, stage_num, micro = case.sizes(world)
+    config = case.config(world)
     stages = [
         PipelineStage(m, i, stage_num)
         for i, m in enumerate(case.modules(stage_num))
-        if transport is None or i % world == transport.rank
+        if transport is None or config.rank_of(i) == transport.rank
     ]
+    rows = case.order_rows(world)
+    given = {} if rows is None else {"order": rows}
     if case.dropout:
         torch.manual_seed(DROPOUT_SEED)
     x, y = case.data(micro)
@@ -236,6 +286,7 @@ async def run(
             pp=world,
             transport=transport,
             step_timeout=60.0,
+            **given,
         )
     grads = {s.stage_index: [host_copy(g) for g in s.grads] for s in stages}
     return Outcome(list(result.losses), grads, list(result.ranks))
@@ -274,10 +325,13 @@ def unsplit(case: Case, world: int) -> tuple[list[float], list[list[Array]]]:
     return [float(loss.detach()) for loss in losses], grads
 
 
-def flat_grads(grads: dict[int, list[Array]], world: int, rank: int) -> Array:
+def flat_grads(grads: dict[int, list[Array]], config: ScheduleConfig, rank: int) -> Array:
     """The gradients of ``rank``'s stages, in stage order, as one byte string."""
     parts = [
-        g.reshape(-1).view(np.uint8) for i in sorted(grads) if i % world == rank for g in grads[i]
+        g.reshape(-1).view(np.uint8)
+        for i in sorted(grads)
+        if config.rank_of(i) == rank
+        for g in grads[i]
     ]
     return np.concatenate(parts)
 
@@ -288,7 +342,8 @@ async def in_process_differences(
     """Check 4: rank 0 gets every rank's gradient bytes and compares them, and the
     losses, with the case run in this process."""
     rank, world = transport.rank, transport.world_size
-    mine = flat_grads(on.grads, world, rank)
+    config = case.config(world)
+    mine = flat_grads(on.grads, config, rank)
     gathered = await transport.all_gather(rank, tuple(range(world)), f"grads {case.name}", mine)
     if rank != 0:
         return []
@@ -297,7 +352,7 @@ async def in_process_differences(
     if np.array(local.losses).tobytes() != np.array(on.losses).tobytes():
         found.append(f"losses {on.losses} != in-process {local.losses}")
     for r, got in enumerate(gathered):
-        if got.tobytes() != flat_grads(local.grads, world, r).tobytes():
+        if got.tobytes() != flat_grads(local.grads, config, r).tobytes():
             found.append(f"rank {r}'s gradients are not bit-identical to the in-process run")
     return found
 
@@ -364,19 +419,7 @@ def close(case: Case, grad: Array, ref: Array) -> bool:
 
 def swap_differences(case: Case, world: int, off: Outcome, on: Outcome) -> list[str]:
     """Bytes moved on exactly the ranks whose plan swaps a chunk, all loaded back."""
-    vpp, _, micro = case.sizes(world)
-    config = ScheduleConfig(
-        schedule=case.schedule,
-        pp=world,
-        vpp=vpp,
-        micro=micro,
-        split_dw=case.split_dw,
-        overlap_b_f=case.overlap_b_f,
-        p2p=case.p2p,
-        swap=True,
-        min_swap_gap=MIN_SWAP_GAP,
-    )
-    plan = [bool(eligible_chunks(order)) for order in build_all_orders(config)]
+    plan = [bool(eligible_chunks(order)) for order in build_all_orders(case.config(world))]
     found = []
     if not any(plan):
         found.append("the plan swaps nothing: the case does not exercise swap")
