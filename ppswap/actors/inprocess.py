@@ -4,7 +4,7 @@ A mailbox per message: a send never blocks (the payload waits in the mailbox unt
 receiver takes it), which is the buffered-send semantics the schedule validator assumes.
 It is an ``ImmediateTransport`` (``deliver`` / ``expect``: the P2P actor serves it
 without a task) and serves the awaitable ``send`` / ``recv`` too (with a fault plan).
-Collectives (FSDP) are a rendezvous per call.
+Collectives (FSDP's, and the all-to-all of expert parallelism) are a rendezvous per call.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from ppswap.actors.payloads import payload_nbytes
 from ppswap.core.messages import HostArray, MessageKey
 from ppswap.core.rank_args import group_index
-from ppswap.core.transport import TransportStats, sum_contributions
+from ppswap.core.transport import TransportStats, check_all_to_all, sum_contributions
 
 __all__ = ["InProcessTransport"]
 
@@ -138,6 +138,21 @@ class InProcessTransport:
         mine = group.index(rank)
         parts = [found[index][mine] for index in range(len(group))]
         return sum_contributions(key, group, rank, parts)
+
+    async def all_to_all(
+        self, rank: int, group: tuple[int, ...], key: str, arrays: list[HostArray]
+    ) -> list[HostArray]:
+        """What every member sent to ``rank`` (its ``arrays[group.index(rank)]``), in group
+        order: the arrays themselves, any number of rows each (``check_all_to_all``)."""
+        if len(arrays) != len(group) or not all(isinstance(a, np.ndarray) for a in arrays):
+            raise ValueError(
+                f"arrays must hold {len(group)} numpy arrays, one per member of group "
+                f"{group}, got {len(arrays)} items"
+            )
+        found = await self._rendezvous_wait("all_to_all", rank, group, key, tuple(arrays))
+        mine = group.index(rank)
+        parts = [found[index][mine] for index in range(len(group))]
+        return check_all_to_all(key, group, rank, arrays[mine], parts)
 
     async def _rendezvous_wait(
         self,

@@ -73,6 +73,7 @@ from ppswap.core.transport import (
     LandingTransport,
     Started,
     Transport,
+    is_all_to_all,
     is_callback,
     is_immediate,
     is_landing,
@@ -438,6 +439,13 @@ class P2PActor:
                         self.rank, request.group, request.key, array
                     )
                     request.reply.set_result(tuple(gathered))
+                elif request.op == "all_to_all":
+                    if not is_all_to_all(collectives):
+                        raise RuntimeError("this run's transport has no all_to_all")
+                    received = await collectives.all_to_all(
+                        self.rank, request.group, request.key, list(request.payload)
+                    )
+                    request.reply.set_result(tuple(received))
                 else:
                     total = await collectives.reduce_scatter_sum(
                         self.rank, request.group, request.key, list(request.payload)

@@ -158,7 +158,7 @@ class RecvRequest:
     reply: ReplyFuture[Payload] = field(compare=False)
 
 
-CollectiveOp = Literal["all_gather", "reduce_scatter_sum"]
+CollectiveOp = Literal["all_gather", "reduce_scatter_sum", "all_to_all"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +168,11 @@ class CollectiveRequest:
     ``all_gather``: ``payload`` is this rank's one array; ``reply`` gets every member's
     array in ``group`` order. ``reduce_scatter_sum``: ``payload`` holds one array per
     member (``payload[j]`` goes to ``group[j]``); ``reply`` gets one array, the sum of
-    what every member sent to this rank. Every member issues the same ``(op, group, key)``
-    calls in the same order; ``key`` names the collective (``"unshard.s0"``).
+    what every member sent to this rank. ``all_to_all`` (expert parallelism):
+    ``payload[j]`` goes to ``group[j]`` (any number of rows, zero included); ``reply``
+    gets what every member sent to this rank, in ``group`` order. Every member issues
+    the same ``(op, group, key)`` calls in the same order; ``key`` names the collective
+    (``"unshard.s0"``).
     """
 
     step: MetaStep

@@ -2,7 +2,8 @@
 
 ``Transport`` moves host arrays between ranks (``send`` / ``recv``, awaited concurrently);
 ``CollectiveTransport`` is the collective side FSDP needs (``all_gather``,
-``reduce_scatter_sum``); ``ImmediateTransport`` matches messages on the spot (every rank in
+``reduce_scatter_sum``); ``AllToAllTransport`` adds the all-to-all with variable splits
+expert parallelism needs; ``ImmediateTransport`` matches messages on the spot (every rank in
 this event loop); ``CallbackTransport`` starts a send or a receive and calls back on the
 event loop when it completes (the multi-process transports: the P2P actor serves them
 without a task per message); ``LandingTransport`` also hands a received payload over on
@@ -29,6 +30,7 @@ from ppswap.core.protocols import conforms
 
 __all__ = [
     "FINISHED",
+    "AllToAllTransport",
     "CallbackTransport",
     "CollectiveTransport",
     "DistributedTransport",
@@ -41,7 +43,9 @@ __all__ = [
     "Transport",
     "TransportStats",
     "call_back",
+    "check_all_to_all",
     "complete_all",
+    "is_all_to_all",
     "is_callback",
     "is_collective",
     "is_distributed",
@@ -98,6 +102,19 @@ class CollectiveTransport(Protocol):
         """The sum over members of what they sent to ``rank`` (``arrays[j]`` goes to
         ``group[j]``), a left fold in ``group`` order."""
         ...
+
+
+@runtime_checkable
+class AllToAllTransport(Protocol):
+    """The all-to-all of expert parallelism, for the calling rank: ``arrays[j]`` goes to
+    ``group[j]``, any number of rows each (zero included; the splits vary per call);
+    returns what every member sent to ``rank``, in ``group`` order. Every member passes
+    the same ``group`` and ``key`` and makes the same calls in the same order; rows must
+    agree in trailing shape and dtype (``check_all_to_all``)."""
+
+    async def all_to_all(
+        self, rank: int, group: tuple[int, ...], key: str, arrays: list[HostArray]
+    ) -> list[HostArray]: ...
 
 
 @runtime_checkable
@@ -283,6 +300,25 @@ def sum_contributions(
     return total.view(own) if carried else total
 
 
+def check_all_to_all(
+    key: str,
+    group: tuple[int, ...],
+    rank: int,
+    own: HostArray,
+    parts: Sequence[HostArray],
+) -> list[HostArray]:
+    """``all_to_all``'s result for ``rank`` (``parts[j]`` from ``group[j]``), checked:
+    every part must have the trailing shape and dtype of ``own`` (what this rank sent to
+    itself), else a ValueError naming the sender. Returns ``list(parts)``."""
+    for member, part in zip(group, parts, strict=True):
+        if part.shape[1:] != own.shape[1:] or part.dtype != own.dtype or part.ndim != own.ndim:
+            raise ValueError(
+                f"all_to_all {key!r}: rank {member} sent rows of {part.shape[1:]} "
+                f"{part.dtype}, rank {rank} expects rows of {own.shape[1:]} {own.dtype}"
+            )
+    return list(parts)
+
+
 # -- the checks, answered once per class (``ppswap.core.protocols``) ----------------------
 
 
@@ -292,6 +328,10 @@ def is_transport(value: object) -> TypeGuard[Transport]:
 
 def is_collective(value: object) -> TypeGuard[CollectiveTransport]:
     return conforms(value, CollectiveTransport)
+
+
+def is_all_to_all(value: object) -> TypeGuard[AllToAllTransport]:
+    return conforms(value, AllToAllTransport)
 
 
 def is_immediate(value: object) -> TypeGuard[ImmediateTransport]:

@@ -7,6 +7,13 @@ numbers its ranks exactly as a pp-only run does. Rank ``w`` runs the finalized o
 pipeline rank ``w % pp`` (every replica runs the same schedule); its P2P peers are the
 ranks of its own replica (``peer + d * pp``), and its dp group, the ranks FSDP gathers
 and reduces with, is ``(w % pp) + d * pp`` for ``d = 0 .. dp - 1``, in dp order.
+
+Expert parallelism (``ep``, default 1, must divide ``dp``): consecutive blocks of ``ep``
+replicas form an EP group; replica ``d`` is EP rank ``d % ep`` of EP group ``d // ep``.
+The EP group of rank ``w`` (the ranks a MoE block exchanges tokens with) is the ``ep``
+ranks of its pipeline rank in that block; its expert-replica group (the ranks holding
+the same experts, whose expert gradients are summed) is the ``dp // ep`` ranks of its
+pipeline rank with the same EP rank.
 """
 
 from __future__ import annotations
@@ -28,22 +35,36 @@ def _check_size(name: str, value: object) -> int:
 
 @dataclass(frozen=True, slots=True)
 class MeshCoords:
-    """Where a world rank sits: pipeline rank ``pp`` of data-parallel replica ``dp``."""
+    """Where a world rank sits: pipeline rank ``pp`` of data-parallel replica ``dp``,
+    EP rank ``ep`` (``dp % mesh.ep``) of its EP group."""
 
     pp: int
     dp: int
+    ep: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceMesh:
-    """``pp`` pipeline ranks times ``dp`` data-parallel replicas (module docstring)."""
+    """``pp`` pipeline ranks times ``dp`` data-parallel replicas, ``ep`` of which form
+    an EP group (module docstring)."""
 
     pp: int
     dp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         _check_size("pp", self.pp)
         _check_size("dp", self.dp)
+        _check_size("ep", self.ep)
+        if self.dp % self.ep:
+            raise ValueError(
+                f"DeviceMesh.ep must divide dp (an EP group is ep replicas of one pipeline "
+                f"rank), got ep={self.ep} for dp={self.dp}"
+            )
+
+    def __repr__(self) -> str:
+        ep = "" if self.ep == 1 else f", ep={self.ep}"
+        return f"DeviceMesh(pp={self.pp}, dp={self.dp}{ep})"
 
     @property
     def world_size(self) -> int:
@@ -58,12 +79,29 @@ class DeviceMesh:
     def coords(self, rank: int) -> MeshCoords:
         """The (pp, dp) coordinates of world rank ``rank``."""
         self._check_index("rank", rank, self.world_size)
-        return MeshCoords(pp=rank % self.pp, dp=rank // self.pp)
+        dp_index = rank // self.pp
+        return MeshCoords(pp=rank % self.pp, dp=dp_index, ep=dp_index % self.ep)
 
     def dp_group(self, rank: int) -> tuple[int, ...]:
         """The world ranks holding the same pipeline rank as ``rank``, in dp order."""
         pp_index = self.coords(rank).pp
         return tuple(pp_index + d * self.pp for d in range(self.dp))
+
+    def ep_group(self, rank: int) -> tuple[int, ...]:
+        """The world ranks a MoE block of ``rank`` exchanges tokens with (itself
+        included), in EP rank order: its pipeline rank in the ``ep`` replicas of its
+        block."""
+        coords = self.coords(rank)
+        first = coords.dp - coords.ep
+        return tuple(coords.pp + (first + e) * self.pp for e in range(self.ep))
+
+    def expert_replica_group(self, rank: int) -> tuple[int, ...]:
+        """The world ranks holding the same experts as ``rank`` (its pipeline rank, its
+        EP rank, in every EP group), in dp order: expert gradients are summed over it."""
+        coords = self.coords(rank)
+        return tuple(
+            coords.pp + (g * self.ep + coords.ep) * self.pp for g in range(self.dp // self.ep)
+        )
 
     def pp_group(self, rank: int) -> tuple[int, ...]:
         """The world ranks of ``rank``'s pipeline replica, in pipeline order."""

@@ -21,6 +21,7 @@ LAYERS = [
     {"core", "backends"},
     {"logs", "swap", "stage"},
     {"results", "fsdp"},
+    {"moe"},
     {"options", "events", "metrics"},
     {"actors"},
     {"pipeline"},
