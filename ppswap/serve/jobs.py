@@ -172,14 +172,17 @@ class JobManager:
         losses: list[float] = []
         step_times: list[float] = []
         error: str | None = None
+        scope = anyio.CancelScope()
+        job.scope = scope
+        if job.cancel_requested:
+            scope.cancel()
         try:
-            with anyio.CancelScope() as scope:
-                job.scope = scope
-                if job.cancel_requested:
-                    scope.cancel()
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._pump, job, events)
-                    try:
+            # The pump is outside the job's cancel scope: it forwards the run's last
+            # events (RunCancelled) after a cancellation, until the stream is closed.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._pump, job, events)
+                try:
+                    with scope:
                         training = await anyio.to_thread.run_sync(Training, job.spec)
                         for step in range(job.spec.steps):
                             self._lag.take_max_s()
@@ -189,8 +192,8 @@ class JobManager:
                             step_times.append(result.step_time_s)
                             await self._record_step(job, step, result, metrics, losses, step_times)
                             log.info("step_finished", step=step, loss=result.loss)
-                    finally:
-                        events.close()
+                finally:
+                    events.close()
         except Exception as exc:  # a failed run (PipelineError) or a failed build
             first = _first_leaf(exc)
             error = (str(first).splitlines() or [type(first).__name__])[0]

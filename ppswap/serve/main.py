@@ -18,5 +18,8 @@ def serve(host: str, port: int, db: Path) -> int:
     gracefully, cancelling the job in flight); jobs kept in the SQLite file ``db``."""
     configure_logging(json=True)
     config = uvicorn.Config(create_app(db), host=host, port=port, lifespan="on", access_log=False)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
+        pass
     return 0

@@ -1,0 +1,126 @@
+"""``ppswap serve`` as a real server: a uvicorn process on loopback. Start it, train, follow
+a job's server-sent events as they come and cancel it inside a step, train the next job,
+scrape the metrics, stop it gracefully; then kill one mid-job and restart it on the same
+store: the job in flight is listed as interrupted. Every wait has a deadline."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TINY = {"model": "tiny", "backend": "torch", "micro_batch_num": 4, "pp": 2, "swap": True}
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def server(db: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    command = [sys.executable, "-m", "ppswap.cli", "serve", "--host", HOST, "--port", str(port)]
+    with log.open("wb") as sink:
+        process = subprocess.Popen([*command, "--db", str(db)], stdout=sink, stderr=sink)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+async def wait_up(client: httpx.AsyncClient, process: subprocess.Popen[bytes]) -> None:
+    with anyio.fail_after(90):
+        while True:
+            assert process.poll() is None, "the server exited while starting"
+            try:
+                if (await client.get("/healthz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await anyio.sleep(0.2)
+
+
+async def wait_state(client: httpx.AsyncClient, run_id: str, state: str) -> dict[str, Any]:
+    with anyio.fail_after(120):
+        while (shown := (await client.get(f"/runs/{run_id}")).json())["state"] != state:
+            await anyio.sleep(0.05)
+    return dict(shown)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.asyncio
+async def test_a_uvicorn_server_trains_streams_cancels_and_survives_a_crash(
+    tmp_path: Path,
+) -> None:
+    db, port, log = tmp_path / "jobs.db", free_port(), tmp_path / "server.log"
+    base = f"http://{HOST}:{port}"
+    with server(db, port, log) as process:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            await wait_up(client, process)
+            # the demo LM's size: a step takes long enough for the cancel to land inside it
+            demo = TINY | {"model": "demo", "micro_batch_num": 8, "steps": 500}
+            long_job = (await client.post("/runs", json=demo)).json()["id"]
+            kinds: list[str] = []
+            with anyio.fail_after(120):
+                async with client.stream("GET", f"/runs/{long_job}/events") as events:
+                    async for line in events.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        event = json.loads(line.removeprefix("data: "))
+                        kinds.append(event["type"])
+                        if kinds.count("ChunkOffloaded") == 1 and event["type"] == "ChunkOffloaded":
+                            # inside the first step: its chunks are on the host
+                            answer = await client.delete(f"/runs/{long_job}")
+                            assert answer.status_code == 202
+            # the stream went on as the job happened, and ended with it
+            assert kinds[:3] == ["JobState", "JobState", "RunStarted"]
+            assert kinds[-2:] == ["RunCancelled", "JobState"] and "StepFinished" not in kinds
+            cancelled = await wait_state(client, long_job, "cancelled")
+            assert cancelled["steps_done"] == 0
+            next_job = (await client.post("/runs", json=TINY | {"steps": 2})).json()["id"]
+            finished = await wait_state(client, next_job, "finished")
+            metrics = (await client.get("/metrics")).text
+        process.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
+        assert process.wait(timeout=60) == 0
+    assert finished["steps_done"] == 2 and len(finished["ranks"]) == 2
+    assert 'ppswap_jobs{state="cancelled"} 1.0' in metrics
+    assert 'ppswap_jobs{state="finished"} 1.0' in metrics
+    logged = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    by_run = {(entry["event"], entry.get("run_id")) for entry in logged}
+    assert ("job_cancelled", long_job) in by_run and ("job_finished", next_job) in by_run
+    assert sum(entry["event"] == "step_finished" for entry in logged) == 2
+
+    # A crash mid-job (SIGKILL: no shutdown at all), then a restart on the same store.
+    with server(db, port, log) as process:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            await wait_up(client, process)
+            doomed = (await client.post("/runs", json=TINY | {"steps": 500})).json()["id"]
+            with anyio.fail_after(120):
+                while (await client.get(f"/runs/{doomed}")).json()["steps_done"] < 1:
+                    await anyio.sleep(0.05)
+        process.kill()
+        process.wait(timeout=30)
+    with server(db, port, log) as process:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            await wait_up(client, process)
+            runs = {run["id"]: run for run in (await client.get("/runs")).json()["runs"]}
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    assert runs[doomed]["state"] == "interrupted" and runs[doomed]["steps_done"] >= 1
+    assert runs[long_job]["state"] == "cancelled" and runs[next_job]["state"] == "finished"
