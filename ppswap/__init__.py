@@ -19,6 +19,7 @@ from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage
 from ppswap.swap.errors import SwapWarning
+from ppswap.swap.recompute import recompute_wrapper
 
 __all__ = [
     "DeviceMesh",
@@ -43,5 +44,6 @@ __all__ = [
     "configure_logging",
     "fully_shard",
     "rank_metrics",
+    "recompute_wrapper",
     "run_schedule",
 ]

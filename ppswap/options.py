@@ -81,6 +81,10 @@ class RunOptions:
     micro_batch_num`` instead of ``1 / micro_batch_num``, so every gradient is the mean
     loss's times ``loss_scale`` (the losses reported are not scaled): float16 training
     with ``torch.amp.GradScaler``, which unscales them before its step (README);
+    ``recompute``: every chunk of a stage with a ``recompute_wrapper`` block is recomputed
+    (a RECOMPUTE step before its backward, ``ppswap.swap.recompute``; with ``swap``, the
+    swap policy still moves what the other blocks save); refused on a forward-only run
+    and, when every stage runs in this process, where no stage has such a block;
     ``forward_only``: evaluation (no graph, no swap); ``step_timeout``: the deadline of
     every single wait; ``transport`` (default in-process), ``device`` (the copy engine;
     default the stages' backend's), ``mesh`` (FSDP; read from the stages when None),
@@ -103,6 +107,7 @@ class RunOptions:
     swap_check: CheckMode = "sampled"
     swap_min_bytes: int = SWAP_MIN_BYTES
     count_saved_bytes: bool = True
+    recompute: bool = False
     loss_scale: float = 1.0
     forward_only: bool = False
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
@@ -126,6 +131,12 @@ class RunOptions:
         if self.pp is not None:
             check_int("pp", self.pp, 1)
         check_bool("count_saved_bytes", self.count_saved_bytes)
+        check_bool("recompute", self.recompute)
+        if self.recompute and self.forward_only:
+            raise ValueError(
+                "recompute must be False for a forward-only run, got recompute=True "
+                "(there is no backward to recompute for)"
+            )
         check_one_of("swap_policy", self.swap_policy, SWAP_POLICIES)
         check_swap_policy(self.swap_policy, self.cost_model)
         check_one_of("swap_check", self.swap_check, CHECK_MODES)

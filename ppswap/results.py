@@ -33,7 +33,9 @@ class RankStats:
     ``CostModel``'s leaf_s, backward_leaf_s and swap_step_s are measured from;
     ``compute_batches``: the compute-thread jobs (hops) those steps took.
     ``device_peak_bytes``: the framework allocator's peak on the stages' device during
-    the run, where it reports one (torch on CUDA), else 0.
+    the run, where it reports one (torch on CUDA), else 0. ``chunk_policy``: the plan's
+    policy of each chunk ``(stage, micro)`` of the rank: ``"keep"``, ``"swap"``,
+    ``"recompute"`` or ``"recompute+swap"`` (``ppswap.scheduler.recompute_plan``).
     """
 
     rank: int
@@ -53,6 +55,7 @@ class RankStats:
     compute_jobs: Mapping[str, int] = field(default_factory=dict)
     compute_batches: int = 0
     device_peak_bytes: int = 0
+    chunk_policy: Mapping[tuple[int, int], str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ arguments. Its backward returns one gradient per input, None for an input that g
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -169,6 +169,11 @@ class PipelineStage:
     @property
     def live_chunks(self) -> int:
         return len(self._chunks) + len(self._pending_dw)
+
+    def forward_scope(self) -> AbstractContextManager[None]:
+        """The caller's per-thread settings this run's forwards see (``begin_run``), for
+        a step that runs the module again (RECOMPUTE)."""
+        return self._forward_scope()
 
     def default_copy_engine(self) -> CopyEngine:
         """The copy engine a run led by this stage uses when it is given none: its

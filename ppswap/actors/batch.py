@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
 from ppswap.actors.payloads import payload_of, tensors_of
+from ppswap.backends.types import Tensor
 from ppswap.core.arrival import Arrival, ArrivalTimeoutError, FirstOf, ThreadWait
 from ppswap.core.executor import Resume
 from ppswap.core.messages import Payload
@@ -67,6 +68,7 @@ JOB_KINDS = (
     "backward",
     "backward_input",
     "backward_weight",
+    "recompute",
     "swap_prepare",
     "swap_finish",
 )
@@ -373,6 +375,15 @@ class StepBodies:
         if stage.backend.autograd.defers_weight_grads:
             self.session.release_chunk(stage.stage_index, micro)
 
+    def recompute(self, stage: PipelineStage, micro: int) -> int:
+        """RECOMPUTE: the chunk's recompute-wrapped blocks run again under its FWD's
+        generator states (``ppswap.swap.recompute``); how many saved tensors they made."""
+        backend = stage.backend
+        with stage.forward_scope():
+            return self.session.recompute_chunk(
+                stage.stage_index, micro, backend.module_state(stage.module)
+            )
+
     def launch(
         self,
         step: MetaStep,
@@ -392,3 +403,4 @@ class SwapDriver(StageCollector, Protocol):
     def prepare_load(self, stage: int, micro: int) -> CopyJob: ...
     def finish_load(self, stage: int, micro: int) -> int: ...
     def release_chunk(self, stage: int, micro: int) -> None: ...
+    def recompute_chunk(self, stage: int, micro: int, parameters: Iterable[Tensor]) -> int: ...

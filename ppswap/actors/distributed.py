@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 _RESULT_KEY = "ppswap.run_result"
+_LOCAL_FIELDS = frozenset({"chunk_policy"})
 
 
 def configure_transport(transport: object, num_stages: int, micro_count: int) -> None:
@@ -58,9 +59,11 @@ async def gather_results(
     in the same order). ``losses`` is this rank's per micro-batch loss, empty unless it
     holds the last stage. Returns per micro-batch the mean over the ranks that had losses
     (in rank order; one rank without FSDP, one per dp replica with it) and the stats of
-    every rank, indexed by rank.
+    every rank, indexed by rank. ``chunk_policy`` (keyed by the rank's own chunks) is not
+    gathered: another rank's is empty here (its own process reports it).
     """
-    template = [getattr(stats, field.name) for field in dataclasses.fields(stats)]
+    names = [f.name for f in dataclasses.fields(stats) if f.name not in _LOCAL_FIELDS]
+    template = [getattr(stats, name) for name in names]
     layout = _layout(template)
     fields = _flatten(template, layout)
     flag = len(fields)
@@ -73,7 +76,9 @@ async def gather_results(
     group = tuple(range(transport.world_size))
     records = await transport.all_gather(rank, group, _RESULT_KEY, record)
     everyone = [  # this rank's own as it is (its numbers survive the record exactly)
-        stats if index == rank else RankStats(*_unflatten(layout, r[:flag].tolist()))
+        stats
+        if index == rank
+        else RankStats(**dict(zip(names, _unflatten(layout, r[:flag].tolist()), strict=True)))
         for index, r in enumerate(records)
     ]
     holders = [r[flag + 1 :].tolist() for r in records if r[flag] == 1.0]

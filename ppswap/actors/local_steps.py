@@ -1,6 +1,6 @@
 """LocalSteps: the compute-thread job of each local step of a rank, once it is ready.
 
-A local step (FWD, BWD, BWD_INPUT, BWD_WEIGHT and the four swap steps) needs no other
+A local step (FWD, BWD, BWD_INPUT, BWD_WEIGHT, RECOMPUTE and the four swap steps) needs no other
 actor to run, only its inputs: a FWD/BWD its received payload (or the rank's own batch on
 the first and last stage), a SWAP_WAIT_* the completion of the copy its launch started.
 ``job_if_ready`` returns the step's ``StepJob`` (taking its payload from the mail, or the
@@ -44,9 +44,9 @@ from ppswap.scheduler.steps import (
     MetaStep,
     StepKind,
 )
-from ppswap.scheduler.steps import COMPUTE_KINDS as LEAVES
 from ppswap.scheduler.steps import FSDP_KINDS as _FSDP_KINDS
 from ppswap.scheduler.steps import RECV_KINDS as _RECVS
+from ppswap.scheduler.steps import RUNS_MODULE_KINDS as RUNS_MODULE
 from ppswap.scheduler.steps import SEND_KINDS as _SENDS
 from ppswap.stage import PipelineStage
 
@@ -143,6 +143,9 @@ class LocalSteps:
             stage = self.stages[step.stage]
             body = partial(self.bodies.backward_weight, stage, step.micro)
             return StepJob(step, "backward_weight", body)
+        if kind is StepKind.RECOMPUTE:
+            stage = self.stages[step.stage]
+            return StepJob(step, "recompute", partial(self.bodies.recompute, stage, step.micro))
         if kind is StepKind.SWAP_LAUNCH_OFFLOAD or kind is StepKind.SWAP_LAUNCH_LOAD:
             # Made here, so that a SWAP_WAIT_* later in the same batch can wait for it.
             label = f"copy {step.short()} (not launched yet)"  # renamed at the launch
@@ -236,7 +239,7 @@ class LocalSteps:
             )
             if job is None:
                 break
-            if install is not None and step.kind in LEAVES and (pre := install(step)):
+            if install is not None and step.kind in RUNS_MODULE and (pre := install(step)):
                 jobs.append(pre)
             if job.arrival is not None and job.kind != "swap_finish":
                 waits_left -= 1

@@ -54,14 +54,38 @@ from ppswap.fsdp.plan import (
 from ppswap.options import RunOptions
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.planning import planned_orders
+from ppswap.scheduler.recompute_plan import recomputed_chunks
 from ppswap.scheduler.steps import FSDP_KINDS as _FSDP_KINDS
 from ppswap.scheduler.steps import P2P_KINDS as _P2P_KINDS
 from ppswap.scheduler.steps import Order, iter_leaves
 from ppswap.scheduler.user_orders import read_orders
 from ppswap.stage import LossFn, PipelineStage
+from ppswap.swap.recompute import has_recompute_blocks
 from ppswap.swap.tensor import CheckMode
 
 __all__ = ["RunPlan", "prepare_run", "split_batches"]
+
+
+def _recomputed(
+    stages: Sequence[PipelineStage],
+    backend: Backend,
+    config: ScheduleConfig,
+    options: RunOptions,
+    distributed: bool,
+) -> frozenset[tuple[int, int]]:
+    """``recompute=True``: every chunk of the stages (of this process) holding a
+    ``recompute_wrapper`` block. In a run of this process only, no such stage is refused:
+    ValueError naming ``recompute``."""
+    if not options.recompute:
+        return frozenset()
+    found = sorted(s.stage_index for s in stages if has_recompute_blocks(backend, s.module))
+    if not found and not distributed:
+        raise ValueError(
+            "recompute=True needs a stage with a recompute_wrapper block, got none "
+            f"in stages {sorted(s.stage_index for s in stages)} (wrap blocks with "
+            "ppswap.recompute_wrapper, or pass recompute=False)"
+        )
+    return recomputed_chunks(config, found)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +190,8 @@ def prepare_run(
     check_data(
         backend, stage_list, options, inputs, targets, loss_fn, 1 if mesh is None else mesh.dp
     )
-    orders = planned_orders(config, options.swap_policy, options.cost_model)
+    recompute = _recomputed(stage_list, backend, config, options, distributed is not None)
+    orders = planned_orders(config, options.swap_policy, options.cost_model, recompute)
     orders = world_orders(orders, mesh)
     ties = plan_ties(stage_list, backend, config, mesh, distributed=distributed is not None)
     return RunPlan(

@@ -30,6 +30,8 @@ from ppswap.events import RunEvents
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.fsdp.plan import collectives_for
 from ppswap.results import RankStats
+from ppswap.scheduler.recompute_plan import chunk_policies
+from ppswap.scheduler.steps import RECOMPUTE
 from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.stage import PipelineStage
 from ppswap.swap import PipelineSwapSession, SwapManager
@@ -81,7 +83,9 @@ class RankRuntime:
             check=plan.swap_check,
             count_saved=plan.count_saved_bytes or bool(eligible),  # swap counts what it holds
             min_bytes=plan.swap_min_bytes,
+            recomputed=frozenset(s.chunk for s in order if s.kind is RECOMPUTE),
         )
+        self._chunk_policy = chunk_policies(order)
         p2p_tx, p2p_rx = p2p_channel(plan.channel_capacity)
         recorder.register_channel(rank, "compute->p2p", p2p_tx)
         self.copy_stream = CopyStream(
@@ -190,6 +194,7 @@ class RankRuntime:
             compute_job_s=compute.job_s,
             compute_jobs=compute.jobs,
             compute_batches=compute.batches,
+            chunk_policy=self._chunk_policy,
         )
 
 

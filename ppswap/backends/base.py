@@ -293,6 +293,14 @@ class Backend(Protocol):
         swap capture hooks); it exposes the same parameters in the same order."""
         ...
 
+    def wrap_for_recompute(
+        self, module: Module, region: Callable[[Module, tuple[Any, ...], dict[str, Any]], Any]
+    ) -> Module:
+        """A module (with attribute ``recompute_region``) whose forward returns
+        ``region(module, args, kwargs)``; it exposes the same parameters in the same
+        order (``ppswap.swap.recompute``)."""
+        ...
+
     def parameter_name(self, param: Tensor) -> str: ...
 
     def set_parameter_data(self, param: Tensor, data: HostArray) -> None:
@@ -437,6 +445,21 @@ class Backend(Protocol):
         """Whether saved-tensor hooks other than ppswap's are the innermost active ones now
         (activation checkpointing's, a user's): a ``swap_wrapper`` region then leaves its
         saved tensors to them. False where the framework does not say."""
+        ...
+
+    def forward_context(self) -> object:
+        """What a re-run of the forward starting now must reproduce (a recompute-wrapped
+        block's, ``ppswap.swap.recompute``): the generator states its random ops draw
+        from, and the framework's mixed-precision settings where it has them."""
+        ...
+
+    def rerun_forward(
+        self, call: Callable[[], Any], context: object, pack: Callable[[Tensor], None]
+    ) -> None:
+        """Run ``call()`` again under ``context`` (``forward_context``) with gradient
+        recording on, every tensor its graph saves handed to ``pack``, detached, in the
+        order the graph saves them; the output and its graph are dropped, and the
+        process's generators are as they were before, after."""
         ...
 
     # -- the run ------------------------------------------------------------------------

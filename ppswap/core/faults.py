@@ -42,8 +42,8 @@ from functools import partial
 from typing import Any, Literal
 
 from ppswap.scheduler.steps import (
-    COMPUTE_KINDS,
     P2P_KINDS,
+    RUNS_MODULE_KINDS,
     SEND_KINDS,
     SWAP_LAUNCH_KINDS,
     MetaStep,
@@ -91,8 +91,8 @@ class FaultAction(enum.Enum):
 
 # (site, action) -> the step kinds a rule may name.
 _ALLOWED: dict[tuple[FaultSite, FaultAction], frozenset[StepKind]] = {
-    (FaultSite.COMPUTE, FaultAction.RAISE): COMPUTE_KINDS,
-    (FaultSite.COMPUTE, FaultAction.DELAY): COMPUTE_KINDS,
+    (FaultSite.COMPUTE, FaultAction.RAISE): RUNS_MODULE_KINDS,
+    (FaultSite.COMPUTE, FaultAction.DELAY): RUNS_MODULE_KINDS,
     (FaultSite.COMPUTE, FaultAction.CALL): frozenset(StepKind),
     (FaultSite.COPY, FaultAction.RAISE): SWAP_LAUNCH_KINDS,
     (FaultSite.COPY, FaultAction.DELAY): SWAP_LAUNCH_KINDS,

@@ -14,6 +14,7 @@ import functools
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost import SwapPolicy, build_orders
 from ppswap.scheduler.cost_model import CostModel
+from ppswap.scheduler.recompute_plan import inject_recompute_steps
 from ppswap.scheduler.steps import Order
 from ppswap.scheduler.validate import validate_all
 
@@ -25,10 +26,20 @@ PLANS_KEPT = 4
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
 def planned_orders(
-    config: ScheduleConfig, swap_policy: SwapPolicy = "gap", cost_model: CostModel | None = None
+    config: ScheduleConfig,
+    swap_policy: SwapPolicy = "gap",
+    cost_model: CostModel | None = None,
+    recompute: frozenset[tuple[int, int]] = frozenset(),
 ) -> tuple[Order, ...]:
-    """``build_orders`` then ``validate_all``; the same tuple for an equal configuration.
-    An invalid configuration raises every time (exceptions are not kept)."""
+    """``build_orders``, the RECOMPUTE steps of the chunks ``recompute``
+    (``recompute_plan.inject_recompute_steps``), then ``validate_all``; the same tuple for
+    an equal configuration. An invalid configuration raises every time (exceptions are
+    not kept)."""
     orders = build_orders(config, swap_policy, cost_model)
+    if recompute:
+        orders = tuple(
+            inject_recompute_steps(order, config, rank, recompute)
+            for rank, order in enumerate(orders)
+        )
     validate_all(config, orders)
     return orders

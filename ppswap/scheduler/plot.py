@@ -7,7 +7,8 @@ What is drawn, for the orders lowered from the config (with ``config.swap`` or w
 
 - top panel, one lane per rank: each compute slot as a cell in its column (see
   ``simulate.build_timeline``): ``C·F`` a FWD that collects an eligible chunk, ``W·B`` /
-  ``W·dx`` a BWD / BWD_INPUT preceded by its SWAP_WAIT_LOAD, plain ``F``, ``B``, ``dx``,
+  ``W·dx`` a BWD / BWD_INPUT preceded by its SWAP_WAIT_LOAD, ``R·B`` / ``R·dx`` one
+  preceded by its chunk's RECOMPUTE (``R·W·B`` both), plain ``F``, ``B``, ``dx``,
   ``dw`` otherwise, the micro-batch under it (``3v1``: micro 3 of the rank's virtual stage
   1; later virtual stages are drawn darker). A composite (OVERLAP_B_F / OVERLAP_F_B) is
   one split cell, its two leaves one above the other. With swap, under each lane two thin
@@ -83,16 +84,24 @@ _BUBBLE_EDGE = "#a0a0a0"
 _RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
 
 
-def cell_label(leaf: MetaStep, eligible: frozenset[tuple[int, int]]) -> str:
+def cell_label(
+    leaf: MetaStep,
+    eligible: frozenset[tuple[int, int]],
+    recomputed: frozenset[tuple[int, int]] = frozenset(),
+) -> str:
     """The kind label of a compute leaf: ``C·F``, ``W·B``, ``W·dx`` for the swap life
-    cycle of an eligible chunk, ``F``, ``B``, ``dx``, ``dw`` otherwise."""
+    cycle of an eligible chunk, ``R·B``, ``R·dx`` for the backward of a recomputed chunk
+    (``R·W·B``: both), ``F``, ``B``, ``dx``, ``dw`` otherwise."""
     if leaf.kind not in COMPUTE_KINDS:
         raise ValueError(f"leaf must be a compute leaf, got {leaf.kind.value}")
     plain = _PLAIN[leaf.kind]
     if leaf.chunk in eligible and leaf.kind is StepKind.FWD:
         return "C·F"
-    if leaf.chunk in eligible and leaf.kind in CONSUMER_KINDS:
-        return f"W·{plain}"
+    if leaf.kind in CONSUMER_KINDS:
+        prefix = ("R·" if leaf.chunk in recomputed else "") + (
+            "W·" if leaf.chunk in eligible else ""
+        )
+        return f"{prefix}{plain}"
     return plain
 
 
@@ -153,12 +162,13 @@ def _draw_leaf(
     height: float,
     config: ScheduleConfig,
     eligible: frozenset[tuple[int, int]],
+    recomputed: frozenset[tuple[int, int]],
 ) -> None:
     x, y = origin
     shades = _LEAF_COLORS[leaf.kind]
     color = shades[0] if leaf.stage < config.pp else shades[1]
     ax.add_patch(Rectangle((x, y), 1.0, height, facecolor=color, edgecolor="#333333", lw=0.6))
-    label = cell_label(leaf, eligible)
+    label = cell_label(leaf, eligible, recomputed)
     micro = _micro_label(leaf.stage, leaf.micro, config)
     split = height < _LANE
     ax.text(
@@ -181,6 +191,7 @@ def _draw_rank(
     order: Order,
 ) -> None:
     eligible = eligible_chunks(order)
+    recomputed = frozenset(step.chunk for step in order if step.kind is StepKind.RECOMPUTE)
     lane_y = layout.lane_bottom(rank)
     busy = timeline.busy_columns(rank)
     for column in range(timeline.num_columns):
@@ -201,7 +212,7 @@ def _draw_rank(
         height = _LANE / len(leaves)
         for position, leaf in enumerate(leaves):
             y = lane_y + _LANE - (position + 1) * height
-            _draw_leaf(ax, leaf, (float(cell.column), y), height, config, eligible)
+            _draw_leaf(ax, leaf, (float(cell.column), y), height, config, eligible, recomputed)
     windows = copy_windows(timeline, rank, order)
     for kind, color, tracks in (
         ("offload", _OFFLOAD_COLOR, layout.offload_tracks),

@@ -40,6 +40,7 @@ STEP_DESCRIPTIONS: Mapping[StepKind, str] = {
     StepKind.SWAP_LAUNCH_LOAD: "swap: start copying the chunk's activations back to device",
     StepKind.SWAP_WAIT_LOAD: "swap: wait for that copy (the chunk's backward needs it)",
     StepKind.TIED_GRAD_SUM: "sum a tied parameter's gradients over the stages holding it",
+    StepKind.RECOMPUTE: "recompute: run the chunk's recompute-wrapped blocks again (its backward)",
 }
 """What each step kind does, in words (the legend of ``ppswap plan``'s grid)."""
 

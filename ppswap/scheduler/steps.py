@@ -15,7 +15,8 @@ Conventions (fixed here, relied on everywhere):
   rank's last holder), the last step of a holder rank's order.
 - Containers (BATCH_SEND_RECV) and composites (OVERLAP_B_F / OVERLAP_F_B) carry the stage
   and micro of their first sub-step; their meaning is in ``sub_steps``.
-- Swap steps name the chunk ``(stage, micro)`` they move.
+- Swap steps name the chunk ``(stage, micro)`` they move; RECOMPUTE names the chunk whose
+  recompute-wrapped blocks it runs again (before the chunk's BWD / BWD_INPUT).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ __all__ = [
     "OVERLAP_F_B",
     "P2P_KINDS",
     "PAYLOAD_MAKER_KINDS",
+    "RECOMPUTE",
     "RECV_B",
     "RECV_F",
     "RECV_KINDS",
+    "RUNS_MODULE_KINDS",
     "SEND_B",
     "SEND_F",
     "SEND_KINDS",
@@ -89,6 +92,7 @@ class StepKind(enum.Enum):
     SWAP_LAUNCH_LOAD = "SWAP_LAUNCH_LOAD"
     SWAP_WAIT_LOAD = "SWAP_WAIT_LOAD"
     TIED_GRAD_SUM = "TIED_GRAD_SUM"
+    RECOMPUTE = "RECOMPUTE"
 
     # Members are singletons compared by identity: hash them by identity too (in C), not
     # by Enum's Python-level hash of the name. The planner and the runtime hash a kind at
@@ -120,6 +124,7 @@ SWAP_WAIT_OFFLOAD = StepKind.SWAP_WAIT_OFFLOAD
 SWAP_LAUNCH_LOAD = StepKind.SWAP_LAUNCH_LOAD
 SWAP_WAIT_LOAD = StepKind.SWAP_WAIT_LOAD
 TIED_GRAD_SUM = StepKind.TIED_GRAD_SUM
+RECOMPUTE = StepKind.RECOMPUTE
 
 COMPUTE_KINDS = frozenset({FWD, BWD, BWD_INPUT, BWD_WEIGHT})
 """The compute leaves: the steps that run the stage's module."""
@@ -152,9 +157,13 @@ LAUNCH_OF_WAIT: Mapping[StepKind, StepKind] = MappingProxyType(
     {SWAP_WAIT_OFFLOAD: SWAP_LAUNCH_OFFLOAD, SWAP_WAIT_LOAD: SWAP_LAUNCH_LOAD}
 )
 """The launch whose copy each copy wait waits for (same chunk)."""
-LOCAL_KINDS = COMPUTE_KINDS | SWAP_KINDS
+LOCAL_KINDS = COMPUTE_KINDS | SWAP_KINDS | {RECOMPUTE}
 """The local steps: they need no other rank, only their inputs (a received payload, a
-copy's completion)."""
+copy's completion). RECOMPUTE is one, but not a compute slot: like a swap step it sits
+between slots (``scheduler/recompute_plan.py``)."""
+RUNS_MODULE_KINDS = COMPUTE_KINDS | {RECOMPUTE}
+"""The steps that run the stage's module: the compute leaves and RECOMPUTE (FSDP installs
+the gathered parameters before each; a fault plan's compute rules may name each)."""
 PAYLOAD_MAKER_KINDS: Mapping[StepKind, frozenset[StepKind]] = MappingProxyType(
     {SEND_F: frozenset({FWD}), SEND_B: CONSUMER_KINDS}
 )
@@ -185,6 +194,7 @@ _SHORT: dict[StepKind, str] = {
     StepKind.SWAP_LAUNCH_LOAD: "LL",
     StepKind.SWAP_WAIT_LOAD: "WL",
     StepKind.TIED_GRAD_SUM: "TS",
+    StepKind.RECOMPUTE: "R",
 }
 
 

@@ -16,8 +16,10 @@
     lone step is bare), in the other modes there is no BATCH_SEND_RECV; FSDP steps only with
     ``fsdp``, and every compute leaf runs while its stage is unsharded (UNSHARD and
     RESHARD alternate per stage, starting and ending sharded); swap steps only with
-    ``swap`` and at top level. ``lowered=False`` checks a compute order (compute slots
-    only).
+    ``swap`` and at top level; a RECOMPUTE at most once per chunk, at top level, after
+    the chunk's FWD and before its BWD / BWD_INPUT (never in a forward-only order), with
+    FSDP while its stage is unsharded. ``lowered=False`` checks a compute order (compute
+    slots only).
 ``validate_p2p_pairs``
     Across ranks: every send has its receive and the other way round, with matching
     peers, and on each channel ``(src rank, dst rank, F|B)`` the sends and the receives
@@ -63,6 +65,7 @@ from ppswap.scheduler.steps import (
     FSDP_KINDS,
     FWD,
     P2P_KINDS,
+    RECOMPUTE,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -303,7 +306,7 @@ def _check_fsdp_states(rank: int, order: Order) -> None:
                     "it is sharded"
                 )
             unsharded.discard(step.stage)
-        elif step.is_compute:
+        elif step.is_compute or kind is RECOMPUTE:
             for leaf in _leaves(step):
                 if leaf.stage not in unsharded:
                     raise ScheduleValidationError(
@@ -314,6 +317,40 @@ def _check_fsdp_states(rank: int, order: Order) -> None:
         raise ScheduleValidationError(
             f"rank {rank}: stages {sorted(unsharded)} are still unsharded at the end "
             "(missing FSDP_RESHARD)"
+        )
+
+
+def _check_recompute(config: ScheduleConfig, rank: int, order: Order) -> None:
+    """Each RECOMPUTE: one per chunk, after the chunk's FWD, before its BWD/BWD_INPUT."""
+    fwd_seen: set[tuple[int, int]] = set()
+    pending: dict[tuple[int, int], int] = {}
+    done: set[tuple[int, int]] = set()
+    for index, step in enumerate(order):
+        if step.kind is RECOMPUTE:
+            where = f"rank {rank} step {index} ({step.short()})"
+            if config.forward_only:
+                raise ScheduleValidationError(f"{where}: a forward-only order recomputes nothing")
+            if step.chunk in pending or step.chunk in done:
+                raise ScheduleValidationError(f"{where}: a chunk is recomputed at most once")
+            if step.chunk not in fwd_seen:
+                raise ScheduleValidationError(f"{where}: RECOMPUTE before the chunk's FWD")
+            pending[step.chunk] = index
+            continue
+        for leaf in _leaves(step):
+            if leaf.kind is FWD:
+                fwd_seen.add(leaf.chunk)
+            elif leaf.kind in CONSUMER_KINDS and leaf.chunk in pending:
+                del pending[leaf.chunk]
+                done.add(leaf.chunk)
+            elif leaf.kind is BWD_WEIGHT and leaf.chunk in pending:
+                raise ScheduleValidationError(
+                    f"rank {rank} step {pending[leaf.chunk]}: RECOMPUTE of chunk {leaf.chunk} "
+                    "comes after its BWD_INPUT (BWD_WEIGHT never recomputes)"
+                )
+    if pending:
+        chunk, index = next(iter(pending.items()))
+        raise ScheduleValidationError(
+            f"rank {rank} step {index}: RECOMPUTE of chunk {chunk} has no backward after it"
         )
 
 
@@ -332,6 +369,7 @@ def validate_order(
         _check_placement(config, rank, index, step, own_stages)
     _check_chunks(config, rank, order)
     if lowered:
+        _check_recompute(config, rank, order)
         _check_p2p_gaps(config, rank, order)
         if config.p2p == "batch":
             _check_batch_runs(rank, order)

@@ -10,6 +10,7 @@ from ppswap.swap.errors import SwapError, SwapStateError, SwapTimeoutError, Swap
 from ppswap.swap.group import SwapGroup
 from ppswap.swap.jobs import CopyJob
 from ppswap.swap.manager import SwapManager
+from ppswap.swap.recompute import recompute_wrapper
 from ppswap.swap.session import PipelineSwapSession, SwapStats
 from ppswap.swap.tensor import CheckMode, Storage, SwapState, SwapTensor
 from ppswap.swap.wrappers import module_state_tensors, swap_tensor_wrapper, swap_wrapper
@@ -31,6 +32,7 @@ __all__ = [
     "SwapTimeoutError",
     "SwapWarning",
     "module_state_tensors",
+    "recompute_wrapper",
     "swap_tensor_wrapper",
     "swap_wrapper",
 ]

@@ -19,6 +19,12 @@ Calls per chunk ``(stage, micro)``, all on the compute thread except ``CopyJob.r
     grads = the recorded backward                   # BWD / BWD_INPUT
     session.release_chunk(s, m)
 
+A chunk in ``recomputed`` (``ppswap.swap.recompute``) also has, between its FWD and its
+BWD / BWD_INPUT, ``session.recompute_chunk(s, m, parameters)`` (RECOMPUTE): its FWD ran
+with its :class:`ChunkRecompute` active, so its ``recompute_wrapper`` blocks kept their
+calls and no saved tensor; the RECOMPUTE runs them again. Their inputs and regenerated
+tensors are counted in the chunk's ledger until ``release_chunk``.
+
 For a chunk not in ``eligible`` only the first and the last call apply: no group is
 created and nothing is copied; the ledger still counts its saved tensors, unless the
 session was made with ``count_saved=False`` (a run without swap that does not measure its
@@ -60,6 +66,7 @@ from ppswap.swap.errors import SwapError, SwapTimeoutError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
 from ppswap.swap.jobs import CopyJob
 from ppswap.swap.manager import SWAP_MIN_BYTES, Collection, SwapManager, tensors_in
+from ppswap.swap.recompute import ChunkRecompute, recomputing
 from ppswap.swap.tensor import CHECK_MODES, CheckMode, SwapState
 from ppswap.swap.validation import check_bool, check_int, check_positive_seconds
 from ppswap.swap.wrappers import capture_scope
@@ -90,6 +97,7 @@ class _ChunkRecord:
     session: PipelineSwapSession
     chunk: Chunk
     group: SwapGroup | None
+    recompute: ChunkRecompute | None = None
     resident: dict[int, Tensor] = field(default_factory=dict)
 
     @property
@@ -115,6 +123,8 @@ class _ChunkRecord:
             self.session._pin_storage_everywhere(storage.ptr)
 
     def release(self) -> None:
+        if self.recompute is not None:
+            self.recompute.release()
         holder = self.holder
         self.session.accounting.drop_all([(storage_block(ptr), holder) for ptr in self.resident])
         self.resident.clear()
@@ -149,6 +159,7 @@ class PipelineSwapSession:
         check: CheckMode = "sampled",
         count_saved: bool = True,
         min_bytes: int = SWAP_MIN_BYTES,
+        recomputed: CollectionABC[tuple[int, int]] = frozenset(),
     ) -> None:
         if not isinstance(manager, SwapManager):
             raise TypeError(f"manager must be a SwapManager, got {type(manager).__name__}")
@@ -163,6 +174,7 @@ class PipelineSwapSession:
         self.rank = check_int("rank", rank, 0)
         self.generation = check_int("generation", generation, 0)
         self.eligible = _eligible_set(eligible)
+        self.recomputed = _eligible_set(recomputed)
         self.count_saved = check_bool("count_saved", count_saved)
         if not count_saved and self.eligible:
             raise ValueError(
@@ -228,10 +240,12 @@ class PipelineSwapSession:
                     wait_timeout_s=self.wait_timeout_s,
                     accounting=self.accounting,
                 )
-            record = _ChunkRecord(session=self, chunk=chunk, group=group)
+            recompute = ChunkRecompute(chunk) if chunk in self.recomputed else None
+            record = _ChunkRecord(session=self, chunk=chunk, group=group, recompute=recompute)
             self._chunks[chunk] = record
         if not self.count_saved:  # nothing to capture or count: no hooks at all
-            yield
+            with recomputing(recompute):
+                yield
             return
         collection = Collection(
             self.backend,
@@ -243,7 +257,7 @@ class PipelineSwapSession:
             min_bytes=self.min_bytes,
         )
         try:
-            with capture_scope(collection):
+            with capture_scope(collection), recomputing(recompute):
                 yield
         except BaseException:
             collection.abandon()
@@ -268,6 +282,21 @@ class PipelineSwapSession:
             groups = [r.group for r in self._chunks.values() if r.group is not None]
         for group in groups:
             group.pin_storage(storage_ptr)
+
+    def recompute_chunk(self, stage: int, micro: int, parameters: Iterable[Tensor]) -> int:
+        """RECOMPUTE: run the chunk's ``recompute_wrapper`` blocks again, regenerating their
+        saved tensors (counted in its ledger; ``parameters``: the stage's module state, not
+        counted). Returns how many tensors were regenerated."""
+        record = self._record(stage, micro, "recompute_chunk")
+        if record.recompute is None:
+            raise SwapError(
+                f"recompute_chunk: chunk (stage={stage}, micro={micro}) is not recomputed "
+                "(the plan did not select it)"
+            )
+        storage_of = self.backend.storage_of
+        params = frozenset(storage_of(tensor).ptr for tensor in parameters)
+        sink = record if self.count_saved else None
+        return record.recompute.rerun(self.backend, sink, params)
 
     # -- the four swap steps --------------------------------------------------------------
 

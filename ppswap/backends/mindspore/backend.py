@@ -54,6 +54,7 @@ from ppswap.backends.base import (
     ViewKey,
 )
 from ppswap.backends.cpu_engine import EmulatedDevice
+from ppswap.backends.mindspore import recompute
 from ppswap.backends.mindspore.autograd import MindSporeAutograd
 from ppswap.backends.types import HostArray, Module, PackHook, UnpackHook
 
@@ -118,6 +119,22 @@ class SwapWrapperCell(nn.Cell):  # type: ignore[misc]
         return self.swap_run(lambda: self.module(*args, **kwargs))
 
 
+class RecomputeWrapperCell(nn.Cell):  # type: ignore[misc]
+    """``recompute_wrapper(cell)``: a cell whose forward hands the wrapped cell and its
+    arguments to ``region`` (``ppswap.swap.recompute``). Its parameters are the wrapped
+    cell's, in the same order; their *names* gain the ``module.`` path segment."""
+
+    def __init__(
+        self, module: nn.Cell, region: Callable[[nn.Cell, tuple[Any, ...], dict[str, Any]], Any]
+    ) -> None:
+        super().__init__(auto_prefix=False)
+        self.module = module
+        self.recompute_region = region
+
+    def construct(self, *args: Any, **kwargs: Any) -> Any:
+        return self.recompute_region(self.module, args, kwargs)
+
+
 def _set_synchronous(enabled: bool) -> None:
     # ms.set_context(pynative_synchronize=...) logs a deprecation warning on every call;
     # ms.runtime.launch_blocking() cannot be turned off again. This is the setting both
@@ -166,6 +183,11 @@ class MindSporeBackend:
 
     def wrap_for_swap(self, module: Module, run: Callable[[Callable[[], Any]], Any]) -> Module:
         return SwapWrapperCell(module, run)
+
+    def wrap_for_recompute(
+        self, module: Module, region: Callable[[Module, tuple[Any, ...], dict[str, Any]], Any]
+    ) -> Module:
+        return RecomputeWrapperCell(module, region)
 
     def parameter_name(self, param: Tensor) -> str:
         return str(param.name)
@@ -306,6 +328,15 @@ class MindSporeBackend:
     ) -> AbstractContextManager[None]:
         hooks: AbstractContextManager[None] = ms.saved_tensors_hooks(pack, unpack)
         return hooks
+
+    def forward_context(self) -> object:
+        """The default generator's state (``mindspore/recompute.py``)."""
+        return recompute.forward_context()
+
+    def rerun_forward(
+        self, call: Callable[[], Any], context: object, pack: Callable[[Tensor], None]
+    ) -> None:
+        recompute.rerun_forward(call, context, pack)
 
     def foreign_saved_tensors_hooks(self) -> bool:
         return False  # MindSpore 2.10 shows no active hooks to Python

@@ -59,6 +59,7 @@ from ppswap.backends.base import (
     ViewKey,
 )
 from ppswap.backends.cpu_engine import EmulatedDevice, contiguous_strides
+from ppswap.backends.torch import recompute
 from ppswap.backends.torch.autograd import TorchAutograd
 from ppswap.backends.torch.caller import forward_scope
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine
@@ -86,6 +87,22 @@ class SwapWrapperModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.swap_run(lambda: self.module(*args, **kwargs))
+
+
+class RecomputeWrapperModule(nn.Module):
+    """``recompute_wrapper(module)``: a module whose forward hands the wrapped module and
+    its arguments to ``region`` (``ppswap.swap.recompute``). Its parameters are the
+    wrapped module's, in the same order; their names gain the ``module.`` prefix."""
+
+    def __init__(
+        self, module: nn.Module, region: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.recompute_region = region
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.recompute_region(self.module, args, kwargs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -203,6 +220,11 @@ class TorchBackend:
 
     def wrap_for_swap(self, module: Module, run: Callable[[Callable[[], Any]], Any]) -> Module:
         return SwapWrapperModule(module, run)
+
+    def wrap_for_recompute(
+        self, module: Module, region: Callable[[Module, tuple[Any, ...], dict[str, Any]], Any]
+    ) -> Module:
+        return RecomputeWrapperModule(module, region)
 
     def parameter_name(self, param: torch.Tensor) -> str:
         return f"{type(param).__name__}{tuple(param.shape)}"
@@ -466,6 +488,15 @@ class TorchBackend:
     def rng_scope(self, stream: RngStream, device: str) -> AbstractContextManager[None]:
         """The stage's own generator states around its forward (``backends/torch/rng.py``)."""
         return rng_scope(stream, torch.device(device))
+
+    def forward_context(self) -> object:
+        """The generators and autocast settings of a forward (``torch/recompute.py``)."""
+        return recompute.forward_context()
+
+    def rerun_forward(
+        self, call: Callable[[], Any], context: object, pack: Callable[[torch.Tensor], None]
+    ) -> None:
+        recompute.rerun_forward(call, context, pack)
 
     def foreign_saved_tensors_hooks(self) -> bool:
         """Whether the innermost saved-tensor hooks active now are not ppswap's: those of
