@@ -1,11 +1,15 @@
 """Measured peak saved-activation bytes per rank without and with swap, and the prediction.
 
-    python benchmarks/bench_memory.py [--json PATH]
+    python benchmarks/bench_memory.py [--backend mindspore|torch] [--json PATH]
 
-The model is the demo transformer LM (``ppswap.demo.model.build_lm_stages``) with 8 blocks,
-cut into equal stages (2 blocks per stage at pp4, 1 per virtual stage at pp4 vpp2; stage 0
-also embeds, the last stage also projects and takes the loss), every block wrapped with
-``swap_wrapper``. The FSDP row runs two replicas of pp4 (8 ranks in
+The model is the demo transformer LM of the chosen backend (``ppswap.demo.run.
+load_demo_model``: ``ppswap.demo.model`` on MindSpore, the default, or
+``ppswap.demo.model_torch``) with 8 blocks, cut into equal stages (2 blocks per stage at
+pp4, 1 per virtual stage at pp4 vpp2; stage 0 also embeds, the last stage also projects and
+takes the loss), every block wrapped with ``swap_wrapper``. The schedules: GPipe, 1F1B
+(also with overlap and the dx/dw split), Interleaved 1F1B, GPipe with FSDP, Looped BFS,
+Interleaved Zero Bubble, ZBV and DualPipeV (the V schedules place stages ``r`` and
+``7 - r`` on rank ``r``). The FSDP row runs two replicas of pp4 (8 ranks in
 the process, world rank ``w`` at pipeline rank ``w % 4``), each stage ``fully_shard``-ed
 after wrapping; each replica takes half of the batch, so its chunks are half
 as large. Parameters are not in these figures (they are never saved activations).
@@ -29,11 +33,18 @@ chunk as fully gone; the runtime keeps that part of it on device.
 MindSpore runs with ``pynative_synchronize=True``: on this 2-core machine the asynchronous
 PyNative launch pipeline made a leaf 10 to 25 times slower under load (its runtime threads
 compete with the compute and copy threads for two cores); results are bit-identical.
+
+On torch, a backward split into BWD_INPUT and BWD_WEIGHT keeps the chunk's saved tensors
+until its BWD_WEIGHT (the dw pass reads them), where the memory model releases the chunk
+at BWD_INPUT (MindSpore computes both gradients at BWD_INPUT). Where an order defers a
+weight past later slots (Interleaved Zero Bubble, ZBV, DualPipeV's cool-down) a torch
+rank can then hold more than the prediction, with and without swap.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -42,13 +53,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import mindspore as ms
 import numpy as np
 import numpy.typing as npt
 
 from ppswap import DeviceMesh, PipelineStage, RunResult, fully_shard, run_schedule
-from ppswap.demo.model import LMConfig, build_lm_stages, cross_entropy_loss
-from ppswap.demo.run import DEMO_LM_SIZES
+from ppswap.demo.config import LMConfig
+from ppswap.demo.run import DEMO_LM_SIZES, DEMO_MODELS, DemoModel, load_demo_model
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost import CostModel, SwapPolicy
 from ppswap.scheduler.simulate import memory_table
@@ -106,23 +116,42 @@ CASES: tuple[BenchCase, ...] = (
         ScheduleConfig(schedule="gpipe", pp=4, micro=MICRO, fsdp=True),
         dp=2,
     ),
+    BenchCase(
+        "Looped BFS pp4 vpp2 m8",
+        ScheduleConfig(schedule="looped_bfs", pp=4, vpp=2, micro=MICRO),
+    ),
+    BenchCase(
+        "Interleaved ZB pp4 vpp2 m8",
+        ScheduleConfig(schedule="interleaved_zb", pp=4, vpp=2, micro=MICRO),
+    ),
+    BenchCase("ZBV pp4 m8", ScheduleConfig(schedule="zbv", pp=4, vpp=2, micro=MICRO)),
+    BenchCase("DualPipeV pp4 m8", ScheduleConfig(schedule="dualpipev", pp=4, vpp=2, micro=MICRO)),
 )
 
 
 def configure_mindspore() -> None:
     """PyNative on CPU, synchronous kernel launches (the fast mode on a loaded 2-core box)."""
+    ms = importlib.import_module("mindspore")  # only where MindSpore is benchmarked
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
 
 
-def build_stages(case: BenchCase) -> list[PipelineStage]:
+def configure(backend: str) -> None:
+    """Import ``backend``'s demo LM (and its framework) and set the framework up."""
+    load_demo_model(backend)
+    if backend == "mindspore":
+        configure_mindspore()
+
+
+def build_stages(case: BenchCase, backend: str = "mindspore") -> list[PipelineStage]:
     """The LM cut into the case's equal stages (``BLOCKS // stage_num`` blocks each), every
     block wrapped with ``swap_wrapper``; with FSDP one copy per replica (same seed), each
     ``fully_shard``-ed after wrapping."""
     stage_num = case.stage_num
     mesh = DeviceMesh(pp=case.config.pp, dp=case.dp) if case.config.fsdp else None
+    model: DemoModel = load_demo_model(backend)
     stages = []
     for dp_rank in range(case.dp):
-        modules = build_lm_stages(replace(LM, layers_per_stage=BLOCKS // stage_num), stage_num)
+        modules = model.build_stages(replace(LM, layers_per_stage=BLOCKS // stage_num), stage_num)
         for index, module in enumerate(modules):
             for position, layer in enumerate(module.layers):
                 module.layers[position] = swap_wrapper(layer)
@@ -146,10 +175,12 @@ class Runner:
     """Runs one case repeatedly over the same stages (stages are reusable across runs)."""
 
     case: BenchCase
+    backend: str = "mindspore"
     stages: list[PipelineStage] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.stages = build_stages(self.case)
+        self.stages = build_stages(self.case, self.backend)
+        self.loss_fn = load_demo_model(self.backend).loss_fn
         self.inputs, self.targets = batch()
 
     def run(
@@ -175,7 +206,7 @@ class Runner:
             micro_batch_num=MICRO,
             inputs=self.inputs,
             targets=self.targets,
-            loss_fn=cross_entropy_loss,
+            loss_fn=self.loss_fn,
             swap=swap,
             device=device,  # None: the engine the first stage keeps, as a user's run gets
             swap_policy=swap_policy,
@@ -184,9 +215,9 @@ class Runner:
         )
 
 
-def measure_case(case: BenchCase) -> list[dict[str, Any]]:
+def measure_case(case: BenchCase, backend: str = "mindspore") -> list[dict[str, Any]]:
     """One row per rank: measured peaks without/with swap and the prediction."""
-    runner = Runner(case)
+    runner = Runner(case, backend)
     runner.run(swap=False)  # warm-up: first-call costs stay out of nothing measured here
     plain = runner.run(swap=False)
     swapped = runner.run(swap=True)
@@ -278,16 +309,17 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=tuple(DEMO_MODELS), default="mindspore")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw rows here")
     args = parser.parse_args(argv)
-    configure_mindspore()
+    configure(args.backend)
     started = time.perf_counter()
-    rows = [row for case in CASES for row in measure_case(case)]
+    rows = [row for case in CASES for row in measure_case(case, args.backend)]
     print(
-        f"LM: vocab {LM.vocab}, seq {LM.seq}, dim {LM.dim}, {LM.heads} heads, {BLOCKS} "
-        f"blocks ({BLOCKS // 4} per stage at pp4, {BLOCKS // 8} per virtual stage at pp4 "
-        f"vpp2); {MICRO} micro-batches of {MICRO_BATCH} sequences; p2p plain, "
-        "min_swap_gap 4, no throttling.\n"
+        f"The demo LM on {args.backend}: vocab {LM.vocab}, seq {LM.seq}, dim {LM.dim}, "
+        f"{LM.heads} heads, {BLOCKS} blocks ({BLOCKS // 4} per stage at pp4, "
+        f"{BLOCKS // 8} per virtual stage at pp4 vpp2); {MICRO} micro-batches of "
+        f"{MICRO_BATCH} sequences; p2p plain, min_swap_gap 4, no throttling.\n"
     )
     print("Largest rank per schedule:\n")
     print(summary_table(rows))

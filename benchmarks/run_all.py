@@ -58,12 +58,26 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "Memory: what swap saves",
         "Measured peak saved-activation bytes per rank without and with swap (the demo LM, "
         "every block wrapped with `swap_wrapper`, no throttling), beside the planner's "
-        "prediction in chunks converted to bytes. The residue is what swap cannot move: "
+        "prediction in chunks converted to bytes, on every schedule family: GPipe, 1F1B, "
+        "Interleaved 1F1B and torch.distributed.pipelining's Looped BFS, Interleaved Zero "
+        "Bubble, ZBV and DualPipeV. The residue is what swap cannot move: "
         "bytes pinned on device because they alias the stage input, a received buffer, the "
         "output handed to the next stage or the loss, and tensors saved outside the wrapped "
         "blocks (embedding, final norm, head, loss).",
         limit_s=300.0,
         json_out=True,
+    ),
+    Benchmark(
+        "memory-torch",
+        "bench_memory.py",
+        "Memory: what swap saves, on torch",
+        "The table above with the torch demo LM (the same sizes and schedules). A backward "
+        "split into BWD_INPUT and BWD_WEIGHT keeps its chunk's saved tensors on torch until "
+        "its BWD_WEIGHT, where the memory model (and MindSpore) release them at BWD_INPUT: "
+        "where an order defers its weights (Interleaved Zero Bubble, ZBV), a rank holds "
+        "more than the prediction, and swap cuts less than planned.",
+        args=("--backend", "torch"),
+        limit_s=300.0,
     ),
     Benchmark(
         "cost",
@@ -100,9 +114,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "plan",
         "bench_plan.py",
         "Planner time",
-        "Lowering time of every rank of interleaved pp32 vpp4 m256 with FSDP, batch P2P and "
-        "swap, beside torch.distributed.pipelining's schedule construction for the same "
-        "config; growth in micro; the cost-aware policy's planning time.",
+        "Lowering time of every rank of interleaved pp32 vpp4 m256 and of ZBV pp32 m256 with "
+        "FSDP, batch P2P and swap, beside torch.distributed.pipelining's schedule "
+        "construction for the same config; growth in micro; the cost-aware policy's "
+        "planning time.",
         args=("--repeats", "3"),
         quick_args=("--repeats", "1"),
         limit_s=180.0,
