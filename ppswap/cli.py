@@ -59,6 +59,7 @@ from ppswap.scheduler.cost import (
     build_orders,
 )
 from ppswap.scheduler.diagram import load_plotter
+from ppswap.scheduler.recompute_plan import inject_recompute_steps, recomputed_chunks
 from ppswap.scheduler.render import format_grid, step_legend
 from ppswap.scheduler.schedules import compute_order
 from ppswap.scheduler.simulate import memory_rows
@@ -136,16 +137,24 @@ def plan_orders(
     swap_policy: SwapPolicy = "gap",
     cost_model: CostModel | None = None,
     ties: Sequence[Sequence[int]] = (),
+    recompute: bool = False,
 ) -> tuple[Order, ...]:
     """Every rank's validated order: finalized (its swapped chunks ``swap_policy``'s, with
     ``cost_model`` for ``"cost"``; a TIED_GRAD_SUM last per tie in ``ties``, each the
-    stages holding one tied parameter), or the compute slots alone."""
+    stages holding one tied parameter; with ``recompute`` a RECOMPUTE step for every
+    chunk, as ``recompute=True`` where every stage has a recompute-wrapped block), or the
+    compute slots alone."""
     if compute_only:
         orders = tuple(compute_order(config, rank) for rank in range(config.pp))
         for rank, order in enumerate(orders):
             validate_order(config, rank, order, lowered=False)
         return orders
     orders = build_orders(config, swap_policy, cost_model)
+    if recompute:
+        chunks = recomputed_chunks(config, range(config.num_stages))
+        orders = tuple(
+            inject_recompute_steps(order, config, rank, chunks) for rank, order in enumerate(orders)
+        )
     validate_all(config, orders)
     return with_tie_steps(config, orders, ties) if ties else orders
 
@@ -157,10 +166,16 @@ def plan_payload(
     swap_policy: SwapPolicy = "gap",
     cost_model: CostModel | None = None,
     ties: Sequence[Sequence[int]] = (),
+    recompute: bool = False,
 ) -> dict[str, Any]:
     """The JSON document of ``ppswap plan``; extend it here."""
     orders = plan_orders(
-        config, compute_only=compute_only, swap_policy=swap_policy, cost_model=cost_model, ties=ties
+        config,
+        compute_only=compute_only,
+        swap_policy=swap_policy,
+        cost_model=cost_model,
+        ties=ties,
+        recompute=recompute,
     )
     payload: dict[str, Any] = {
         "schedule": config.schedule,
@@ -281,6 +296,7 @@ def run_plan(args: argparse.Namespace) -> int:
     policy: SwapPolicy = args.swap_policy
     chosen = {"compute_only": args.compute_only, "swap_policy": policy, "cost_model": cost_model}
     chosen["ties"] = args.tie
+    chosen["recompute"] = args.recompute
     if args.format == "json":
         print(format_json(plan_payload(config, **chosen)))
     elif args.format == "torch-csv":
@@ -367,6 +383,12 @@ def _add_plan_parser(subparsers: Any) -> None:
     _add_schedule_arguments(plan)
     plan.add_argument(
         "--compute-only", action="store_true", help="only the compute slots, no lowering"
+    )
+    plan.add_argument(
+        "--recompute",
+        action="store_true",
+        help="a RECOMPUTE step (R) before every chunk's backward, as recompute=True where "
+        "every stage has a recompute_wrapper block",
     )
     plan.add_argument(
         "--format",
