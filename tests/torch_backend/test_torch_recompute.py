@@ -20,7 +20,7 @@ import anyio
 import pytest
 import torch
 from torch import nn
-from torch_support import AttentionBlock, Case, grads_of, make_data, run_case
+from torch_support import AttentionBlock, Case, grads_of, run_case
 
 from ppswap import PipelineError, PipelineStage, RunResult, StepKind, recompute_wrapper
 from ppswap.core.faults import FaultPlan, call_at, fail_compute
