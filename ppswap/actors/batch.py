@@ -42,6 +42,7 @@ from ppswap.actors.payloads import payload_of, tensors_of
 from ppswap.backends.types import Tensor
 from ppswap.core.arrival import Arrival, ArrivalTimeoutError, FirstOf, ThreadWait
 from ppswap.core.executor import Resume
+from ppswap.core.fiber import Suspended
 from ppswap.core.messages import Payload
 from ppswap.scheduler.steps import PAYLOAD_MAKER_KINDS as _MAKES_PAYLOAD_OF
 from ppswap.scheduler.steps import MetaStep
@@ -264,6 +265,11 @@ class BatchRun:
                 else:
                     waited_s = 0.0
                 result = job.run()
+                if type(result) is Suspended:  # a fiber gave the thread up (core.fiber)
+                    if not self.parks:
+                        raise RuntimeError(f"{job.step.short()} suspended on a thread it owns")
+                    self.resumed = True
+                    return Resume(self.run, result.wait, self.arrival_timeout_s)
                 for hand_off in job.hand_offs:
                     hand_off(result)
             except Exception as exc:

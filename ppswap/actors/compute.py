@@ -46,8 +46,9 @@ with a CALL rule, whose callback runs on the loop first. ``faults=None`` costs o
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -55,6 +56,7 @@ from typing import Any
 import anyio
 
 from ppswap.actors.batch import (
+    COMPUTE_JOB_KINDS,
     JOB_KINDS,
     SWAP_JOB_KINDS,
     BatchOutcome,
@@ -80,6 +82,7 @@ from ppswap.errors import PipelineError
 from ppswap.events import ChunkLoaded, ChunkOffloaded, RankOrderFinished
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.logs import log_step
+from ppswap.moe.runner import ExpertRunner
 from ppswap.scheduler.steps import LAUNCH_OF_WAIT as _WAITS
 from ppswap.scheduler.steps import SEND_RECV_KINDS as _POSTS
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
@@ -118,6 +121,7 @@ class ComputeActor:
         p2p: P2PChannel,
         fsdp: FsdpRankDriver | None = None,
         mode: BatchMode = BatchMode(),
+        experts: ExpertRunner | None = None,
     ) -> None:
         if mode.arrival_waits < 1:
             raise ValueError(f"mode.arrival_waits must be >= 1, got {mode.arrival_waits}")
@@ -131,6 +135,7 @@ class ComputeActor:
         self._copy_stream = bodies.copies
         self._recorder = recorder = run.recorder
         self._fsdp = fsdp
+        self._experts = experts
         self._log = run.logger(self.actor_name)
         self._mode = mode
         self._errors = StepFailures(rank, self.actor_name, recorder)
@@ -184,7 +189,7 @@ class ComputeActor:
         """Execute the order, then wait for the sends still in flight; close the P2P
         channel and the copy stream."""
         started = time.perf_counter()
-        async with self._p2p:
+        async with self._p2p, self._expert_binding():
             await self._walk()
             if self._fsdp is not None:
                 await self._finish_fsdp(self._fsdp)
@@ -246,6 +251,8 @@ class ComputeActor:
         jobs = plan.jobs
         if self._faults is not None:
             jobs = [self._faulted(self._faults, job) for job in jobs]
+        if self._experts is not None:
+            jobs = [self._with_experts(self._experts, job) for job in jobs]
         self._trace.expect_composites(plan.composites)
         await self._execute(jobs, plan.posted, plan.sends, frozenset(plan.pairs))
         for composite in plan.composites:  # its leaves were jobs of the batch
@@ -264,6 +271,27 @@ class ComputeActor:
         if run is job.run:
             return job
         return StepJob(job.step, job.kind, run, job.announce, job.arrival, job.hand_offs)
+
+    @staticmethod
+    def _with_experts(experts: ExpertRunner, job: StepJob) -> StepJob:
+        if job.kind not in COMPUTE_JOB_KINDS:
+            return job
+        run = experts.wrap(job.step, job.run)
+        if run is job.run:
+            return job
+        return StepJob(job.step, job.kind, run, job.announce, job.arrival, job.hand_offs)
+
+    @contextlib.asynccontextmanager
+    async def _expert_binding(self) -> AsyncIterator[None]:
+        """The MoE blocks of this rank's stages routed over its EP group for the order."""
+        if self._experts is None:
+            yield
+            return
+        self._experts.bind()
+        try:
+            yield
+        finally:
+            self._experts.close()
 
     # -- FSDP (``BatchHooks``) -----------------------------------------------------------
     def _fsdp_job(self, fsdp: FsdpRankDriver, step: MetaStep) -> StepJob:

@@ -51,6 +51,7 @@ from ppswap.fsdp.plan import (
     resolve_mesh,
     world_orders,
 )
+from ppswap.moe.split import check_expert_stages
 from ppswap.options import RunOptions
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.planning import planned_orders
@@ -182,6 +183,7 @@ def prepare_run(
     stage_num = stage_list[0].stage_num
     distributed = _multi_process(options.transport)
     mesh = resolve_mesh(stage_list, options.mesh)
+    check_expert_stages(stage_list, mesh)
     pp = _resolve_pp(options, stage_num, distributed, mesh)
     config = options.schedule_config(pp=pp, vpp=stage_num // pp, fsdp=mesh is not None)
     if mesh is not None:

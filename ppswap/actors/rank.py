@@ -29,6 +29,7 @@ from ppswap.core.transport import Transport, is_immediate
 from ppswap.events import RunEvents
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.fsdp.plan import collectives_for
+from ppswap.moe.runner import ExpertRunner
 from ppswap.results import RankStats
 from ppswap.scheduler.recompute_plan import chunk_policies
 from ppswap.scheduler.steps import RECOMPUTE
@@ -114,6 +115,16 @@ class RankRuntime:
             mode = BatchMode(arrival_waits=len(order), parks=True, handoff=handoff)
         else:
             mode = BatchMode(arrival_waits=ARRIVAL_WAITS_PER_BATCH)
+        self.experts: ExpertRunner | None = None
+        if plan.mesh is not None and plan.mesh.ep > 1:
+            self.experts = ExpertRunner(
+                rank=rank,
+                mesh=plan.mesh,
+                stages=by_index,
+                sink=p2p_tx,
+                shared=mode.parks,
+                timeout_s=run.step_timeout_s,
+            )
         record = not config.forward_only
         bodies = StepBodies(
             self.session,
@@ -134,6 +145,7 @@ class RankRuntime:
             p2p=p2p_tx,
             fsdp=self.fsdp,
             mode=mode,
+            experts=self.experts,
         )
         self.copy_actor = CopyStreamActor(self.copy_stream, timeout_s=plan.step_timeout)
         self.p2p_actor = P2PActor(

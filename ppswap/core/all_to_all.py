@@ -4,19 +4,20 @@
 member ``j`` and returns what every member sent here, in member order. Implemented by
 ``ppswap.moe.ExpertExchange`` (through the rank's P2P actor) and ``LocalExchange`` (the
 one-member group, every expert local). The backends' MoE blocks depend on this
-protocol only.
+protocol only. ``ExpertBlock`` is what such a block offers expert parallelism
+(``ppswap.moe.expert_parallel`` splits its experts, ``fully_shard`` leaves them unsharded).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
 from ppswap.core.messages import HostArray
 
-__all__ = ["AllToAll", "LocalExchange"]
+__all__ = ["AllToAll", "ExpertBlock", "LocalExchange", "expert_parameter_ids", "is_expert_block"]
 
 
 class AllToAll(Protocol):
@@ -45,3 +46,33 @@ class LocalExchange:
         if len(arrays) != 1:
             raise ValueError(f"all_to_all {key!r}: one array per member (1), got {len(arrays)}")
         return [np.asarray(arrays[0])]
+
+
+@runtime_checkable
+class ExpertBlock(Protocol):
+    """What a MoE block offers expert parallelism: its expert count, the experts it keeps
+    (``first``, ``count``), the stacked expert parameters (framework tensors), and the
+    all-to-all it routes tokens over (None: every expert is local)."""
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def kept_experts(self) -> tuple[int, int]: ...
+
+    def keep_experts(self, first: int, count: int) -> None: ...
+
+    def expert_parameters(self) -> tuple[Any, ...]: ...
+
+    def bind_exchange(self, exchange: AllToAll | None, key: str = "moe") -> None: ...
+
+
+def is_expert_block(value: object) -> TypeGuard[ExpertBlock]:
+    return isinstance(value, ExpertBlock)
+
+
+def expert_parameter_ids(modules: Any) -> frozenset[int]:
+    """``id`` of every expert parameter of the MoE blocks among ``modules``."""
+    return frozenset(
+        id(param) for sub in modules if is_expert_block(sub) for param in sub.expert_parameters()
+    )

@@ -21,7 +21,10 @@ grads.s{stage}.{dtype}``.
   bit-identical to never resharding.)
 - FSDP_RESHARD(s): the job installs the kept shards (the full storage is released); after
   the stage's *last* RESHARD of the order (its last backward is done) it splits the
-  gradients into per-member rows and issues a reduce-scatter (sum) per dtype. ``finish``
+  gradients into per-member rows and issues a reduce-scatter (sum) per dtype; the kept
+  (expert) parameters' gradients go whole, in an all-gather per parameter over the ranks
+  holding the same experts (``DeviceMesh.expert_replica_group``) where there are several,
+  summed in group order. ``finish``
   (event loop, after the order) awaits them and sets ``stage.grads`` to the shard
   gradients divided by ``dp`` (each replica seeds its backward with ``1 / micro``, so this
   is the gradient of the mean loss over the global batch), in one compute-thread job.
@@ -99,6 +102,8 @@ class _GradSync:
     stage: int
     buckets: list[GradBucket] = field(default_factory=list)
     replies: list[ReplyFuture[Gathered]] = field(default_factory=list)
+    kept: dict[int, npt.NDArray[Any]] = field(default_factory=dict)
+    kept_replies: dict[int, ReplyFuture[Gathered]] = field(default_factory=dict)
 
 
 class FsdpRankDriver:
@@ -120,6 +125,7 @@ class FsdpRankDriver:
     ) -> None:
         self.rank = rank
         self._group = mesh.dp_group(rank)
+        self._expert_group = mesh.expert_replica_group(rank)
         self._stages = dict(stages)
         self._states: dict[int, FsdpState] = {}
         for index, stage in self._stages.items():
@@ -242,6 +248,7 @@ class FsdpRankDriver:
         if sync is not None:
             pipeline_stage = self._stages[stage]
             sync.buckets = state.grad_buckets(pipeline_stage.parameters, pipeline_stage.grads)
+            sync.kept = state.kept_grads(pipeline_stage.parameters, pipeline_stage.grads)
         state.reshard()
         self._note(self._measure())
         if sync is None:
@@ -253,6 +260,15 @@ class FsdpRankDriver:
             sync.replies.append(reply)
             self._issue(CollectiveRequest(step, op, self._group, key, bucket.contributions, reply))
             self._reduce_scatters += 1
+        if len(self._expert_group) > 1:
+            for index, grad in sync.kept.items():
+                key = f"experts.s{stage}.p{index}"
+                gathered: ReplyFuture[Gathered] = ReplyFuture(f"all_gather {key}")
+                sync.kept_replies[index] = gathered
+                request = CollectiveRequest(
+                    step, "all_gather", self._expert_group, key, (grad,), gathered
+                )
+                self._issue(request)
 
     def _issue(self, request: CollectiveRequest) -> None:
         """Compute thread: hand ``request`` to the P2P actor on the event loop."""
@@ -267,11 +283,17 @@ class FsdpRankDriver:
         except Exception as exc:
             request.reply.fail(exc)
 
-    def _install_grads(self, syncs: list[_GradSync], sums: list[list[npt.NDArray[Any]]]) -> None:
-        for sync, stage_sums in zip(syncs, sums, strict=True):
+    def _install_grads(
+        self,
+        syncs: list[_GradSync],
+        sums: list[list[npt.NDArray[Any]]],
+        kept: list[dict[int, npt.NDArray[Any]]],
+    ) -> None:
+        for sync, stage_sums, stage_kept in zip(syncs, sums, kept, strict=True):
             stage = self._stages[sync.stage]
             state = self._states[sync.stage]
-            stage.replace_grads(state.shard_grads(stage.parameters, sync.buckets, stage_sums))
+            grads = state.shard_grads(stage.parameters, sync.buckets, stage_sums, stage_kept)
+            stage.replace_grads(grads)
         self._note(self._measure())
 
     def _measure(self) -> int:
@@ -282,6 +304,14 @@ class FsdpRankDriver:
         self._peak = max(self._peak, resident)
 
     # -- after the order (event loop) -------------------------------------------------------
+    async def _expert_sum(self, reply: ReplyFuture[Gathered]) -> npt.NDArray[Any]:
+        """The sum, in group order, of an expert gradient's all-gather."""
+        parts = await reply.wait(self._timeout_s)
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
+        return total
+
     async def finish(self) -> int:
         """After the order: await the gradient reduce-scatters, then install every
         stage's shard gradients in one compute-thread job; the jobs run (0 or 1)."""
@@ -294,10 +324,19 @@ class FsdpRankDriver:
         sums = [
             [(await reply.wait(self._timeout_s))[0] for reply in sync.replies] for sync in syncs
         ]
+        kept = [
+            {
+                index: await self._expert_sum(sync.kept_replies[index])
+                if index in sync.kept_replies
+                else grad
+                for index, grad in sync.kept.items()
+            }
+            for sync in syncs
+        ]
         if not syncs:
             return 0
         with anyio.move_on_after(self._timeout_s):
-            await self._compute.run(self._install_grads, syncs, sums)
+            await self._compute.run(self._install_grads, syncs, sums, kept)
             return 1
         raise FutureTimeoutError(
             f"compute job FsdpRankDriver._install_grads still running after {self._timeout_s}s"

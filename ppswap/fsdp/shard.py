@@ -19,6 +19,13 @@ shards. ``full_parameters`` / ``full_gradients`` reassemble the full tensors fro
 replicas held in this process (tests); ``gather_full_gradients`` does it across processes
 (one process per world rank), over the transport's collectives.
 
+Expert parameters (those of a MoE block, ``ppswap.core.all_to_all.ExpertBlock``) are not
+sharded, whether ``ppswap.moe.expert_parallel`` split them before or after: they are the
+state's ``kept`` parameters, whole between uses and during them. Their gradients are
+summed over the ranks holding the same experts (``DeviceMesh.expert_replica_group``, by
+the FSDP driver) and divided by ``dp`` like the shards' (``kept_grads``,
+``shard_grads``).
+
 The state machine (``FsdpState``; every method that touches a tensor runs on the compute
 thread during a run)::
 
@@ -43,6 +50,7 @@ import numpy.typing as npt
 from ppswap.backends import backend_for
 from ppswap.backends.base import Backend
 from ppswap.backends.types import Module, Tensor
+from ppswap.core.all_to_all import expert_parameter_ids
 from ppswap.core.transport import CollectiveTransport, MultiProcessTransport
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.stage import PipelineStage
@@ -126,11 +134,14 @@ class FsdpState:
         mesh: DeviceMesh,
         dp_rank: int,
         params: tuple[ShardedParameter, ...],
+        kept: tuple[Tensor, ...] = (),
     ) -> None:
         self.backend = backend
         self.mesh = mesh
         self.dp_rank = dp_rank
         self.params = params
+        self.kept = kept
+        self._kept_ids = frozenset(id(p) for p in kept)
         self._by_id = {id(p.param): p for p in params}
         self._snapshot: Array | None = None
 
@@ -147,8 +158,14 @@ class FsdpState:
 
     @property
     def full_nbytes(self) -> int:
-        """Bytes the module's parameters take unsharded (from their shapes)."""
-        return sum(p.full_nbytes for p in self.params)
+        """Bytes the module's parameters take unsharded (from their shapes; the kept
+        expert parameters as they are)."""
+        kept = sum(self.backend.data_nbytes(p) for p in self.kept)
+        return sum(p.full_nbytes for p in self.params) + kept
+
+    def is_kept(self, param: Tensor) -> bool:
+        """Whether ``param`` is an expert parameter, not sharded (module docstring)."""
+        return id(param) in self._kept_ids
 
     def spec_of(self, param: Tensor) -> ShardedParameter:
         spec = self._by_id.get(id(param))
@@ -207,8 +224,8 @@ class FsdpState:
         """Measured: bytes of the distinct storages behind the parameters, plus the kept
         shard while unsharded."""
         seen: dict[int, int] = {}
-        for spec in self.params:
-            storage = self.backend.storage_of(spec.param)
+        for param in [spec.param for spec in self.params] + list(self.kept):
+            storage = self.backend.storage_of(param)
             seen[storage.ptr] = storage.nbytes
         kept = 0 if self._snapshot is None else int(self._snapshot.nbytes)
         return sum(seen.values()) + kept
@@ -216,7 +233,8 @@ class FsdpState:
     # -- gradients ----------------------------------------------------------------------------
     def grad_buckets(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> list[GradBucket]:
         """Split full-shaped ``grads`` (aligned with ``params``) into per-member flat
-        contributions, one bucket per dtype, in first-seen order (compute thread)."""
+        contributions, one bucket per dtype, in first-seen order (compute thread). Kept
+        (expert) parameters are left out (``kept_grads``)."""
         if len(params) != len(grads):
             raise ValueError(f"got {len(grads)} gradients for {len(params)} parameters")
         dp = self.mesh.dp
@@ -224,6 +242,8 @@ class FsdpState:
         members: dict[str, list[list[Array]]] = {}
         indices: dict[str, list[int]] = {}
         for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
+            if self.is_kept(param):
+                continue
             spec = self.spec_of(param)
             array = self.backend.to_host(grad, copy=False)
             if tuple(array.shape) != spec.full_shape:
@@ -249,16 +269,30 @@ class FsdpState:
             for key in order
         ]
 
+    def kept_grads(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> dict[int, Array]:
+        """The gradients of the kept (expert) parameters among ``params``, by index, as
+        host copies (compute thread)."""
+        return {
+            index: np.array(self.backend.to_host(grad, copy=True))
+            for index, (param, grad) in enumerate(zip(params, grads, strict=True))
+            if self.is_kept(param)
+        }
+
     def shard_grads(
         self,
         params: Sequence[Tensor],
         buckets: Sequence[GradBucket],
         sums: Sequence[Array],
+        kept: dict[int, Array] | None = None,
     ) -> tuple[Tensor, ...]:
-        """This replica's shard gradients from the reduce-scatter ``sums`` (one per bucket),
-        divided by ``dp`` (the mean over replicas), aligned with ``params``."""
+        """This replica's shard gradients from the reduce-scatter ``sums`` (one per bucket)
+        and the kept parameters' gradients ``kept`` (summed over the expert replica
+        group), all divided by ``dp`` (the mean over replicas), aligned with ``params``."""
         dp = self.mesh.dp
         out: list[Tensor | None] = [None] * len(params)
+        for index, total in (kept or {}).items():
+            grad = np.divide(total, total.dtype.type(dp))
+            out[index] = self.backend.from_host(grad, like=params[index])
         for bucket, total in zip(buckets, sums, strict=True):
             offset = 0
             for index in bucket.indices:
@@ -313,7 +347,10 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, dp_rank: int | None = None)
                 f"{where} is already fully_shard()-ed ({existing!r}); a module is sharded "
                 "once, with one mesh"
             )
-    params = backend.all_parameters(module)
+    experts = expert_parameter_ids(sub for _, sub in backend.submodules(module))
+    everything = backend.all_parameters(module)
+    kept = tuple(param for param in everything if id(param) in experts)
+    params = [param for param in everything if id(param) not in experts]
     for param in params:
         if getattr(param, _PARAM_MARK, False):
             raise ValueError(
@@ -335,7 +372,7 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, dp_rank: int | None = None)
         backend.set_parameter_data(param, shard)
         setattr(param, _PARAM_MARK, True)
         specs.append(spec)
-    setattr(module, _STATE_ATTR, FsdpState(backend, mesh, dp_rank, tuple(specs)))
+    setattr(module, _STATE_ATTR, FsdpState(backend, mesh, dp_rank, tuple(specs), kept))
     return module
 
 

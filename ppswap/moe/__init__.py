@@ -8,6 +8,7 @@ from ppswap.moe.exchange import AllToAll, ExpertExchange, LocalExchange
 from ppswap.moe.split import (
     ExpertBlock,
     ExpertParallelState,
+    check_expert_stages,
     expert_blocks,
     expert_parallel,
     expert_state_of,
@@ -20,6 +21,7 @@ __all__ = [
     "ExpertExchange",
     "ExpertParallelState",
     "LocalExchange",
+    "check_expert_stages",
     "expert_blocks",
     "expert_parallel",
     "expert_state_of",

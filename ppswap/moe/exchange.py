@@ -83,10 +83,12 @@ class ExpertExchange:
             self._send, CollectiveRequest(step, "all_to_all", self.group, key, payload, reply)
         )
         self.exchanges += 1
+        timeout_s = self._timeout_s
         if self._suspend is not None and not arrival.ready:
-            self._suspend(arrival)
+            self._suspend(arrival)  # back when it is there, or its deadline passed
+            timeout_s = 0.0
         try:
-            received: tuple[HostArray, ...] = arrival.wait(self._timeout_s)
+            received: tuple[HostArray, ...] = arrival.wait(timeout_s)
         except ArrivalTimeoutError as exc:
             raise PipelineHangError(
                 f"{label} over ranks {self.group} not complete within {self._timeout_s}s",

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeGuard, runtime_checkable
 
 from ppswap.backends import backend_for
-from ppswap.backends.types import Module, Tensor
+from ppswap.backends.types import Module
+from ppswap.core.all_to_all import ExpertBlock, is_expert_block
 from ppswap.fsdp.mesh import DeviceMesh
-from ppswap.moe.exchange import AllToAll
+from ppswap.fsdp.shard import fsdp_state_of
+from ppswap.stage import PipelineStage
 
 __all__ = [
     "ExpertBlock",
     "ExpertParallelState",
+    "check_expert_stages",
     "expert_blocks",
     "expert_parallel",
     "expert_state_of",
@@ -32,29 +34,6 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_ppswap_expert_parallel"
-
-
-@runtime_checkable
-class ExpertBlock(Protocol):
-    """What a MoE block offers expert parallelism: its expert count, the experts it keeps
-    (``first``, ``count``), the stacked expert parameters, and the all-to-all it routes
-    tokens over (None: every expert is local)."""
-
-    @property
-    def num_experts(self) -> int: ...
-
-    @property
-    def kept_experts(self) -> tuple[int, int]: ...
-
-    def keep_experts(self, first: int, count: int) -> None: ...
-
-    def expert_parameters(self) -> tuple[Tensor, ...]: ...
-
-    def bind_exchange(self, exchange: AllToAll | None) -> None: ...
-
-
-def is_expert_block(value: object) -> TypeGuard[ExpertBlock]:
-    return isinstance(value, ExpertBlock)
 
 
 def expert_blocks(module: Module) -> list[ExpertBlock]:
@@ -126,10 +105,33 @@ def expert_parallel(module: Module, *, mesh: DeviceMesh, dp_rank: int) -> Module
     return module
 
 
-def split_parameters(module: Module, params: Sequence[Tensor]) -> tuple[list[int], list[int]]:
-    """The indices of ``params`` that are dense and that are expert parameters."""
-    state = expert_state_of(module)
-    experts = frozenset() if state is None else state.expert_parameter_ids()
-    dense = [i for i, p in enumerate(params) if id(p) not in experts]
-    expert = [i for i, p in enumerate(params) if id(p) in experts]
-    return dense, expert
+def check_expert_stages(stages: Sequence[PipelineStage], mesh: DeviceMesh | None) -> None:
+    """Before a run: under a mesh with ``ep > 1`` every stage whose module holds MoE
+    blocks must be ``expert_parallel``-ed with that mesh, as the dp replica it is
+    ``fully_shard``-ed as; a stage split by ``expert_parallel`` needs such a mesh."""
+    for stage in stages:
+        state = expert_state_of(stage.module)
+        where = f"stage {stage.stage_index}"
+        if mesh is None or mesh.ep == 1:
+            if state is not None and state.mesh.ep > 1:
+                raise ValueError(
+                    f"{where} was split by expert_parallel with mesh={state.mesh!r}, but the "
+                    f"run's mesh is {mesh!r}: fully_shard every stage with that mesh"
+                )
+            continue
+        if not expert_blocks(stage.module):
+            continue
+        if state is None:
+            raise ValueError(
+                f"{where} holds MoE blocks but was not split by expert_parallel: call "
+                f"ppswap.moe.expert_parallel(module, mesh={mesh!r}, dp_rank=...) for mesh.ep="
+                f"{mesh.ep}"
+            )
+        fsdp = fsdp_state_of(stage.module)
+        dp_rank = None if fsdp is None else fsdp.dp_rank
+        if state.mesh != mesh or state.dp_rank != dp_rank:
+            raise ValueError(
+                f"{where} was split by expert_parallel with mesh={state.mesh!r}, "
+                f"dp_rank={state.dp_rank}; the run's mesh is {mesh!r} and the stage is dp "
+                f"replica {dp_rank}"
+            )

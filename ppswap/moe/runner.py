@@ -1,0 +1,145 @@
+"""ExpertRunner: a rank's expert parallelism during one run.
+
+Made by the rank (``ppswap.actors.rank``) when a stage of it holds MoE blocks. ``bind``
+(event loop, as the rank's compute actor starts) gives every block of its stages an
+``ExpertExchange`` over the rank's EP group (``DeviceMesh.ep_group``), through the rank's
+P2P channel, under a key per stage and block (``s{stage}.b{n}``); ``close`` (as it ends)
+unbinds them and abandons a body still suspended. ``wrap`` (event loop, as a batch is
+built) turns the compute job of a leaf of such a stage into one that tells the exchange
+which step it is at and, where the ranks of the process share the compute thread, runs
+the body as a ``Fiber`` that gives the thread up while an all-to-all is in flight: the
+batch parks on it (``Suspended``) and the thread serves the other ranks, among them the
+peers of the exchange.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ppswap.core.arrival import Arrival
+from ppswap.core.executor import loop_caller
+from ppswap.core.fiber import Fiber
+from ppswap.core.messages import RequestSink
+from ppswap.fsdp.mesh import DeviceMesh
+from ppswap.moe.exchange import ExpertExchange
+from ppswap.moe.split import expert_blocks
+from ppswap.scheduler.steps import MetaStep, StepKind
+from ppswap.stage import PipelineStage
+
+__all__ = ["ExpertRunner"]
+
+
+class ExpertRunner:
+    """World rank ``rank``'s MoE blocks during a run (module docstring). ``shared``: the
+    compute thread is shared by the ranks of this process (bodies run as fibers)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        mesh: DeviceMesh,
+        stages: Mapping[int, PipelineStage],
+        sink: RequestSink,
+        shared: bool,
+        timeout_s: float = math.inf,
+    ) -> None:
+        self.rank = rank
+        self._group = mesh.ep_group(rank)
+        self._blocks = {
+            index: expert_blocks(stage.module)
+            for index, stage in stages.items()
+            if expert_blocks(stage.module)
+        }
+        self._sink = sink
+        self._shared = shared
+        self._timeout_s = timeout_s
+        self._step = MetaStep(StepKind.FWD, -1, -1)
+        self._fiber: Fiber | None = None
+        self.exchange: ExpertExchange | None = None
+
+    @property
+    def stages(self) -> frozenset[int]:
+        """The stage indices that hold MoE blocks."""
+        return frozenset(self._blocks)
+
+    def bind(self) -> None:
+        """Event loop, before the order: route every block over this rank's EP group."""
+        self.exchange = ExpertExchange(
+            rank=self.rank,
+            group=self._group,
+            post=loop_caller(),
+            sink=self._sink,
+            where=self._where,
+            timeout_s=self._timeout_s,
+            suspend=self._suspend if self._shared else None,
+        )
+        for stage, blocks in self._blocks.items():
+            for number, block in enumerate(blocks):
+                block.bind_exchange(self.exchange, f"s{stage}.b{number}")
+
+    def close(self) -> None:
+        """After the order (or a failure): unbind the blocks; abandon a suspended body."""
+        for blocks in self._blocks.values():
+            for block in blocks:
+                block.bind_exchange(None)
+        if self._fiber is not None:
+            self._fiber.abandon()
+            self._fiber = None
+
+    def wrap(self, step: MetaStep, run: Callable[[], Any]) -> Callable[[], Any]:
+        """The body of compute leaf ``step`` as the batch runs it (module docstring);
+        ``run`` itself for a stage without MoE blocks."""
+        if step.stage not in self._blocks:
+            return run
+        if not self._shared:
+            return _Stepped(self, step, run)
+        return _FiberBody(self, step, run)
+
+    def _where(self) -> MetaStep:
+        return self._step
+
+    def _suspend(self, arrival: Arrival) -> None:
+        fiber = self._fiber
+        if fiber is None:
+            raise RuntimeError(
+                f"rank {self.rank}: an all-to-all outside a compute leaf of a MoE stage "
+                "cannot wait on a shared compute thread"
+            )
+        fiber.suspend(arrival)
+
+
+class _Stepped:
+    """A body that names its step to the exchange, then runs (a rank alone)."""
+
+    __slots__ = ("_run", "_runner", "_step")
+
+    def __init__(self, runner: ExpertRunner, step: MetaStep, run: Callable[[], Any]) -> None:
+        self._runner, self._step, self._run = runner, step, run
+
+    def __call__(self) -> Any:
+        self._runner._step = self._step
+        return self._run()
+
+
+class _FiberBody:
+    """A body run as a fiber: each call runs it on until it returns or suspends."""
+
+    __slots__ = ("_fiber", "_run", "_runner", "_step")
+
+    def __init__(self, runner: ExpertRunner, step: MetaStep, run: Callable[[], Any]) -> None:
+        self._runner, self._step, self._run = runner, step, run
+        self._fiber: Fiber | None = None
+
+    def __call__(self) -> Any:
+        runner = self._runner
+        if self._fiber is None:
+            name = f"ppswap-moe-rank{runner.rank}-{self._step.short()}"
+            self._fiber = Fiber(self._run, name, runner._timeout_s * 2)
+        runner._step, runner._fiber = self._step, self._fiber
+        try:
+            return self._fiber.step()
+        finally:
+            if self._fiber.done:
+                runner._fiber = None

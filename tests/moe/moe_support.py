@@ -1,0 +1,140 @@
+"""Helpers for the MoE pipeline tests: a torch stage with a dense block and a MoE block,
+its EP x FSDP replicas, the unsplit reference and the per-rank gradient check."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ppswap import PipelineStage
+from ppswap.backends.torch.moe import MoE
+from ppswap.fsdp import DeviceMesh, fsdp_state_of, fully_shard
+from ppswap.moe import expert_parallel, expert_state_of
+from ppswap.swap import swap_wrapper
+
+DIM = 8
+SEQ = 4
+EXPERTS = 4
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+class MoEResidual(nn.Module):
+    """``x + moe(x)``."""
+
+    def __init__(self, top_k: int) -> None:
+        super().__init__()
+        self.moe = MoE(DIM, 2 * DIM, EXPERTS, top_k=top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.moe(x)
+        return out
+
+
+class DenseBlock(nn.Module):
+    """``x + fc2(tanh(fc1(x)))`` (fc1's 15 rows pad FSDP's dp=2 shards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 15)
+        self.fc2 = nn.Linear(15, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.fc2(torch.tanh(self.fc1(x)))
+        return out
+
+
+def build_modules(stage_num: int, top_k: int, *, seed: int = 0) -> list[nn.Module]:
+    """Stage modules (a dense block, then a MoE block, each swap-wrapped) from ``seed``."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return [
+            nn.Sequential(swap_wrapper(DenseBlock()), swap_wrapper(MoEResidual(top_k)))
+            for _ in range(stage_num)
+        ]
+
+
+def ep_stages(
+    stage_num: int, mesh: DeviceMesh, top_k: int, *, shard_first: bool = False
+) -> list[PipelineStage]:
+    """Every (stage, dp replica): the experts split by ``expert_parallel``, the dense
+    parameters by ``fully_shard`` (in either order)."""
+    stages: list[PipelineStage] = []
+    for dp_rank in range(mesh.dp):
+        for index, module in enumerate(build_modules(stage_num, top_k)):
+            if shard_first:
+                fully_shard(module, mesh=mesh, dp_rank=dp_rank)
+                expert_parallel(module, mesh=mesh, dp_rank=dp_rank)
+            else:
+                expert_parallel(module, mesh=mesh, dp_rank=dp_rank)
+                fully_shard(module, mesh=mesh, dp_rank=dp_rank)
+            stages.append(PipelineStage(module, index, stage_num))
+    return stages
+
+
+def make_data(batch: int, *, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, SEQ, DIM)).astype(np.float32)
+    y = rng.standard_normal((batch, SEQ, DIM)).astype(np.float32)
+    return x, y
+
+
+def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def reference(
+    stage_num: int, top_k: int, x: np.ndarray, y: np.ndarray
+) -> tuple[float, list[dict[str, torch.Tensor]]]:
+    """The unsplit model (every expert local, the same routing) on the whole batch: the
+    mean loss and each stage's gradients by parameter name."""
+    modules = build_modules(stage_num, top_k)
+    out = torch.from_numpy(x)
+    for module in modules:
+        out = module(out)
+    loss = mse_loss(out, torch.from_numpy(y))
+    loss.backward()
+    return float(loss.detach()), [
+        {name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None}
+        for m in modules
+    ]
+
+
+def local_grads(stage: PipelineStage) -> dict[str, np.ndarray]:
+    """A stage's gradients after a run, by parameter name, as host copies."""
+    names = {id(p): name for name, p in stage.module.named_parameters()}
+    return {
+        names[id(p)]: g.detach().clone().numpy()
+        for p, g in zip(stage.parameters, stage.grads, strict=True)
+    }
+
+
+def check_against_reference(
+    stages: Sequence[PipelineStage], ref_grads: list[dict[str, torch.Tensor]]
+) -> int:
+    """Every rank's local gradients equal the reference's: a dense shard's rows of the
+    full gradient, an expert's own slice of the stacked one. Returns how many were
+    compared."""
+    compared = 0
+    for stage in stages:
+        fsdp = fsdp_state_of(stage.module)
+        experts = expert_state_of(stage.module)
+        assert fsdp is not None and experts is not None
+        params = dict(stage.module.named_parameters())
+        ref = ref_grads[stage.stage_index]
+        for name, grad in local_grads(stage).items():
+            full = ref[name].numpy()
+            if fsdp.is_kept(params[name]):
+                count = full.shape[0] // experts.mesh.ep
+                expected: Any = full[experts.ep_rank * count : (experts.ep_rank + 1) * count]
+            else:
+                spec = fsdp.spec_of(params[name])
+                expected = spec.split(full, fsdp.mesh.dp)[fsdp.dp_rank]
+            assert grad.shape == expected.shape, name
+            np.testing.assert_allclose(grad, expected, rtol=RTOL, atol=ATOL, err_msg=name)
+            compared += 1
+    return compared

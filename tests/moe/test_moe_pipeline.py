@@ -1,0 +1,129 @@
+"""Expert parallelism in a pipeline, torch, every rank in this process: MoE stages split
+over the EP group and FSDP-sharded dense parameters give the unsplit model's loss and
+each rank's gradients (dense shards after the dp reduction, each expert's on its owner),
+with swap bit-identical to swap off, no thread left, and a lower peak of saved bytes.
+
+The ranks share the compute thread, so a MoE leaf runs as a fiber that gives the thread
+up while its all-to-all is in flight (``ppswap.core.fiber``): these runs deadlock (and
+fail at the step deadline) without it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ppswap import PipelineStage, run_schedule
+from ppswap.fsdp import DeviceMesh, fully_shard
+from ppswap.moe import expert_parallel
+
+torch = pytest.importorskip("torch")
+
+from moe_support import (  # noqa: E402
+    build_modules,
+    check_against_reference,
+    ep_stages,
+    local_grads,
+    make_data,
+    mse_loss,
+    reference,
+)
+
+
+async def _run(
+    stages: list[PipelineStage], pp: int, micro: int, schedule: str, *, swap: bool, **kw: Any
+) -> Any:
+    x, y = make_data(2 * micro * 2)
+    return await run_schedule(
+        stages,
+        schedule,
+        micro_batch_num=micro,
+        inputs=x,
+        targets=y,
+        loss_fn=mse_loss,
+        swap=swap,
+        pp=pp,
+        step_timeout=60.0,
+        **kw,
+    )
+
+
+def _no_thread_left() -> None:
+    names = [t.name for t in threading.enumerate() if t.name.startswith("ppswap-")]
+    assert sorted(n for n in names if n != "ppswap-torch-dist-wait") == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("schedule", "pp", "stage_num", "top_k", "shard_first"),
+    [
+        ("gpipe", 2, 2, 1, False),
+        ("gpipe", 2, 2, 2, True),
+        ("interleaved_1f1b", 2, 4, 2, False),
+    ],
+)
+async def test_pp2_ep2_equals_the_unsplit_model(
+    schedule: str, pp: int, stage_num: int, top_k: int, shard_first: bool
+) -> None:
+    mesh = DeviceMesh(pp=pp, dp=2, ep=2)
+    stages = ep_stages(stage_num, mesh, top_k, shard_first=shard_first)
+    result = await _run(stages, pp, 2 * pp, schedule, swap=False)
+    x, y = make_data(2 * 2 * pp * 2)
+    ref_loss, ref_grads = reference(stage_num, top_k, x, y)
+    assert result.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert check_against_reference(stages, ref_grads) == 2 * stage_num * 7
+    _no_thread_left()
+
+
+@pytest.mark.asyncio
+async def test_level1_pp4_ep2_1f1b_overlap_and_swap() -> None:
+    """The design's Level1 case: PP=4 x EP=2 (eight ranks), 1F1B with overlap_b_f, swap
+    on against swap off: the same losses and local gradients bit for bit, both equal to
+    the unsplit model, every worker ended, and a lower peak of saved bytes with swap."""
+    mesh = DeviceMesh(pp=4, dp=2, ep=2)
+    micro = 8
+    runs = {}
+    for swap in (False, True):
+        stages = ep_stages(4, mesh, 2)
+        result = await _run(stages, 4, micro, "1f1b", swap=swap, overlap_b_f=True)
+        runs[swap] = (stages, result)
+        _no_thread_left()
+    (off_stages, off), (on_stages, on) = runs[False], runs[True]
+    assert [r.rank for r in on.ranks] == list(range(8))
+    assert on.losses == off.losses
+    for stage_off, stage_on in zip(off_stages, on_stages, strict=True):
+        grads_off, grads_on = local_grads(stage_off), local_grads(stage_on)
+        assert grads_off.keys() == grads_on.keys()
+        for name, grad in grads_off.items():
+            np.testing.assert_array_equal(grads_on[name], grad, err_msg=name)
+    x, y = make_data(2 * micro * 2)
+    ref_loss, ref_grads = reference(4, 2, x, y)
+    assert on.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert check_against_reference(on_stages, ref_grads) == 8 * 7
+    assert sum(r.offloaded_bytes for r in on.ranks) > 0
+    peak_off = sum(r.peak_saved_bytes for r in off.ranks)
+    peak_on = sum(r.peak_saved_bytes for r in on.ranks)
+    assert peak_on < peak_off
+
+
+@pytest.mark.asyncio
+async def test_a_moe_stage_without_expert_parallel_is_refused_naming_it() -> None:
+    mesh = DeviceMesh(pp=2, dp=2, ep=2)
+    stages = []
+    for dp_rank in range(2):
+        for index, module in enumerate(build_modules(2, 2)):
+            fully_shard(module, mesh=mesh, dp_rank=dp_rank)
+            stages.append(PipelineStage(module, index, 2))
+    with pytest.raises(ValueError, match=r"stage 0 holds MoE blocks but was not split by"):
+        await _run(stages, 2, 2, "gpipe", swap=False)
+
+
+@pytest.mark.asyncio
+async def test_a_split_stage_in_a_run_without_ep_is_refused() -> None:
+    mesh = DeviceMesh(pp=2, dp=2, ep=2)
+    modules = [expert_parallel(m, mesh=mesh, dp_rank=0) for m in build_modules(2, 2)]
+    stages = [PipelineStage(m, i, 2) for i, m in enumerate(modules)]
+    with pytest.raises(ValueError, match=r"stage 0 was split by expert_parallel with mesh="):
+        await _run(stages, 2, 2, "gpipe", swap=False)
