@@ -12,7 +12,8 @@ measured per stage with GPipe, one stage per rank, without swap. The planner's r
 the chunks alive at the peak without swap and the chunks resident with swap, so a rank's
 peak is at most ``peak_chunks_swap * movable + peak_chunks_no_swap * max(pinned)``; the
 peak policy keeps the gap rule's planned peak with fewer chunks, and its measured peak is
-the gap rule's, to the byte.
+the gap rule's, to the byte (but for DualPipeV, whose composites may run their two leaves
+in either order).
 
 On torch, a chunk whose backward is split keeps its saved tensors until its BWD_WEIGHT
 (``defers_weight_grads``), while the memory model releases it at BWD_INPUT: where the
@@ -37,6 +38,7 @@ from ppswap.demo.model import build_mlp_stages
 from ppswap.demo.model import mse_loss as ms_mse_loss
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost import CostModel, SwapPolicy, build_orders
+from ppswap.scheduler.families import COMPOSITE_FAMILIES
 from ppswap.scheduler.simulate import memory_rows
 from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.swap import swap_wrapper
@@ -164,7 +166,9 @@ async def _check_policy(backend: str, schedule: str, policy: SwapPolicy) -> None
         most_pinned = max(pinned[stage] for stage in config.stages_of(row["rank"]))
         bound = row["peak_chunks_swap"] * movable + row["peak_chunks_no_swap"] * most_pinned
         assert rank.peak_saved_bytes <= bound, (row, rank.peak_saved_bytes, bound)
-    if policy == "peak":
+    if policy == "peak" and schedule not in COMPOSITE_FAMILIES:
+        # (a composite's two leaves may run in either order, and the order moves the
+        # measured peak within the bound above: DualPipeV is held to the bound only)
         assert [r.peak_saved_bytes for r in chosen[0].ranks] == [
             r.peak_saved_bytes for r in gap[0].ranks
         ]
