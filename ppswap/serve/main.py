@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import uvicorn
@@ -18,8 +19,6 @@ def serve(host: str, port: int, db: Path) -> int:
     gracefully, cancelling the job in flight); jobs kept in the SQLite file ``db``."""
     configure_logging(json=True)
     config = uvicorn.Config(create_app(db), host=host, port=port, lifespan="on", access_log=False)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C once shut down
         uvicorn.Server(config).run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
-        pass
     return 0

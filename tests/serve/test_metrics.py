@@ -61,5 +61,6 @@ async def test_the_monitor_sees_a_blocked_loop() -> None:
         time.sleep(0.1)  # the loop cannot run anything for 100 ms
         await anyio.sleep(0.02)
         blocked = lag.take_max_s()
+        assert lag.take_max_s() < blocked  # a take starts over
     assert blocked >= 0.09  # the 100 ms hold, less the clocks' rounding
-    assert lag.max_s == blocked and lag.take_max_s() == 0.0
+    assert lag.max_s >= blocked
