@@ -12,6 +12,7 @@ from ppswap.events import RunEvents
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.logs import configure_logging
 from ppswap.metrics import LoopLagMonitor, RankMetrics, rank_metrics
+from ppswap.moe import expert_parallel
 from ppswap.options import RunOptions
 from ppswap.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ppswap.results import RankStats, RunResult
@@ -42,6 +43,7 @@ __all__ = [
     "StepKind",
     "SwapWarning",
     "configure_logging",
+    "expert_parallel",
     "fully_shard",
     "rank_metrics",
     "recompute_wrapper",

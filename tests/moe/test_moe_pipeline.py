@@ -127,3 +127,27 @@ async def test_a_split_stage_in_a_run_without_ep_is_refused() -> None:
     stages = [PipelineStage(m, i, 2) for i, m in enumerate(modules)]
     with pytest.raises(ValueError, match=r"stage 0 was split by expert_parallel with mesh="):
         await _run(stages, 2, 2, "gpipe", swap=False)
+
+
+@pytest.mark.asyncio
+async def test_dp4_ep2_sums_expert_gradients_over_the_replicas_holding_them() -> None:
+    """dp=4 > ep=2: two EP groups; each expert lives on two ranks of a pipeline rank,
+    whose gradients are summed (and divided by dp) to the unsplit model's."""
+    mesh = DeviceMesh(pp=2, dp=4, ep=2)
+    stages = ep_stages(2, mesh, 2)
+    micro = 2
+    x, y = make_data(4 * micro * 2)
+    result = await run_schedule(
+        stages,
+        "1f1b",
+        micro_batch_num=micro,
+        inputs=x,
+        targets=y,
+        loss_fn=mse_loss,
+        pp=2,
+        step_timeout=60.0,
+    )
+    ref_loss, ref_grads = reference(2, 2, x, y)
+    assert result.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert check_against_reference(stages, ref_grads) == 8 * 7
+    _no_thread_left()
