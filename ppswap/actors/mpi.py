@@ -53,6 +53,7 @@ from ppswap.core.transport import (
     SendDone,
     Started,
     TransportStats,
+    check_all_to_all,
     complete_all,
     sum_contributions,
 )
@@ -244,6 +245,27 @@ class MPITransport:
         received = await self._exchange(group, tag, identity, key, outgoing)
         parts = [bodies[j] if j == index else received[j] for j in range(len(group))]
         return sum_contributions(key, group, self._rank, parts)
+
+    async def all_to_all(
+        self, rank: int, group: tuple[int, ...], key: str, arrays: list[Array]
+    ) -> list[Array]:
+        """What every member sent to this rank (its ``arrays[i]``, ``group[i]`` being this
+        rank), in ``group`` order: ``arrays[j]`` goes to ``group[j]``, any number of rows
+        (zero included), each message self-describing (``check_all_to_all``)."""
+        index = self._check_collective(rank, group)
+        if not isinstance(arrays, Sequence):
+            raise TypeError(f"arrays must be a list of arrays, got {type(arrays).__name__}")
+        if len(arrays) != len(group):
+            raise ValueError(
+                f"arrays has {len(arrays)} entries; allowed: {len(group)}, one per member "
+                f"of group {group}"
+            )
+        bodies = [wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
+        tag, identity = self._collective_tag("all_to_all", group, key)
+        outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
+        received = await self._exchange(group, tag, identity, key, outgoing)
+        parts = [bodies[j] if j == index else received[j] for j in range(len(group))]
+        return check_all_to_all(key, group, self._rank, bodies[index], parts)
 
     # -- failure and shutdown -----------------------------------------------------------------
 

@@ -4,9 +4,9 @@ its EP x FSDP replicas, the unsplit reference and the per-rank gradient check.""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
+from pathlib import Path
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -113,28 +113,64 @@ def local_grads(stage: PipelineStage) -> dict[str, np.ndarray]:
     }
 
 
+def expected_grads(
+    stage: PipelineStage, ref_grads: list[dict[str, torch.Tensor]]
+) -> dict[str, np.ndarray]:
+    """What a stage's local gradients must be, by name, from the reference's: a dense
+    shard's rows of the full gradient, an expert's own slice of the stacked one."""
+    fsdp = fsdp_state_of(stage.module)
+    experts = expert_state_of(stage.module)
+    assert fsdp is not None and experts is not None
+    expected: dict[str, np.ndarray] = {}
+    for name, param in stage.module.named_parameters():
+        full = ref_grads[stage.stage_index][name].numpy()
+        if fsdp.is_kept(param):
+            count = full.shape[0] // experts.mesh.ep
+            expected[name] = full[experts.ep_rank * count : (experts.ep_rank + 1) * count]
+        else:
+            expected[name] = fsdp.spec_of(param).split(full, fsdp.mesh.dp)[fsdp.dp_rank]
+    return expected
+
+
+def check_grads(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> int:
+    """``got`` equals ``expected`` (rtol 1e-5), name by name; how many were compared."""
+    assert got.keys() == expected.keys()
+    for name, grad in got.items():
+        assert grad.shape == expected[name].shape, name
+        np.testing.assert_allclose(grad, expected[name], rtol=RTOL, atol=ATOL, err_msg=name)
+    return len(got)
+
+
 def check_against_reference(
     stages: Sequence[PipelineStage], ref_grads: list[dict[str, torch.Tensor]]
 ) -> int:
-    """Every rank's local gradients equal the reference's: a dense shard's rows of the
-    full gradient, an expert's own slice of the stacked one. Returns how many were
-    compared."""
+    """Every rank's local gradients equal the reference's (``expected_grads``). Returns
+    how many were compared."""
+    return sum(check_grads(local_grads(s), expected_grads(s, ref_grads)) for s in stages)
+
+
+def check_process_run(
+    out_dir: Path, mesh: DeviceMesh, micro: int, top_k: int, *, stage_num: int
+) -> None:
+    """What ``scripts/moe_run.py`` wrote, rank by rank: the loss and local gradients equal
+    the unsplit model's (rtol 1e-5), swap on equals swap off bit for bit and moved
+    chunks."""
+    x, y = make_data(mesh.dp * micro * 2)
+    ref_loss, ref_grads = reference(stage_num, top_k, x, y)
+    layout = ep_stages(stage_num, mesh, top_k)  # the same splits, for the expected slices
     compared = 0
-    for stage in stages:
-        fsdp = fsdp_state_of(stage.module)
-        experts = expert_state_of(stage.module)
-        assert fsdp is not None and experts is not None
-        params = dict(stage.module.named_parameters())
-        ref = ref_grads[stage.stage_index]
-        for name, grad in local_grads(stage).items():
-            full = ref[name].numpy()
-            if fsdp.is_kept(params[name]):
-                count = full.shape[0] // experts.mesh.ep
-                expected: Any = full[experts.ep_rank * count : (experts.ep_rank + 1) * count]
-            else:
-                spec = fsdp.spec_of(params[name])
-                expected = spec.split(full, fsdp.mesh.dp)[fsdp.dp_rank]
-            assert grad.shape == expected.shape, name
-            np.testing.assert_allclose(grad, expected, rtol=RTOL, atol=ATOL, err_msg=name)
-            compared += 1
-    return compared
+    for rank in range(mesh.world_size):
+        coords = mesh.coords(rank)
+        (stage,) = [s for s in layout if s.stage_index == coords.pp][coords.dp : coords.dp + 1]
+        runs = [np.load(out_dir / f"swap{swap}-rank{rank}.npz") for swap in (0, 1)]
+        off, on = (
+            {k.removeprefix("grad:"): run[k] for k in run.files if k.startswith("grad:")}
+            for run in runs
+        )
+        assert float(runs[0]["loss"]) == pytest.approx(ref_loss, rel=1e-5)
+        np.testing.assert_array_equal(runs[1]["losses"], runs[0]["losses"])
+        assert int(runs[1]["offloaded"]) > 0  # swap moved chunks
+        for name, grad in off.items():
+            np.testing.assert_array_equal(on[name], grad, err_msg=name)
+        compared += check_grads(off, expected_grads(stage, ref_grads))
+    assert compared == mesh.world_size * 7
