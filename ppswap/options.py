@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -27,7 +28,7 @@ from ppswap.core.faults import FaultPlan
 from ppswap.core.protocols import conforms
 from ppswap.core.transport import Transport, is_transport
 from ppswap.fsdp.mesh import DeviceMesh
-from ppswap.scheduler.checks import check_bool, check_int, check_one_of
+from ppswap.scheduler.checks import check_bool, check_int, check_memory_budget, check_one_of
 from ppswap.scheduler.config import (
     DEFAULT_MIN_SWAP_GAP,
     P2PMode,
@@ -85,6 +86,13 @@ class RunOptions:
     (a RECOMPUTE step before its backward, ``ppswap.swap.recompute``; with ``swap``, the
     swap policy still moves what the other blocks save); refused on a forward-only run
     and, when every stage runs in this process, where no stage has such a block;
+    ``memory_budget``: bytes of saved activations per rank (an int for every rank, or a
+    mapping rank -> int) that the planner keeps every rank's peak within, choosing per
+    chunk keep, swap (with ``swap=True``) or recompute (on stages with a
+    ``recompute_wrapper`` block) at the least predicted step time
+    (``ppswap.scheduler.budget``); it plans from ``cost_model``, which must carry measured
+    chunk bytes (``CostModel.from_result(result)`` of earlier steps); it replaces
+    ``swap_policy`` and ``recompute``; refused on a forward-only run;
     ``forward_only``: evaluation (no graph, no swap); ``step_timeout``: the deadline of
     every single wait; ``transport`` (default in-process), ``device`` (the copy engine;
     default the stages' backend's), ``mesh`` (FSDP; read from the stages when None),
@@ -108,6 +116,7 @@ class RunOptions:
     swap_min_bytes: int = SWAP_MIN_BYTES
     count_saved_bytes: bool = True
     recompute: bool = False
+    memory_budget: int | Mapping[int, int] | None = None
     loss_scale: float = 1.0
     forward_only: bool = False
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
@@ -138,7 +147,10 @@ class RunOptions:
                 "(there is no backward to recompute for)"
             )
         check_one_of("swap_policy", self.swap_policy, SWAP_POLICIES)
-        check_swap_policy(self.swap_policy, self.cost_model)
+        if self.memory_budget is None:
+            check_swap_policy(self.swap_policy, self.cost_model)
+        else:
+            self._check_memory_budget()
         check_one_of("swap_check", self.swap_check, CHECK_MODES)
         check_int("swap_min_bytes", self.swap_min_bytes, 0)
         _check_positive("loss_scale", self.loss_scale, "a finite number > 0")
@@ -158,6 +170,26 @@ class RunOptions:
         _check_instance("faults", self.faults, FaultPlan, "be a ppswap.core.faults.FaultPlan")
         if self.order is not None:
             read_orders(self.order)  # its notation, now; the rest once the stages are known
+
+    def _check_memory_budget(self) -> None:
+        check_memory_budget(self.memory_budget, self.pp)
+        if self.forward_only:
+            raise ValueError(
+                f"memory_budget must be None for a forward-only run, got {self.memory_budget!r} "
+                "(nothing is saved for a backward)"
+            )
+        if self.swap_policy != "gap" or self.recompute:
+            raise ValueError(
+                "memory_budget chooses every chunk's policy itself: swap_policy must stay 'gap' "
+                f"and recompute False, got swap_policy={self.swap_policy!r}, "
+                f"recompute={self.recompute!r}"
+            )
+        if not isinstance(self.cost_model, CostModel) or self.cost_model.stage_bytes is None:
+            raise ValueError(
+                "memory_budget needs cost_model=CostModel.from_result(result) (chunk bytes "
+                "measured by an earlier step of these stages), got "
+                f"cost_model={self.cost_model!r}"
+            )
 
     def schedule_config(self, *, pp: int, vpp: int, fsdp: bool) -> ScheduleConfig:
         """The schedule of a run of these options on ``pp`` ranks of ``vpp`` stages each

@@ -12,7 +12,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankStats", "RunResult"]
+__all__ = ["ChunkBytes", "RankStats", "RunResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkBytes:
+    """What one chunk ``(stage, micro)`` kept on device, measured from the swap layer's
+    accounting of its own storages: ``held`` right after its FWD (a recomputed chunk: its
+    non-recomputed saved tensors and its recomputed blocks' inputs), ``moved`` what its
+    offload released (None: not swapped), ``regenerated`` what its RECOMPUTE added (None:
+    not recomputed). ``CostModel.from_result`` plans a memory budget from them."""
+
+    held: int
+    moved: int | None = None
+    regenerated: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +49,10 @@ class RankStats:
     the run, where it reports one (torch on CUDA), else 0. ``chunk_policy``: the plan's
     policy of each chunk ``(stage, micro)`` of the rank: ``"keep"``, ``"swap"``,
     ``"recompute"`` or ``"recompute+swap"`` (``ppswap.scheduler.recompute_plan``).
+    ``chunk_bytes``: what each chunk of the rank kept, moved and regenerated
+    (:class:`ChunkBytes`; empty where nothing is counted). ``predicted_peak_saved_bytes``
+    / ``predicted_step_s``: under ``memory_budget``, the planner's prediction of
+    ``peak_saved_bytes`` and of the step time (``ppswap.scheduler.budget``), else 0.
     """
 
     rank: int
@@ -56,6 +73,9 @@ class RankStats:
     compute_batches: int = 0
     device_peak_bytes: int = 0
     chunk_policy: Mapping[tuple[int, int], str] = field(default_factory=dict)
+    chunk_bytes: Mapping[tuple[int, int], ChunkBytes] = field(default_factory=dict)
+    predicted_peak_saved_bytes: int = 0
+    predicted_step_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 _RESULT_KEY = "ppswap.run_result"
-_LOCAL_FIELDS = frozenset({"chunk_policy"})
+_LOCAL_FIELDS = frozenset({"chunk_policy", "chunk_bytes"})
 
 
 def configure_transport(transport: object, num_stages: int, micro_count: int) -> None:
@@ -59,8 +59,9 @@ async def gather_results(
     in the same order). ``losses`` is this rank's per micro-batch loss, empty unless it
     holds the last stage. Returns per micro-batch the mean over the ranks that had losses
     (in rank order; one rank without FSDP, one per dp replica with it) and the stats of
-    every rank, indexed by rank. ``chunk_policy`` (keyed by the rank's own chunks) is not
-    gathered: another rank's is empty here (its own process reports it).
+    every rank, indexed by rank. ``chunk_policy`` and ``chunk_bytes`` (keyed by the rank's
+    own chunks) are not gathered: another rank's are empty here (its own process reports
+    them).
     """
     names = [f.name for f in dataclasses.fields(stats) if f.name not in _LOCAL_FIELDS]
     template = [getattr(stats, name) for name in names]

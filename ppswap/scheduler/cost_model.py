@@ -41,7 +41,14 @@ from typing import Any, cast
 
 from ppswap.scheduler.analysis import check_orders, compute_slots, slot_dependencies
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.steps import SWAP_LAUNCH_KINDS, SWAP_WAIT_KINDS, Order, StepKind
+from ppswap.scheduler.cost_calibration import StageBytes, calibrated_fields
+from ppswap.scheduler.steps import (
+    RECOMPUTE,
+    SWAP_LAUNCH_KINDS,
+    SWAP_WAIT_KINDS,
+    Order,
+    StepKind,
+)
 
 __all__ = [
     "DEFAULT_COST_BUDGET",
@@ -49,6 +56,7 @@ __all__ = [
     "Program",
     "RunEstimate",
     "Simulator",
+    "StageBytes",
     "simulate_run",
 ]
 
@@ -117,6 +125,12 @@ class CostModel:
     the same run's ``"swap_prepare"`` / ``"swap_finish"`` jobs; ``chunk_bytes`` as
     ``RankStats.offloaded_bytes`` per offloaded chunk; ``copy_overhead_s`` as the
     ``copy_busy_s / copies`` of a run at the target bandwidth minus ``bytes / bandwidth``.
+
+    For a memory budget (``ppswap.scheduler.budget``): ``stage_bytes``, one
+    :class:`StageBytes` per global stage (the bytes a chunk keeps, moves, holds recomputed
+    and regenerates), and ``recompute_leaf_s``, the compute time of one RECOMPUTE step
+    (None: ``leaf_s``, a forward's). :meth:`from_result` measures all of them from earlier
+    steps of the same stages.
     """
 
     chunk_bytes: int | tuple[int, ...]
@@ -130,6 +144,34 @@ class CostModel:
     backward_leaf_s: float | None = None
     headroom: float = 1.0
     p2p_latency_s: float = 0.0
+    stage_bytes: tuple[StageBytes, ...] | None = None
+    recompute_leaf_s: float | None = None
+
+    @classmethod
+    def from_result(
+        cls,
+        result: Any,
+        *more: Any,
+        copy_gbps: float | None = None,
+        shared_compute: bool = True,
+        **changes: Any,
+    ) -> CostModel:
+        """A model measured from ``result`` (and ``more`` results of the same stages):
+        chunk bytes per stage and policy, compute times per leaf, the copy bandwidth
+        (``ppswap.scheduler.cost_calibration`` says which figure comes from where).
+        ``copy_gbps``: plan with this bandwidth instead of the measured one;
+        ``shared_compute``: the ranks share one compute thread (the in-process runtime);
+        ``changes``: any other field (``budget``, ``headroom`` ...)."""
+        results = (result, *more)
+        stages = [chunk[0] for r in results for rank in r.ranks for chunk in rank.chunk_bytes]
+        fields = calibrated_fields(
+            results,
+            num_stages=max(stages, default=-1) + 1,
+            copy_gbps=copy_gbps,
+            shared_compute=shared_compute,
+        )
+        fields.update(changes)
+        return cls(**fields)
 
     def __post_init__(self) -> None:
         _check_chunk_bytes(self.chunk_bytes)
@@ -154,6 +196,23 @@ class CostModel:
             _check_number(
                 "backward_leaf_s", self.backward_leaf_s, allow_inf=False, allow_zero=False
             )
+        if self.recompute_leaf_s is not None:
+            _check_number(
+                "recompute_leaf_s", self.recompute_leaf_s, allow_inf=False, allow_zero=True
+            )
+        if self.stage_bytes is not None and not (
+            isinstance(self.stage_bytes, tuple)
+            and all(isinstance(item, StageBytes) for item in self.stage_bytes)
+        ):
+            raise TypeError(
+                f"stage_bytes must be a tuple of StageBytes (one per global stage) or None, "
+                f"got {self.stage_bytes!r}"
+            )
+
+    @property
+    def recompute_s(self) -> float:
+        """Compute time of one RECOMPUTE step."""
+        return self.leaf_s if self.recompute_leaf_s is None else self.recompute_leaf_s
 
     def leaf_time(self, kind: StepKind) -> float:
         """Compute time of one leaf of ``kind`` (FWD, BWD, BWD_INPUT or BWD_WEIGHT)."""
@@ -186,6 +245,11 @@ class CostModel:
                 f"cost.chunk_bytes must hold one entry per global stage ({config.num_stages} "
                 f"for pp={config.pp}, vpp={config.vpp}), got {len(self.chunk_bytes)}"
             )
+        if self.stage_bytes is not None and len(self.stage_bytes) != config.num_stages:
+            raise ValueError(
+                f"cost.stage_bytes must hold one entry per global stage ({config.num_stages} "
+                f"for pp={config.pp}, vpp={config.vpp}), got {len(self.stage_bytes)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +263,11 @@ class RunEstimate:
     step_s: float
 
 
-_COMPUTE, _LAUNCH, _WAIT = 0, 1, 2
+_COMPUTE, _LAUNCH, _WAIT, _RECOMPUTE = 0, 1, 2, 3
 _Op = tuple[int, int | tuple[bool, int, int], float]
-"""A step of a rank's program: (COMPUTE, slot id, 0), (LAUNCH, copy key, seconds) or
-(WAIT, copy key, 0); P2P and FSDP steps are left out (they take no time)."""
+"""A step of a rank's program: (COMPUTE, slot id, 0), (LAUNCH, copy key, seconds),
+(WAIT, copy key, 0) or (RECOMPUTE, 0, seconds: compute time with no dependency of its own);
+P2P and FSDP steps are left out (they take no time)."""
 Program = tuple[_Op, ...]
 """A rank's order as the simulator runs it (``Simulator.program``)."""
 
@@ -257,6 +322,8 @@ class Simulator:
             elif step.kind in SWAP_WAIT_KINDS:
                 key = (step.kind is StepKind.SWAP_WAIT_LOAD, step.stage, step.micro)
                 ops.append((_WAIT, key, 0.0))
+            elif step.kind is RECOMPUTE:
+                ops.append((_RECOMPUTE, 0, self.cost.recompute_s))
         if next(ids, None) is not None:
             raise ValueError(f"the order of rank {rank} has fewer compute slots than built")
         return tuple(ops)
@@ -341,7 +408,8 @@ class _RunState:
         self.request = [_DONE] * pp
         self.ready_at: list[float | None] = [None] * pp
         self.blocked: dict[int, list[int]] = {}  # slot id -> ranks waiting for it to finish
-        self.job_done = [False] * pp  # the current swap step's compute-thread job has run
+        self.job_done = [False] * pp  # the current step's compute-thread job has run
+        self.job_s = [0.0] * pp  # how long the requested job takes
         self.waited = [False] * pp  # the current SWAP_WAIT's copy has been waited for
         self.shared_free = 0.0
         for rank in range(pp):
@@ -373,7 +441,7 @@ class _RunState:
         """Run rank ``rank``'s request (on its device or the shared thread), then advance."""
         start = max(ready, self.shared_free) if self.shared else ready
         if self.request[rank] == _JOB:
-            end = start + self.swap_step_s
+            end = start + self.job_s[rank]
             self.job_done[rank] = True
         else:
             slot_id = cast(int, self.programs[rank][self.index[rank]][1])
@@ -407,8 +475,11 @@ class _RunState:
                     self.exposed[rank] += done - self.now[rank]
                     self.now[rank] = done
                 self.waited[rank] = True
-            if self.shared and not self.job_done[rank]:
+            if op == _RECOMPUTE and not self.shared:
+                self.now[rank] += duration
+            elif self.shared and not self.job_done[rank]:
                 self.index[rank], self.request[rank] = position, _JOB
+                self.job_s[rank] = duration if op == _RECOMPUTE else self.swap_step_s
                 return
             if op == _LAUNCH:
                 self.stream[rank] = max(self.now[rank], self.stream[rank]) + duration

@@ -150,6 +150,16 @@ class SwapAccounting:
             held = self._blocks.get(block)
             return held is not None and any(c != chunk for c in held.values())
 
+    def chunk_bytes(self, chunk: Chunk) -> int:
+        """The bytes of the blocks some holder of ``chunk`` holds on device now (a block
+        shared with other chunks counted in full): what the chunk keeps resident."""
+        with self._lock:
+            return sum(
+                self._block_bytes[block]
+                for block, held in self._blocks.items()
+                if chunk in held.values()
+            )
+
     def add_offloaded(self, nbytes: int) -> None:
         with self._lock:
             self._offloaded += nbytes
