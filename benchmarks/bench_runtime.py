@@ -47,6 +47,7 @@ from ppswap.demo.model import mse_loss
 from ppswap.scheduler.config import ScheduleName
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.scheduler.swap_plan import eligible_chunks
+from ppswap.stage_run import StageRun
 from ppswap.swap import EmulatedDevice, PipelineSwapSession, SwapManager, swap_wrapper
 
 HostArray = npt.NDArray[Any]
@@ -94,14 +95,17 @@ class SyncExecutor:
         )
         self.plan = prepare_run(stages, options, inputs=x, targets=y, loss_fn=mse_loss, trace=None)
         self.stages = {s.stage_index: s for s in stages}
+        self.runs: dict[int, StageRun] = {}
 
     def run(self) -> int:
         plan = self.plan
         config = plan.config
         batches = split_batches(plan)
         engine = EmulatedDevice()
-        for stage in self.stages.values():
-            stage.begin_run(micro_count=config.micro, loss_fn=mse_loss, generation=1)
+        self.runs = {
+            index: StageRun(stage, micro_count=config.micro, loss_fn=mse_loss)
+            for index, stage in self.stages.items()
+        }
         sessions = {
             r: PipelineSwapSession(
                 SwapManager(plan.backend),
@@ -165,7 +169,7 @@ class SyncExecutor:
     ) -> None:
         kind = step.kind
         if kind is StepKind.FWD:
-            stage = self.stages[step.stage]
+            stage = self.runs[step.stage]
             payload = (
                 batches.inputs[step.micro]
                 if stage.is_first
@@ -177,7 +181,7 @@ class SyncExecutor:
             if not stage.is_last:
                 outbox[("F", step.stage + 1, step.micro)] = out.asnumpy().copy()
         elif kind is StepKind.BWD:
-            stage = self.stages[step.stage]
+            stage = self.runs[step.stage]
             grad = None if stage.is_last else mailbox.pop(("B", step.stage, step.micro))
             dx = stage.backward(
                 step.micro, None if grad is None else Tensor.from_numpy(grad), split=False

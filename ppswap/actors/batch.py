@@ -46,7 +46,7 @@ from ppswap.core.fiber import Suspended
 from ppswap.core.messages import Payload
 from ppswap.scheduler.steps import PAYLOAD_MAKER_KINDS as _MAKES_PAYLOAD_OF
 from ppswap.scheduler.steps import MetaStep
-from ppswap.stage import PipelineStage, StageCollector
+from ppswap.stage_run import StageCollector, StageRun
 from ppswap.swap.jobs import CopyJob
 
 __all__ = [
@@ -333,7 +333,7 @@ class StepBodies:
     ``host_payloads``: P2P payloads must be host arrays (a transport between processes)
     or may stay framework tensors (every rank in this process); ``record``: FWDs record a
     graph (False in forward-only runs); ``zero_copy_sends``: the boundary P2P mode hands a
-    FWD output over without a copy (the stage keeps it alive until its BWD).
+    FWD output over without a copy (the stage run keeps it alive until its BWD).
     """
 
     session: SwapDriver
@@ -343,7 +343,7 @@ class StepBodies:
     zero_copy_sends: bool
 
     def forward(
-        self, stage: PipelineStage, micro: int, payload: Payload, target: Payload | None
+        self, stage: StageRun, micro: int, payload: Payload, target: Payload | None
     ) -> Payload:
         """FWD: the stage output as a payload (the loss as a host array on the last stage)."""
         backend, like = stage.backend, stage.device_tensor
@@ -361,7 +361,7 @@ class StepBodies:
         return payload_of(backend, out, copy=not self.zero_copy_sends, host=host)
 
     def backward(
-        self, stage: PipelineStage, micro: int, grad: Payload | None, split: bool
+        self, stage: StageRun, micro: int, grad: Payload | None, split: bool
     ) -> Payload | None:
         """BWD / BWD_INPUT: dx as a payload (None on the first stage); the chunk is
         released unless the backend defers dw (then BWD_WEIGHT releases it)."""
@@ -374,14 +374,14 @@ class StepBodies:
             return None
         return payload_of(backend, dx, copy=True, host=self.host_payloads)
 
-    def backward_weight(self, stage: PipelineStage, micro: int) -> None:
+    def backward_weight(self, stage: StageRun, micro: int) -> None:
         """BWD_WEIGHT: dw accumulated; a deferred chunk released (its saved tensors were
         read by the dw pass)."""
         stage.backward_weight(micro)
         if stage.backend.autograd.defers_weight_grads:
             self.session.release_chunk(stage.stage_index, micro)
 
-    def recompute(self, stage: PipelineStage, micro: int) -> int:
+    def recompute(self, stage: StageRun, micro: int) -> int:
         """RECOMPUTE: the chunk's recompute-wrapped blocks run again under its FWD's
         generator states (``ppswap.swap.recompute``); how many saved tensors they made."""
         backend = stage.backend

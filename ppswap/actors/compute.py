@@ -86,7 +86,7 @@ from ppswap.moe.runner import ExpertRunner
 from ppswap.scheduler.steps import LAUNCH_OF_WAIT as _WAITS
 from ppswap.scheduler.steps import SEND_RECV_KINDS as _POSTS
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
-from ppswap.stage import PipelineStage
+from ppswap.stage_run import StageRun
 
 __all__ = ["JOB_KINDS", "BatchMode", "ComputeActor", "RankInputs", "SwapDriver"]
 
@@ -114,7 +114,7 @@ class ComputeActor:
         run: RunContext,
         *,
         order: Order,
-        stages: Mapping[int, PipelineStage],
+        stages: Mapping[int, StageRun],
         data: RankInputs,
         bodies: StepBodies,
         compute: DedicatedThread,

@@ -48,7 +48,7 @@ from ppswap.scheduler.steps import FSDP_KINDS as _FSDP_KINDS
 from ppswap.scheduler.steps import RECV_KINDS as _RECVS
 from ppswap.scheduler.steps import RUNS_MODULE_KINDS as RUNS_MODULE
 from ppswap.scheduler.steps import SEND_KINDS as _SENDS
-from ppswap.stage import PipelineStage
+from ppswap.stage_run import StageRun
 
 __all__ = [
     "ARRIVAL_WAITS_PER_BATCH",
@@ -112,7 +112,7 @@ class LocalSteps:
     """Jobs of a rank's local steps (module docstring). ``failure(step, message)`` makes
     the error for an order that cannot run (a wait for a copy never launched)."""
 
-    stages: Mapping[int, PipelineStage]
+    stages: Mapping[int, StageRun]
     data: RankInputs
     mail: RankMail
     bodies: StepBodies

@@ -35,6 +35,7 @@ from ppswap.scheduler.recompute_plan import chunk_policies
 from ppswap.scheduler.steps import RECOMPUTE
 from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.stage import PipelineStage
+from ppswap.stage_run import StageRuns
 from ppswap.swap import PipelineSwapSession, SwapManager
 
 __all__ = ["RankRuntime"]
@@ -49,6 +50,7 @@ class RankRuntime:
         plan: RunPlan,
         *,
         generation: int,
+        runs: StageRuns,
         compute: DedicatedThread,
         transport: Transport,
         engine: CopyEngine,
@@ -94,13 +96,15 @@ class RankRuntime:
         )
         recorder.register_pending(rank, CopyStreamActor.actor_name, self.copy_stream.pending)
         by_index = {s.stage_index: s for s in self.stages}
+        # What the run changes of each stage: its StageRun, dropped with the rank.
+        self.runs = {s.stage_index: runs[s] for s in self.stages}
         self.fsdp: FsdpRankDriver | None = None
         if plan.mesh is not None:
             self.fsdp = FsdpRankDriver(
                 rank=rank,
                 mesh=plan.mesh,
                 order=order,
-                stages=by_index,
+                stages=self.runs,
                 compute=compute,
                 p2p=p2p_tx,
                 timeout_s=run.step_timeout_s,
@@ -138,7 +142,7 @@ class RankRuntime:
         self.compute_actor = ComputeActor(
             run,
             order=order,
-            stages=by_index,
+            stages=self.runs,
             data=RankInputs(replica.inputs, replica.targets, outputs=plan.returns_outputs),
             bodies=bodies,
             compute=compute,
@@ -173,8 +177,8 @@ class RankRuntime:
     def abort(self) -> None:
         """After a failed or cancelled run: release the stages' abandoned records (before
         the groups go: their release unpacks from them), then abort the session."""
-        for stage in self.stages:
-            stage.abort_run(partial(_copies_settled, self.session))
+        for run in self.runs.values():
+            run.abort(partial(_copies_settled, self.session))
         self.session.abort()
 
     def stats(self, param_bytes: int) -> RankStats:

@@ -59,6 +59,7 @@ from ppswap.fsdp.plan import param_storage_bytes
 from ppswap.options import DEFAULT_STEP_TIMEOUT_S, RunOptions
 from ppswap.results import RankStats, RunResult
 from ppswap.stage import LossFn, PipelineStage
+from ppswap.stage_run import StageRun, StageRuns
 from ppswap.swap.unmarked import warn_if_nothing_swapped
 
 __all__ = ["DEFAULT_STEP_TIMEOUT_S", "RankStats", "RunResult", "run_schedule"]
@@ -154,6 +155,7 @@ class _Wiring:
     engine: CopyEngine
     recorder: FlightRecorder
     batches: Batches
+    runs: StageRuns
     log_steps: bool
     handoff: ThreadHandoff | None
     events: RunEvents | None
@@ -163,6 +165,7 @@ class _Wiring:
             rank,
             plan,
             generation=generation,
+            runs=self.runs,
             compute=self.compute,
             transport=self.transport,
             engine=self.engine,
@@ -196,20 +199,22 @@ async def _run(
         events.emit(_started(plan, generation))
     started = time.perf_counter()
     async with compute:
-        batches = await compute.run(_begin_stages, plan, generation)
+        batches, runs = await compute.run(_begin_stages, plan)
         # Ranks that share this process's compute thread and one event loop hand their
         # payloads over on the thread as well (``ThreadHandoff``), unless a fault plan
         # wraps the transport: then every message takes the path its rules wrap.
         shared = is_immediate(transport) and len(plan.local_ranks) > 1
         wrapped = plan.faults is not None and plan.faults.covers(FaultSite.P2P)
         handoff = ThreadHandoff() if shared and not wrapped else None
-        wiring = _Wiring(compute, transport, engine, recorder, batches, log_steps, handoff, events)
+        wiring = _Wiring(
+            compute, transport, engine, recorder, batches, runs, log_steps, handoff, events
+        )
         ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
         try:
             await _run_ranks(compute, ranks)
             if tie_groups:  # TIED_GRAD_SUM, each holder rank's last step
-                await sum_tied_grads(ties, tie_groups, plan.backend, compute, *args[1:])
-            stats = await compute.run(_closed_stats, plan, ranks)
+                await sum_tied_grads(ties, tie_groups, runs, plan.backend, compute, *args[1:])
+            stats = await compute.run(_closed_stats, plan, ranks, runs)
         except BaseException as exc:
             error = first_pipeline_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
             if isinstance(error, Exception):  # a failure, not a cancellation
@@ -222,8 +227,8 @@ async def _run(
             # Keep the failure's own cause (the PipelineError contract), not the group.
             raise error from error.__cause__
     elapsed = time.perf_counter() - started
-    for stage in plan.stages:
-        stage.generation = generation
+    for run in runs.values():  # the stages' results; a failed run never gets here
+        run.publish(generation)
     losses = _collect_losses(plan, ranks)
     outputs = _collect_outputs(plan, ranks) if plan.returns_outputs else []
     warn_if_nothing_swapped(plan.config, plan.orders, {s.rank: s.offloaded_bytes for s in stats})
@@ -275,17 +280,17 @@ async def _run_ranks(compute: DedicatedThread, ranks: list[RankRuntime]) -> None
             rank.start(tg)
 
 
-def _begin_stages(plan: RunPlan, generation: int) -> Batches:
-    """Compute thread, one job: the batch split into micro-batches, and every stage ready
-    for the run (gradients reset unless forward-only, its random-number stream seeded,
-    the scope of its forwards set)."""
+def _begin_stages(plan: RunPlan) -> tuple[Batches, StageRuns]:
+    """Compute thread, one job: the batch split into micro-batches, and every stage's
+    ``StageRun`` for this run (training gradients starting from none, its random-number
+    stream seeded, the scope of its forwards set)."""
     batches = split_batches(plan)
     rng_seed = plan.backend.run_seed()  # one draw per run, whatever stages run here
-    for stage in plan.stages:
-        stage.begin_run(
+    runs = {
+        stage: StageRun(
+            stage,
             micro_count=plan.config.micro,
             loss_fn=plan.loss_fn if stage.is_last else None,
-            generation=generation,
             forward_only=plan.config.forward_only,
             rng_seed=rng_seed,
             forward_scope=plan.forward_scope,
@@ -293,10 +298,12 @@ def _begin_stages(plan: RunPlan, generation: int) -> Batches:
             target_parts=plan.target_parts,
             loss_scale=plan.options.loss_scale,
         )
-    return batches
+        for stage in plan.stages
+    }
+    return batches, runs
 
 
-def _closed_stats(plan: RunPlan, ranks: list[RankRuntime]) -> list[RankStats]:
+def _closed_stats(plan: RunPlan, ranks: list[RankRuntime], runs: StageRuns) -> list[RankStats]:
     """Compute thread, after a successful run: close every session, give a training
     run's gradients to the stages' parameters (``Backend.give_grads``, every stage of this
     process in one call: a parameter two stages share gets the sum), then each rank's
@@ -304,7 +311,7 @@ def _closed_stats(plan: RunPlan, ranks: list[RankRuntime]) -> list[RankStats]:
     for rank in ranks:
         rank.session.close()
     if not plan.config.forward_only:
-        plan.backend.give_grads(*grads_to_give(plan.stages))
+        plan.backend.give_grads(*grads_to_give(list(runs.values())))
     measure = plan.mesh is None
     return [rank.stats(param_storage_bytes(rank.stages) if measure else 0) for rank in ranks]
 

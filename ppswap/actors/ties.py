@@ -56,6 +56,7 @@ from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import Order
 from ppswap.scheduler.ties import with_tie_steps
 from ppswap.stage import PipelineStage
+from ppswap.stage_run import StageRun, StageRuns
 
 __all__ = [
     "NO_TIES",
@@ -385,6 +386,7 @@ def _deadline(timeout_s: float, rank: int, what: str) -> Iterator[None]:
 async def sum_tied_grads(
     ties: Ties,
     groups: Sequence[TieGroup],
+    runs: StageRuns,
     backend: Backend,
     compute: DedicatedThread,
     transport: Transport,
@@ -392,17 +394,17 @@ async def sum_tied_grads(
     mesh: DeviceMesh | None,
     timeout_s: float,
 ) -> None:
-    """After a successful training run: every holder's gradient of each tie becomes the
-    sum over the tie's holders, added in stage order (module docstring). The framework's
-    work runs on ``compute``; a tie held by several processes is one all-gather among
-    them, with the step deadline."""
+    """After a successful training run: every holder's gradient of each tie (in its
+    stage's ``runs``) becomes the sum over the tie's holders, added in stage order (module
+    docstring). The framework's work runs on ``compute``; a tie held by several processes
+    is one all-gather among them, with the step deadline."""
     mine = [g for g in groups if (g.key, g.replica) in ties.local]
     if not mine:
         return
     totals: dict[tuple[str, int], HostArray] = {}
     if is_distributed(transport) and (spread := [g for g in mine if len(g.ranks) > 1]):
         rank = transport.rank
-        parts = await compute.run(_host_parts, ties, spread, backend)
+        parts = await compute.run(_host_parts, ties, spread, runs, backend)
         with _deadline(timeout_s, rank, "the sum of tied gradients"):
             for group in spread:
                 key = (group.key, group.replica)
@@ -410,22 +412,22 @@ async def sum_tied_grads(
                     rank, group.ranks, f"ppswap.tie.{group.replica}.{group.key}", parts[key]
                 )
                 totals[key] = _fold_gathered(group, gathered, config, mesh)
-    await compute.run(_install, ties, mine, totals, backend)
+    await compute.run(_install, ties, mine, totals, runs, backend)
 
 
-def _grad_of(backend: Backend, holder: _Holder) -> Tensor:
-    param, grad = holder.stage.run_grads()[holder.index]
+def _grad_of(backend: Backend, runs: StageRuns, holder: _Holder) -> Tensor:
+    param, grad = runs[holder.stage].run_grads()[holder.index]
     return backend.zeros_like(param) if grad is None else grad
 
 
 def _host_parts(
-    ties: Ties, groups: Sequence[TieGroup], backend: Backend
+    ties: Ties, groups: Sequence[TieGroup], runs: StageRuns, backend: Backend
 ) -> dict[tuple[str, int], HostArray]:
     """Compute thread: per tie, this process's holders' gradients stacked in stage order."""
     return {
         (g.key, g.replica): np.stack(
             [
-                backend.to_host(_grad_of(backend, h), copy=True)
+                backend.to_host(_grad_of(backend, runs, h), copy=True)
                 for h in ties.local[(g.key, g.replica)]
             ]
         )
@@ -463,20 +465,21 @@ def _install(
     ties: Ties,
     groups: Sequence[TieGroup],
     totals: Mapping[tuple[str, int], HostArray],
+    runs: StageRuns,
     backend: Backend,
 ) -> None:
     """Compute thread: each holder's gradient of each tie replaced by the tie's sum (a
     host total from the other processes, or the framework's sum of the holders here).
     One tensor per parameter object: holders of one object share it, distinct copies
     each get their own (an optimizer may change a gradient in place)."""
-    replaced: dict[int, tuple[PipelineStage, list[Tensor | None]]] = {}
+    replaced: dict[int, tuple[StageRun, list[Tensor | None]]] = {}
     for group in groups:
         holders = ties.local[(group.key, group.replica)]
         total_host = totals.get((group.key, group.replica))
         if total_host is None:
             total: Tensor = None
             for holder in holders:
-                grad = _grad_of(backend, holder)
+                grad = _grad_of(backend, runs, holder)
                 total = grad if total is None else total + grad
         by_object: dict[int, Tensor] = {}
         for holder in holders:
@@ -492,7 +495,7 @@ def _install(
                         backend.to_payload(total, copy=True, host=False), like=param
                     )
                 by_object[id(param)] = tensor
-            stage = holder.stage
+            stage = runs[holder.stage]
             if id(stage) not in replaced:
                 replaced[id(stage)] = (stage, [grad for _, grad in stage.run_grads()])
             replaced[id(stage)][1][holder.index] = tensor
@@ -501,7 +504,7 @@ def _install(
 
 
 def grads_to_give(
-    stages: Sequence[PipelineStage],
+    stages: Sequence[StageRun],
 ) -> tuple[list[Tensor], list[Tensor | None]]:
     """Every stage's ``(parameter, gradient)`` pairs, each parameter object once (its
     first stage's: after ``sum_tied_grads`` every holder's is the whole sum), as

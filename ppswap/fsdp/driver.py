@@ -25,7 +25,7 @@ grads.s{stage}.{dtype}``.
   (expert) parameters' gradients go whole, in an all-gather per parameter over the ranks
   holding the same experts (``DeviceMesh.expert_replica_group``) where there are several,
   summed in group order. ``finish``
-  (event loop, after the order) awaits them and sets ``stage.grads`` to the shard
+  (event loop, after the order) awaits them and sets the run's gradients to the shard
   gradients divided by ``dp`` (each replica seeds its backward with ``1 / micro``, so this
   is the gradient of the mean loss over the global batch), in one compute-thread job.
 - Parameter memory is measured from the real storages after every install and reshard.
@@ -59,7 +59,7 @@ from ppswap.core.messages import (
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.fsdp.shard import FsdpState, GradBucket, fsdp_state_of
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
-from ppswap.stage import PipelineStage
+from ppswap.stage_run import StageRun
 
 __all__ = ["FsdpJob", "FsdpRankDriver", "FsdpStats"]
 
@@ -117,7 +117,7 @@ class FsdpRankDriver:
         rank: int,
         mesh: DeviceMesh,
         order: Order,
-        stages: Mapping[int, PipelineStage],
+        stages: Mapping[int, StageRun],
         compute: DedicatedThread,
         p2p: RequestSink,
         timeout_s: float = math.inf,

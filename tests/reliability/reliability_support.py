@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import numpy as np
 import psutil
+from stage_runs import stage_runs_holding_chunks
 
 from ppswap import PipelineError, PipelineHangError, PipelineStage, RunResult, run_schedule
 from ppswap.demo.model import build_mlp_stages, mse_loss
@@ -193,7 +194,7 @@ def assert_clean(
     assert ppswap_threads() == []
     assert other_tasks() == set()
     assert live_swap_objects() == baseline
-    assert all(stage.live_chunks == 0 for stage in stages)
+    assert stage_runs_holding_chunks() == 0
     pool = device.pool_stats()
     assert pool.lent == 0 and pool.bytes_lent == 0
 

@@ -32,6 +32,7 @@ from reliability_support import (
     run_case,
     swap_object_counts,
 )
+from stage_runs import stage_runs_holding_chunks
 
 import ppswap.actors.runtime as runtime
 from ppswap import PipelineInputError, PipelineStage, run_schedule
@@ -361,7 +362,7 @@ async def test_a_forward_failing_mid_graph_does_not_poison_the_next_run() -> Non
     assert (failure.rank, failure.actor, failure.step) == (1, "compute", "F0.1")
     assert failure.cause_type is RuntimeError
     assert ppswap_threads() == [] and other_tasks() == set()
-    assert all(stage.live_chunks == 0 for stage in stages)
+    assert stage_runs_holding_chunks() == 0
     assert device.pool_stats().lent == 0
     stages[1].module.fail = False  # type: ignore[attr-defined]
     await run_case(stages, GPIPE, device=device)
@@ -410,7 +411,7 @@ async def test_forward_only_returns_the_losses_and_leaves_gradients_alone(
     monkeypatch.setattr(MINDSPORE.autograd, "record", no_recording)
     result = await run_case(stages, case, forward_only=True)
     assert result.losses == expected_losses
-    assert all(s.live_chunks == 0 for s in stages)
+    assert stage_runs_holding_chunks() == 0
     assert_same_grads(trained, grads_of(stages))  # untouched by the forward-only run
 
 

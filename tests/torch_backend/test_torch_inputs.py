@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+from stage_runs import stage_runs_holding_chunks
 from torch import nn
 from torch_support import GPIPE_CASE, build_stages, make_data, mse_loss, run_case
 
@@ -107,7 +108,7 @@ async def test_a_loss_fn_that_returns_no_scalar_tensor_is_named(
     assert isinstance(cause, PipelineInputError)
     assert f"loss_fn {loss_fn.__qualname__} must return a scalar torch.Tensor (shape ())" in message
     assert got in message + "\n"
-    assert all(s.live_chunks == 0 for s in stages)
+    assert stage_runs_holding_chunks() == 0
 
 
 class _Pair(nn.Module):
@@ -136,4 +137,4 @@ async def test_a_tuple_the_next_stage_cannot_take_is_named() -> None:
         in str(cause)
     )
     del caught
-    assert all(s.live_chunks == 0 for s in paired)
+    assert stage_runs_holding_chunks() == 0

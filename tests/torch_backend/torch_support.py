@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+from stage_runs import stage_runs_holding_chunks
 from torch import nn
 
 from ppswap import PipelineStage, RunResult, run_schedule
@@ -352,6 +353,6 @@ def assert_clean(
     current = asyncio.current_task()
     assert {t for t in asyncio.all_tasks() if t is not current and not t.done()} == set()
     assert leftovers() == baseline
-    assert all(stage.live_chunks == 0 for stage in stages)
+    assert stage_runs_holding_chunks() == 0
     pool = device.pool_stats()
     assert pool.lent == 0 and pool.bytes_lent == 0
