@@ -53,6 +53,8 @@ from ppswap.fsdp.plan import (
 )
 from ppswap.moe.split import check_expert_stages
 from ppswap.options import RunOptions
+from ppswap.scheduler.budget import BudgetPlan, plan_memory_budget
+from ppswap.scheduler.checks import budgets_per_rank
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.planning import planned_orders
 from ppswap.scheduler.recompute_plan import recomputed_chunks
@@ -89,6 +91,30 @@ def _recomputed(
     return recomputed_chunks(config, found)
 
 
+def _budget_plan(
+    stages: Sequence[PipelineStage],
+    backend: Backend,
+    config: ScheduleConfig,
+    options: RunOptions,
+    distributed: bool,
+) -> BudgetPlan | None:
+    """``memory_budget``: the planner's choice (``ppswap.scheduler.budget``). It may
+    recompute the stages whose chunks ``cost_model`` measured recomputed and, in a run of
+    this process only, that hold a ``recompute_wrapper`` block; an impossible budget is a
+    ValueError naming ``memory_budget``."""
+    if options.memory_budget is None:
+        return None
+    cost = options.cost_model
+    assert cost is not None and cost.stage_bytes is not None  # RunOptions checked it
+    measured = {
+        stage for stage, sizes in enumerate(cost.stage_bytes) if sizes.recompute_held is not None
+    }
+    if not distributed:
+        measured &= {s.stage_index for s in stages if has_recompute_blocks(backend, s.module)}
+    budgets = budgets_per_rank(options.memory_budget, config.pp)
+    return plan_memory_budget(config, cost, budgets, frozenset(measured))
+
+
 @dataclass(frozen=True, slots=True)
 class RunPlan:
     """Everything a run needs, checked: the options, the stages and their backend, the
@@ -112,6 +138,8 @@ class RunPlan:
     forward_scope: ForwardScope = nullcontext
     # Parameters several stages hold (tied embeddings): summed at the run's end.
     ties: Ties = NO_TIES
+    # memory_budget: the planner's choice and predictions (indexed by pipeline rank).
+    budget: BudgetPlan | None = None
 
     @property
     def step_timeout(self) -> float:
@@ -193,7 +221,11 @@ def prepare_run(
         backend, stage_list, options, inputs, targets, loss_fn, 1 if mesh is None else mesh.dp
     )
     recompute = _recomputed(stage_list, backend, config, options, distributed is not None)
-    orders = planned_orders(config, options.swap_policy, options.cost_model, recompute)
+    budget = _budget_plan(stage_list, backend, config, options, distributed is not None)
+    if budget is not None:
+        orders = budget.orders
+    else:
+        orders = planned_orders(config, options.swap_policy, options.cost_model, recompute)
     orders = world_orders(orders, mesh)
     ties = plan_ties(stage_list, backend, config, mesh, distributed=distributed is not None)
     return RunPlan(
@@ -210,6 +242,7 @@ def prepare_run(
         channel_capacity=max(_p2p_requests(order) for order in orders) + 1,
         mesh=mesh,
         ties=ties,
+        budget=budget,
         forward_scope=backend.caller_forward_scope(
             [backend.device_of(stage.module) for stage in stage_list]
         ),

@@ -14,6 +14,7 @@ from functools import partial
 from anyio.abc import TaskGroup
 
 from ppswap.actors.batch import StepBodies
+from ppswap.actors.chunk_meter import ChunkMeter
 from ppswap.actors.compute import BatchMode, ComputeActor, RankInputs
 from ppswap.actors.context import RunContext
 from ppswap.actors.copy_stream import CopyStream, CopyStreamActor
@@ -89,6 +90,9 @@ class RankRuntime:
             recomputed=frozenset(s.chunk for s in order if s.kind is RECOMPUTE),
         )
         self._chunk_policy = chunk_policies(order)
+        self.meter = ChunkMeter(self.session)  # what each chunk keeps: RankStats.chunk_bytes
+        self._budget = None if plan.budget is None else plan.budget.ranks[rank % config.pp]
+        self._predicted_step_s = 0.0 if plan.budget is None else plan.budget.step_s
         p2p_tx, p2p_rx = p2p_channel(plan.channel_capacity)
         recorder.register_channel(rank, "compute->p2p", p2p_tx)
         self.copy_stream = CopyStream(
@@ -131,7 +135,7 @@ class RankRuntime:
             )
         record = not config.forward_only
         bodies = StepBodies(
-            self.session,
+            self.meter,
             self.copy_stream,
             host_payloads=not is_immediate(transport),
             record=record,
@@ -211,6 +215,9 @@ class RankRuntime:
             compute_jobs=compute.jobs,
             compute_batches=compute.batches,
             chunk_policy=self._chunk_policy,
+            chunk_bytes=self.meter.chunk_bytes,
+            predicted_peak_saved_bytes=0 if self._budget is None else self._budget.peak_bytes,
+            predicted_step_s=self._predicted_step_s,
         )
 
 
