@@ -59,6 +59,7 @@ from ppswap.scheduler.cost import (
     build_orders,
 )
 from ppswap.scheduler.diagram import load_plotter
+from ppswap.cli_budget import budget_plan, budget_text
 from ppswap.scheduler.recompute_plan import inject_recompute_steps, recomputed_chunks
 from ppswap.scheduler.render import format_grid, step_legend
 from ppswap.scheduler.schedules import compute_order
@@ -294,6 +295,19 @@ def run_plan(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         return fail(str(exc))
     policy: SwapPolicy = args.swap_policy
+    if args.memory_budget is not None:
+        try:
+            plan = budget_plan(
+                config,
+                cost_model or cli_cost_model(CLI_COPY_LEAVES, DEFAULT_COST_BUDGET),
+                budget_chunks=args.memory_budget,
+                recompute=args.recompute,
+                recompute_share=args.recompute_share,
+            )
+        except (TypeError, ValueError) as exc:
+            return fail(str(exc))
+        print(budget_text(plan))
+        return 0
     chosen = {"compute_only": args.compute_only, "swap_policy": policy, "cost_model": cost_model}
     chosen["ties"] = args.tie
     chosen["recompute"] = args.recompute
@@ -389,6 +403,20 @@ def _add_plan_parser(subparsers: Any) -> None:
         action="store_true",
         help="a RECOMPUTE step (R) before every chunk's backward, as recompute=True where "
         "every stage has a recompute_wrapper block",
+    )
+    plan.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        help="plan keep/swap/recompute per chunk within this many chunks per rank and print "
+        "the per-chunk policy (swap with --swap, recompute with --recompute)",
+    )
+    plan.add_argument(
+        "--recompute-share",
+        type=float,
+        default=0.25,
+        help="with --memory-budget: the share of a chunk a recomputed chunk keeps until its "
+        "RECOMPUTE (default 0.25)",
     )
     plan.add_argument(
         "--format",

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ppswap.actors.data import Batches, check_data, split_data
 from ppswap.actors.p2p import InProcessTransport
-from ppswap.actors.ties import NO_TIES, Ties, plan_ties
+from ppswap.actors.ties import NO_TIES, TieGroup, Ties, orders_with_ties, plan_ties
 from ppswap.backends import type_name
 from ppswap.backends.base import Backend, ForwardScope
 from ppswap.core.faults import FaultPlan
@@ -60,13 +60,13 @@ from ppswap.scheduler.planning import planned_orders
 from ppswap.scheduler.recompute_plan import recomputed_chunks
 from ppswap.scheduler.steps import FSDP_KINDS as _FSDP_KINDS
 from ppswap.scheduler.steps import P2P_KINDS as _P2P_KINDS
-from ppswap.scheduler.steps import Order, iter_leaves
+from ppswap.scheduler.steps import TIED_GRAD_SUM, Order, iter_leaves
 from ppswap.scheduler.user_orders import read_orders
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap.recompute import has_recompute_blocks
 from ppswap.swap.tensor import CheckMode
 
-__all__ = ["RunPlan", "prepare_run", "split_batches"]
+__all__ = ["RunPlan", "prepare_run", "split_batches", "with_tie_steps"]
 
 
 def _recomputed(
@@ -136,7 +136,7 @@ class RunPlan:
     # FSDP: the DP x PP mesh; ranks are then world ranks and ``orders`` is indexed by them.
     mesh: DeviceMesh | None = None
     forward_scope: ForwardScope = nullcontext
-    # Parameters several stages hold (tied embeddings): summed at the run's end.
+    # Parameters several stages hold (tied embeddings): summed by TIED_GRAD_SUM steps.
     ties: Ties = NO_TIES
     # memory_budget: the planner's choice and predictions (indexed by pipeline rank).
     budget: BudgetPlan | None = None
@@ -211,7 +211,7 @@ def prepare_run(
     stage_num = stage_list[0].stage_num
     distributed = _multi_process(options.transport)
     mesh = resolve_mesh(stage_list, options.mesh)
-    check_expert_stages(stage_list, mesh)
+    check_expert_stages(stage_list, mesh, one_process=distributed is None)
     pp = _resolve_pp(options, stage_num, distributed, mesh)
     config = options.schedule_config(pp=pp, vpp=stage_num // pp, fsdp=mesh is not None)
     if mesh is not None:
@@ -249,14 +249,25 @@ def prepare_run(
     )
 
 
+def with_tie_steps(plan: RunPlan, groups: Sequence[TieGroup]) -> RunPlan:
+    """``plan`` whose holder ranks' orders end with the TIED_GRAD_SUM steps of the run's
+    ties ``groups`` (known at the run's start across processes: ``resolve_ties``)."""
+    if not groups:
+        return plan
+    orders = orders_with_ties(plan.config, plan.orders, groups)
+    capacity = max(_p2p_requests(order) for order in orders) + 1
+    return replace(plan, orders=orders, channel_capacity=capacity)
+
+
 def _p2p_requests(order: Order) -> int:
     """How many requests a rank's P2P channel may hold at once, at most: every send and
     receive of its order (the compute actor posts them without blocking), plus its FSDP
     collectives (an all-gather per unshard, a reduce-scatter per reshard and dtype: four
-    dtypes allowed for; the FSDP driver's sends would wait for room, never fail)."""
+    dtypes allowed for; the FSDP driver's sends would wait for room, never fail) and an
+    all-gather per TIED_GRAD_SUM."""
     requests = 0
     for leaf in iter_leaves(order):
-        if leaf.kind in _P2P_KINDS:
+        if leaf.kind in _P2P_KINDS or leaf.kind is TIED_GRAD_SUM:
             requests += 1
         elif leaf.kind in _FSDP_KINDS:
             requests += 4

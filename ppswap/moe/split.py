@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ppswap.backends import backend_for
+from ppswap.backends import backend_for, framework_of
 from ppswap.backends.types import Module
 from ppswap.core.all_to_all import ExpertBlock, is_expert_block
 from ppswap.fsdp.mesh import DeviceMesh
@@ -105,10 +105,14 @@ def expert_parallel(module: Module, *, mesh: DeviceMesh, dp_rank: int) -> Module
     return module
 
 
-def check_expert_stages(stages: Sequence[PipelineStage], mesh: DeviceMesh | None) -> None:
+def check_expert_stages(
+    stages: Sequence[PipelineStage], mesh: DeviceMesh | None, *, one_process: bool
+) -> None:
     """Before a run: under a mesh with ``ep > 1`` every stage whose module holds MoE
     blocks must be ``expert_parallel``-ed with that mesh, as the dp replica it is
-    ``fully_shard``-ed as; a stage split by ``expert_parallel`` needs such a mesh."""
+    ``fully_shard``-ed as; a stage split by ``expert_parallel`` needs such a mesh. With
+    every rank in ``one_process``, MindSpore stages cannot be split (their autograd cannot
+    record the interleaved forwards of ranks sharing the compute thread)."""
     for stage in stages:
         state = expert_state_of(stage.module)
         where = f"stage {stage.stage_index}"
@@ -126,6 +130,12 @@ def check_expert_stages(stages: Sequence[PipelineStage], mesh: DeviceMesh | None
                 f"{where} holds MoE blocks but was not split by expert_parallel: call "
                 f"ppswap.moe.expert_parallel(module, mesh={mesh!r}, dp_rank=...) for mesh.ep="
                 f"{mesh.ep}"
+            )
+        if one_process and framework_of(stage.module) == "mindspore":
+            raise ValueError(
+                f"{where}: MindSpore stages run expert parallelism with one process per "
+                f"rank (transport=MPITransport(...)), not every rank in one process: its "
+                f"autograd cannot record two ranks' forwards interleaved; got mesh={mesh!r}"
             )
         fsdp = fsdp_state_of(stage.module)
         dp_rank = None if fsdp is None else fsdp.dp_rank

@@ -12,12 +12,16 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
-from ppswap import PipelineStage, run_schedule
+from ppswap import PipelineError, PipelineStage, run_schedule
+from ppswap.core.faults import FaultPlan, delay_compute, fail_compute
+from ppswap.errors import first_pipeline_error
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.moe import expert_parallel
+from ppswap.scheduler.steps import StepKind
 
 torch = pytest.importorskip("torch")
 
@@ -150,4 +154,32 @@ async def test_dp4_ep2_sums_expert_gradients_over_the_replicas_holding_them() ->
     ref_loss, ref_grads = reference(2, 2, x, y)
     assert result.loss == pytest.approx(ref_loss, rel=1e-5)
     assert check_against_reference(stages, ref_grads) == 8 * 7
+    _no_thread_left()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", [StepKind.FWD, StepKind.BWD])
+async def test_a_peer_failing_mid_exchange_ends_the_run_cleanly(kind: StepKind) -> None:
+    """Rank 2 (the EP peer of rank 0) fails at a MoE leaf while rank 0's leaf waits for
+    it, suspended in its all-to-all: the run raises rank 2's error, and every thread of
+    the run (fibers included) is gone once it returned."""
+    mesh = DeviceMesh(pp=2, dp=2, ep=2)
+    stages = ep_stages(2, mesh, 2)
+    plan = FaultPlan((fail_compute(kind, rank=2, stage=0, micro=1),))
+    with pytest.raises(PipelineError) as caught:
+        await _run(stages, 2, 4, "gpipe", swap=True, faults=plan)
+    assert first_pipeline_error(caught.value).rank == 2
+    _no_thread_left()
+
+
+@pytest.mark.asyncio
+async def test_cancelling_a_run_during_an_all_to_all_ends_it_cleanly() -> None:
+    """Cancelled while rank 0's MoE leaf is suspended in its all-to-all (its peer is
+    held back): the run ends at once and leaves no thread."""
+    mesh = DeviceMesh(pp=2, dp=2, ep=2)
+    stages = ep_stages(2, mesh, 2)
+    plan = FaultPlan((delay_compute(2.0, StepKind.FWD, rank=2, stage=0, micro=1),))
+    with anyio.move_on_after(0.5) as scope:
+        await _run(stages, 2, 4, "gpipe", swap=True, faults=plan)
+    assert scope.cancelled_caught
     _no_thread_left()

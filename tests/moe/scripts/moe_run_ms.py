@@ -1,0 +1,69 @@
+"""One world rank of a MindSpore MoE run over MPITransport: pp2 x dp2 x ep2.
+
+    mpiexec -n 4 python moe_run_ms.py OUT_DIR
+
+As ``moe_run.py`` with MindSpore stages (``tests/moe/moe_support_ms.py``): 1F1B, swap
+off then on; OUT_DIR/swap{0,1}-rank{w}.npz holds the loss and the stage's gradients by
+position (``grad:{k}``). A failure aborts the job (``MPI_Abort``).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import anyio
+import mindspore as ms
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_support_ms import build_modules, make_data, mse_loss, split_stage
+
+from ppswap import run_schedule
+from ppswap.actors.mpi import MPITransport
+from ppswap.fsdp import DeviceMesh
+
+MESH = DeviceMesh(pp=2, dp=2, ep=2)
+MICRO = 4
+TOP_K = 2
+
+
+async def main(transport: MPITransport, out_dir: Path) -> None:
+    rank = transport.rank
+    coords = MESH.coords(rank)
+    x, y = make_data(MESH.dp * MICRO * 2)
+    module = build_modules(MESH.pp, TOP_K)[coords.pp]
+    stage = split_stage(module, coords.pp, MESH.pp, MESH, coords.dp)
+    for swap in (False, True):
+        result = await run_schedule(
+            [stage],
+            "1f1b",
+            micro_batch_num=MICRO,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            swap=swap,
+            min_swap_gap=2,
+            transport=transport,
+            step_timeout=120.0,
+        )
+        np.savez(
+            out_dir / f"swap{int(swap)}-rank{rank}.npz",
+            loss=np.array(result.loss),
+            losses=np.array(result.losses),
+            offloaded=np.array(sum(r.offloaded_bytes for r in result.ranks)),
+            **{f"grad:{k}": g.asnumpy() for k, g in enumerate(stage.grads)},
+        )
+    print(f"rank {rank} OK", flush=True)
+
+
+if __name__ == "__main__":
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
+    with MPITransport() as mpi_transport:
+        try:
+            anyio.run(main, mpi_transport, Path(sys.argv[1]))
+        except Exception:
+            print(f"rank {mpi_transport.rank} failed:", file=sys.stderr)
+            traceback.print_exc()
+            mpi_transport.abort(1)
