@@ -124,6 +124,31 @@ class SavedTensorSink(Protocol):
         ...
 
 
+_Region = tuple[bool, PolicyFn | None, bool | None, str | None]
+"""A capture region's pack arguments: capture, policy_fn, group_swap, label."""
+_OUTSIDE: _Region = (False, None, None, "registered")
+
+
+class _RegionScope:
+    """``with collection.region(...)``: sets the collection's current region, restores
+    the previous one on exit (a class, not a generator: entered once per region call)."""
+
+    __slots__ = ("_collection", "_previous", "_region")
+
+    def __init__(self, collection: Collection, region: _Region) -> None:
+        self._collection = collection
+        self._region = region
+        self._previous: _Region = _OUTSIDE
+
+    def __enter__(self) -> None:
+        collection = self._collection
+        self._previous = collection._region
+        collection._region = self._region
+
+    def __exit__(self, *exc: object) -> None:
+        self._collection._region = self._previous
+
+
 @dataclass(frozen=True)
 class _Registration:
     tensor: Tensor
@@ -180,6 +205,11 @@ class Collection:
         # Held until close(), which drops it (the function refers to this collection):
         # None once the forward has ended.
         self._pack: Callable[..., Any] | None = self._make_pack()
+        # The arguments of the capture region the forward is in now (``region``): what
+        # the collection's own hook (``hook``) packs with. Outside any region: nothing is
+        # captured unless registered.
+        self._region: _Region = _OUTSIDE
+        self.hooks_active = False
 
     def tensors_in(self, obj: object) -> Iterator[Tensor]:
         """The tensors of ``obj`` (see :func:`tensors_in`)."""
@@ -267,6 +297,31 @@ class Collection:
             raise SwapError("a capture region entered after its chunk's forward ended")
         return partial(self._pack, capture, policy_fn, group_swap, label)
 
+    def hook(self) -> Callable[[Any], Any]:
+        """The collection's own pack hook (``capture_scope`` installs it around the
+        forward): packs with the arguments of the capture region the forward is in
+        (:meth:`region`), outside any region as ``pack_hook(capture=False,
+        label="registered")`` does."""
+        pack = self._pack
+        if pack is None:
+            raise SwapError("a capture region entered after its chunk's forward ended")
+
+        def hook(tensor: Any) -> Any:
+            return pack(*self._region, tensor)
+
+        return hook
+
+    def region(
+        self, policy_fn: PolicyFn | None, group_swap: bool | None, label: str | None
+    ) -> _RegionScope:
+        """Inside the block, the collection's own hook (:meth:`hook`) captures as
+        ``pack_hook(capture=True, ...)`` with these arguments does: a capture region
+        without hooks of its own, for a region the collection's hooks already cover (they
+        are the innermost ones). Nested regions restore the outer one."""
+        if self._pack is None:
+            raise SwapError("a capture region entered after its chunk's forward ended")
+        return _RegionScope(self, (True, policy_fn, group_swap, label))
+
     def _make_pack(self) -> Callable[..., Any]:
         """The collection's pack function (:meth:`pack_hook`), region arguments first."""
         backend = self.backend
@@ -346,6 +401,8 @@ class Collection:
         self._parameters.clear()
         self._parameter_ids.clear()
         self._resident.clear()
+        self._region = _OUTSIDE
+        self.hooks_active = False
         self.group = None
         self.sink = None
 

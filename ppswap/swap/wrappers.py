@@ -9,8 +9,9 @@ two functions serve MindSpore cells and torch modules.
     ``layers[i] = swap_wrapper(layers[i])`` works and the parameters are the same objects,
     in the same order; their *names* gain the ``module.`` path segment, as with any
     wrapper) or a plain callable in a function. When its forward runs inside a collection
-    context that has a group, it installs saved-tensor hooks whose pack captures every
-    tensor the forward saves into the group, unless ``policy_fn(tensor)`` returns False or
+    context that has a group, the collection's own saved-tensor hooks (or, where the
+    collection installed none, hooks of the region's own) capture every tensor the
+    forward saves into the group, unless ``policy_fn(tensor)`` returns False or
     the storage is protected (parameters, module tensors such as a rotary table
     attribute, stage inputs, pinned storages); those stay on device (packed as
     ``ResidentTensor`` handles) and are still counted in the chunk's ledger. Without a
@@ -83,13 +84,18 @@ def capture_scope(collection: Collection) -> Iterator[Collection]:
     """Activate ``collection`` and install the outer saved-tensor hooks around a forward.
 
     The outer pack counts every saved tensor in the ledger and captures the ones
-    registered with ``swap_tensor_wrapper``; ``swap_wrapper`` regions replace it with
-    their own hooks (the frameworks apply only the innermost hooks), which do both too.
+    registered with ``swap_tensor_wrapper``; inside a ``swap_wrapper`` region it also
+    captures as the region says (``Collection.region``: no hooks of the region's own,
+    which would cost the framework more per region than the region's capture itself).
     """
 
-    pack = collection.pack_hook(capture=False, label="registered")
-    with activate(collection), collection.backend.saved_tensors_hooks(pack, unpack_saved):
-        yield collection
+    hook = collection.hook()
+    with activate(collection), collection.backend.saved_tensors_hooks(hook, unpack_saved):
+        collection.hooks_active = True
+        try:
+            yield collection
+        finally:
+            collection.hooks_active = False
 
 
 def module_state_tensors(module: Module) -> list[Tensor]:
@@ -118,11 +124,16 @@ class SwapCapture:
             # innermost, would otherwise override them and keep what they drop.
             return call()
 
+        state = collection.state_of(self.owner) if self.owner is not None else []
+        if collection.hooks_active:  # its own hooks are the innermost: set their region
+            region = collection.region(self.policy_fn, self.group_swap, self.label)
+            with collection.module_state(state), region:
+                return call()
+        # A collection without hooks of its own (SwapManager.collecting): the region's.
         pack = collection.pack_hook(
             capture=True, policy_fn=self.policy_fn, group_swap=self.group_swap, label=self.label
         )
         backend = collection.backend
-        state = collection.state_of(self.owner) if self.owner is not None else []
         with collection.module_state(state), backend.saved_tensors_hooks(pack, unpack_saved):
             return call()
 
