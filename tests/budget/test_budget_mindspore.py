@@ -19,12 +19,12 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from ppswap import PipelineStage, RunResult, recompute_wrapper, run_schedule  # noqa: E402
-from ppswap.demo.model import build_mlp_stages, mse_loss  # noqa: E402
-from ppswap.scheduler.budget import least_budgets  # noqa: E402
-from ppswap.scheduler.config import ScheduleConfig  # noqa: E402
-from ppswap.scheduler.cost_model import CostModel  # noqa: E402
-from ppswap.swap import swap_wrapper  # noqa: E402
+from ppswap import PipelineStage, RunResult, recompute_wrapper, run_schedule
+from ppswap.demo.model import build_mlp_stages, mse_loss
+from ppswap.scheduler.budget import least_budgets
+from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.cost_model import CostModel
+from ppswap.swap import swap_wrapper
 
 pytestmark = pytest.mark.mindspore
 
