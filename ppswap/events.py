@@ -25,6 +25,11 @@ Design (the simplest that is safe):
 
 Every event is a frozen dataclass with ``generation`` (the run's number, as in
 ``RunResult.generation``) and ``time_s`` (``time.time()`` when it was emitted).
+
+``RunEvents(timeline=True)`` asks the runs for their timeline: each ``RunFinished`` then
+carries every step each actor of each rank served (``TimelineSpan``: compute steps, the
+copy stream's copies, the P2P actor's sends and receives), the spans a Chrome trace
+draws, kept for the run (a little memory per step).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ __all__ = [
     "RunFailed",
     "RunFinished",
     "RunStarted",
+    "TimelineSpan",
 ]
 
 DEFAULT_EVENT_CAPACITY = 1024
@@ -106,12 +112,26 @@ class RankOrderFinished:
     time_s: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True, slots=True)
+class TimelineSpan:
+    """A step an actor (``compute``, ``copy``, ``p2p``) of ``rank`` served: its name (a
+    MetaStep's short name, or a copy's), start (seconds since the run began) and length."""
+
+    rank: int
+    actor: str
+    name: str
+    start_s: float
+    duration_s: float
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunFinished:
-    """The run (one training step) ended well: its ``RunResult``."""
+    """The run (one training step) ended well: its ``RunResult``; ``timeline``: its
+    spans, in start order, when the stream asked for them (else empty)."""
 
     generation: int
     result: RunResult
+    timeline: tuple[TimelineSpan, ...] = ()
     time_s: float = field(default_factory=time.time)
 
 
@@ -159,12 +179,16 @@ RunEvent = (
 class RunEvents:
     """A bounded, drop-oldest stream of ``RunEvent`` (see the module docstring).
 
-    ``capacity``: how many events wait for the consumer at most (an int >= 1)."""
+    ``capacity``: how many events wait for the consumer at most (an int >= 1);
+    ``timeline``: whether each ``RunFinished`` carries the run's ``TimelineSpan``-s."""
 
-    def __init__(self, capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_EVENT_CAPACITY, *, timeline: bool = False) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        if not isinstance(timeline, bool):
+            raise ValueError(f"timeline must be a bool, got {timeline!r}")
         self.capacity = capacity
+        self.timeline = timeline
         self._buffer: deque[RunEvent] = deque()
         self._unreported_drops = 0
         self._dropped = 0

@@ -54,7 +54,14 @@ from ppswap.core.executor import DedicatedThread
 from ppswap.core.faults import FaultSite
 from ppswap.core.transport import Transport, is_distributed, is_immediate
 from ppswap.errors import first_pipeline_error
-from ppswap.events import RunCancelled, RunEvents, RunFailed, RunFinished, RunStarted
+from ppswap.events import (
+    RunCancelled,
+    RunEvents,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    TimelineSpan,
+)
 from ppswap.fsdp.plan import param_storage_bytes
 from ppswap.options import DEFAULT_STEP_TIMEOUT_S, RunOptions
 from ppswap.results import RankStats, RunResult
@@ -184,7 +191,8 @@ async def _run(
     # unconfigured default prints every event): then it logs run and per-step events.
     log_steps = structlog.is_configured()
     log = structlog.get_logger("ppswap").bind(actor="runtime")
-    recorder = FlightRecorder(keep_spans=plan.trace is not None)
+    timeline = events is not None and events.timeline
+    recorder = FlightRecorder(keep_spans=plan.trace is not None or timeline)
     generation = max(stage.generation for stage in plan.stages) + 1
     compute = DedicatedThread("ppswap-compute", join_s=_TEARDOWN_TIMEOUT_S)
     recorder.register_status("compute thread", lambda: f"running {compute.current_job}")
@@ -248,7 +256,12 @@ async def _run(
     if log_steps:
         log.info("run_end", generation=generation, loss=result.loss, step_time_s=elapsed)
     if events is not None:
-        events.emit(RunFinished(generation=generation, result=result))
+        spans = sorted(recorder.spans, key=lambda s: s.start_us) if timeline else []
+        lanes = tuple(
+            TimelineSpan(s.rank, s.actor, s.name, s.start_us * 1e-6, s.duration_us * 1e-6)
+            for s in spans
+        )
+        events.emit(RunFinished(generation=generation, result=result, timeline=lanes))
     return result
 
 

@@ -7,19 +7,26 @@
                               interrupted), losses per step, the last step's per-rank
                               metrics, its error
     DELETE /runs/{id}         cancel a queued or running job -> 202
+    POST   /runs/{id}/resume  queue an interrupted job again from its last checkpoint
+                              (``ppswap.serve.checkpoint``) -> 202
     GET    /runs/{id}/events  server-sent events: the job's states, the library's run
                               events (``ppswap.events``), one StepFinished per step
     GET    /metrics           Prometheus text (one registry per app)
     GET    /healthz           {"status": "ok", ...}
+    GET    /                  the live page: a run's loss per step, each rank's saved
+                              bytes with and without swap, the last step's timeline
+                              (``static/``: plain SVG drawn by the page's own script)
 
 Every refusal is one JSON object ``{"error": {"field": ..., "reason": ...}}``: 400 for a
 body that is not JSON, 422 for a field the checks refuse (an unknown option, a value the
-library refuses), 404 for an unknown id, 409 for cancelling a job that has ended, 503
-when the queue is full. Nothing is recorded or started for a refused request.
+library refuses), 404 for an unknown id, 409 for cancelling a job that has ended or
+resuming one that is not interrupted or has no checkpoint, 503 when the queue is full.
+Nothing is recorded or started for a refused request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,16 +38,20 @@ import anyio
 import prometheus_client
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from ppswap.metrics import LoopLagMonitor, RankMetrics, metric_fields
 from ppswap.results import RunResult
-from ppswap.serve.jobs import Job, JobManager, QueueFullError
+from ppswap.serve.jobs import Job, JobManager, QueueFullError, ResumeRefusedError
 from ppswap.serve.store import ACTIVE_STATES, JOB_STATES, JobStore
 from ppswap.serve.training import JobInputError, parse_job
 
-__all__ = ["SSE_KEEPALIVE_S", "create_app"]
+__all__ = ["SSE_KEEPALIVE_S", "STATIC_DIR", "create_app", "default_checkpoint_dir"]
+
+STATIC_DIR = Path(__file__).parent / "static"
+"""The live page's files (in the package: the page loads nothing from a network)."""
 
 SSE_KEEPALIVE_S = 15.0
 """A follower of a quiet job gets a comment line this often (and the wait a deadline)."""
@@ -94,17 +105,26 @@ def _count_jobs(manager: JobManager, state: str) -> float:
     return float(sum(job.state == state for job in manager.jobs.values()))
 
 
-def create_app(db_path: str | Path) -> Starlette:
-    """The service, its jobs kept in the SQLite file ``db_path``. Its lifespan opens the
-    store (marking jobs left queued or running as interrupted), the loop-lag monitor and
-    the task group the trainer runs in; shutting down cancels the job in flight."""
+def default_checkpoint_dir(db_path: str | Path) -> Path:
+    """Where checkpoints go unless told: beside the SQLite file, ``<name>.checkpoints``."""
+    path = Path(db_path)
+    return path.with_name(path.name + ".checkpoints")
+
+
+def create_app(db_path: str | Path, checkpoint_dir: str | Path | None = None) -> Starlette:
+    """The service, its jobs kept in the SQLite file ``db_path`` and their checkpoints
+    under ``checkpoint_dir`` (default: ``default_checkpoint_dir(db_path)``). Its lifespan
+    opens the store (marking jobs left queued or running as interrupted), the loop-lag
+    monitor and the task group the trainer runs in; shutting down cancels the job in
+    flight."""
+    checkpoints = Path(checkpoint_dir) if checkpoint_dir else default_checkpoint_dir(db_path)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = await anyio.to_thread.run_sync(JobStore, db_path)
         try:
             async with LoopLagMonitor() as lag, anyio.create_task_group() as tg:
-                manager = JobManager(store, lag)
+                manager = JobManager(store, lag, checkpoints)
                 exporter = _Exporter(manager, lag)
                 manager.on_step = exporter.on_step
                 app.state.manager, app.state.exporter = manager, exporter
@@ -164,6 +184,29 @@ def create_app(db_path: str | Path) -> Starlette:
         await manager.cancel(job)
         return JSONResponse({"id": job_id, "state": "cancelling"}, status_code=202)
 
+    async def resume(request: Request) -> Response:
+        manager: JobManager = request.app.state.manager
+        job_id = request.path_params["id"]
+        record = await manager.store.get(job_id)
+        if record is None:
+            return _error(404, "id", f"no run {job_id!r}")
+        job = manager.jobs.get(job_id)
+        if job is not None and job.state != record.state:  # the live state
+            record = dataclasses.replace(record, state=job.state)
+        try:
+            job = await manager.resume(record)
+        except ResumeRefusedError as exc:
+            return _error(409, exc.field, exc.reason)
+        except QueueFullError as exc:
+            return _error(503, "queue", str(exc))
+        steps_done = job.resume_from.steps_done if job.resume_from is not None else 0
+        return JSONResponse(
+            {"id": job.id, "state": job.state, "steps_done": steps_done}, status_code=202
+        )
+
+    async def page(request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
     async def events(request: Request) -> Response:
         manager: JobManager = request.app.state.manager
         job_id = request.path_params["id"]
@@ -191,9 +234,12 @@ def create_app(db_path: str | Path) -> Starlette:
         Route("/runs", list_runs, methods=["GET"]),
         Route("/runs/{id}", show, methods=["GET"]),
         Route("/runs/{id}", cancel, methods=["DELETE"]),
+        Route("/runs/{id}/resume", resume, methods=["POST"]),
         Route("/runs/{id}/events", events, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/", page, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 

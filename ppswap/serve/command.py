@@ -35,7 +35,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if missing.name not in SERVE_MODULES:
             raise
         return fail(f"ppswap serve needs {missing.name}: {install_hint('serve')}")
-    status: int = main.serve(args.host, args.port, args.db)
+    status: int = main.serve(args.host, args.port, args.db, args.checkpoints)
     return status
 
 
@@ -45,13 +45,20 @@ def add_serve_parser(subparsers: Any) -> None:
         help="serve training jobs over HTTP (the serve extra)",
         description=(
             "A training service: POST /runs trains the demo LM with the run options given "
-            "as JSON; GET /runs/{id}, DELETE /runs/{id}, GET /runs/{id}/events (server-sent "
-            "events), GET /metrics (Prometheus), GET /healthz."
+            "as JSON; GET /runs/{id}, DELETE /runs/{id}, POST /runs/{id}/resume (an "
+            "interrupted run, from its last checkpoint), GET /runs/{id}/events (server-sent "
+            "events), GET /metrics (Prometheus), GET /healthz, GET / (the live page)."
         ),
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     serve.add_argument(
         "--db", type=Path, default=DEFAULT_DB, help=f"the jobs' SQLite file (default {DEFAULT_DB})"
+    )
+    serve.add_argument(
+        "--checkpoints",
+        type=Path,
+        default=None,
+        help="the folder of the jobs' checkpoints (default: beside --db, <db>.checkpoints)",
     )
     serve.set_defaults(handler=run_serve)

@@ -14,11 +14,13 @@ from ppswap.serve.app import create_app
 __all__ = ["serve"]
 
 
-def serve(host: str, port: int, db: Path) -> int:
+def serve(host: str, port: int, db: Path, checkpoints: Path | None = None) -> int:
     """Serve on ``host:port`` until interrupted (Ctrl-C, SIGTERM: uvicorn shuts down
-    gracefully, cancelling the job in flight); jobs kept in the SQLite file ``db``."""
+    gracefully, cancelling the job in flight); jobs kept in the SQLite file ``db``, their
+    checkpoints under ``checkpoints`` (default: beside ``db``)."""
     configure_logging(json=True)
-    config = uvicorn.Config(create_app(db), host=host, port=port, lifespan="on", access_log=False)
+    app = create_app(db, checkpoints)
+    config = uvicorn.Config(app, host=host, port=port, lifespan="on", access_log=False)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C once shut down
         uvicorn.Server(config).run()
     return 0

@@ -90,7 +90,7 @@ async def test_the_losses_equal_the_library_run_with_the_same_sgd(tmp_path: Path
     from ppswap.serve.training import Training, parse_job
 
     training = Training(parse_job(TINY | {"steps": 2}))
-    expected = [(await training.step(i)).loss for i in range(2)]
+    expected = [(await training.step()).loss for _ in range(2)]
     async with service(tmp_path / "jobs.db") as client:
         run_id = (await client.post("/runs", json=TINY | {"steps": 2})).json()["id"]
         shown = await wait_state(client, run_id, {"finished"})
@@ -186,3 +186,104 @@ async def test_a_restarted_service_lists_its_jobs_and_marks_the_one_in_flight(
     assert runs["inflight"]["state"] == "interrupted" and runs["inflight"]["losses"] == [4.5]
     assert '"state": "interrupted"' in stream.text
     assert cancel.status_code == 409 and "interrupted" in cancel.json()["error"]["reason"]
+
+
+async def crash_with_a_checkpoint(db: Path, body: dict[str, Any], steps_before: int) -> str:
+    """A job that trained ``steps_before`` steps or more (each checkpointed) in a service
+    that then stopped without a goodbye: its record is left running, as a killed
+    process leaves it (the uvicorn test kills a real one)."""
+    async with service(db) as client:
+        run_id = (await client.post("/runs", json=body)).json()["id"]
+        with anyio.fail_after(120):
+            while (await client.get(f"/runs/{run_id}")).json()["steps_done"] < steps_before:
+                await anyio.sleep(0.005)
+        await client.delete(f"/runs/{run_id}")
+        shown = await wait_state(client, run_id, {"cancelled"})
+    assert steps_before <= shown["steps_done"] < body["steps"]
+    crashed = JobStore(db)
+    await crashed.update(run_id, state="running")
+    crashed.close()
+    return run_id
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("mindspore", marks=pytest.mark.mindspore), "torch"]
+)
+@pytest.mark.asyncio
+async def test_a_restarted_service_resumes_an_interrupted_run_bit_identically(
+    tmp_path: Path, backend: str
+) -> None:
+    from ppswap.serve.training import Training, parse_job
+
+    body = TINY | {"backend": backend, "steps": 8, "momentum": 0.9}
+    uninterrupted = Training(parse_job(body))
+    expected = [(await uninterrupted.step()).loss for _ in range(8)]
+    db = tmp_path / "jobs.db"
+    run_id = await crash_with_a_checkpoint(db, body, steps_before=2)
+    checkpoints = sorted(p.name for p in (tmp_path / "jobs.db.checkpoints" / run_id).iterdir())
+    async with service(db) as client:
+        before = (await client.get(f"/runs/{run_id}")).json()
+        answer = await client.post(f"/runs/{run_id}/resume")
+        assert answer.status_code == 202, answer.text
+        resumed_from = answer.json()["steps_done"]
+        events = await read_events(client, run_id)
+        shown = await wait_state(client, run_id, {"finished"})
+        again = await client.post(f"/runs/{run_id}/resume")
+    assert before["state"] == "interrupted"
+    assert checkpoints == [f"step-{resumed_from:06d}"]  # only the last one is kept
+    assert 2 <= resumed_from < 8
+    assert shown["losses"] == expected and shown["steps_done"] == 8
+    steps = [e["step"] for e in events if e["type"] == "StepFinished"]
+    assert steps == list(range(resumed_from, 8))  # only the steps left ran
+    assert events[0] == {"type": "JobState", "state": "queued", "resumed_from": resumed_from}
+    assert again.status_code == 409
+    assert again.json()["error"] == {
+        "field": "id",
+        "reason": f"run {run_id} is finished; only an interrupted run can be resumed",
+    }
+
+
+@pytest.mark.asyncio
+async def test_a_resume_without_a_checkpoint_or_of_a_run_not_interrupted_is_refused(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "jobs.db"
+    crashed = JobStore(db)
+    await crashed.insert(JobRecord(id="early", state="running", options=TINY, steps=5))
+    crashed.close()
+    async with service(db) as client:
+        unknown = await client.post("/runs/nope/resume")
+        early = await client.post("/runs/early/resume")
+        running = (await client.post("/runs", json=TINY | {"steps": 200})).json()["id"]
+        await wait_state(client, running, {"running"})
+        busy = await client.post(f"/runs/{running}/resume")
+        await client.delete(f"/runs/{running}")
+        await wait_state(client, running, {"cancelled"})
+        runs = {r["id"]: r for r in (await client.get("/runs")).json()["runs"]}
+    assert unknown.status_code == 404
+    assert unknown.json() == {"error": {"field": "id", "reason": "no run 'nope'"}}
+    assert early.status_code == 409
+    assert early.json() == {
+        "error": {
+            "field": "id",
+            "reason": "run early has no checkpoint: it stopped before its first step ended",
+        }
+    }
+    assert busy.status_code == 409
+    assert busy.json()["error"]["reason"] == (
+        f"run {running} is running; only an interrupted run can be resumed"
+    )
+    assert runs["early"]["state"] == "interrupted"  # nothing started, nothing changed
+    assert len(runs) == 2
+
+
+@pytest.mark.asyncio
+async def test_the_live_page_and_its_script_come_from_the_package(tmp_path: Path) -> None:
+    async with service(tmp_path / "jobs.db") as client:
+        page = await client.get("/")
+        script = await client.get("/static/live.js")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script src="/static/live.js">' in page.text and "http" not in page.text.replace(
+        "http://www.w3.org", ""
+    )
+    assert script.status_code == 200 and "EventSource" in script.text

@@ -156,3 +156,32 @@ async def test_the_stream_alone() -> None:
         pass
     events.emit(RunCancelled(generation=3))  # after close: ignored
     assert [e async for e in events] == [] and events.closed and events.emitted == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_stream_that_asks_for_the_timeline_gets_every_actor_s_spans(backend: str) -> None:
+    lm = small_lm(backend)
+    plain = RunEvents()
+    await lm.run(events=plain)
+    with_timeline = RunEvents(timeline=True)
+    result = await lm.run(events=with_timeline)
+    untimed = [e for e in await _drain(plain) if isinstance(e, RunFinished)]
+    finished = [e for e in await _drain(with_timeline) if isinstance(e, RunFinished)]
+    assert untimed[0].timeline == ()
+    spans = finished[0].timeline
+    assert finished[0].result is result
+    assert [s.start_s for s in spans] == sorted(s.start_s for s in spans)
+    assert {(s.rank, s.actor) for s in spans} == {
+        (rank, actor) for rank in (0, 1) for actor in ("compute", "copy", "p2p")
+    }
+    for rank in (0, 1):  # every forward and backward of the rank's 4 micro-batches
+        names = [s.name for s in spans if s.rank == rank and s.actor == "compute"]
+        assert sorted(n for n in names if n[0] in "FB") == sorted(
+            f"{kind}{micro}.{rank}" for kind in "FB" for micro in range(4)
+        )
+    copies = [s for s in spans if s.actor == "copy"]
+    assert len(copies) == sum(stats.copies for stats in result.ranks)
+    assert all(s.duration_s >= 0 and s.start_s >= 0 for s in spans)
+    with pytest.raises(ValueError, match="timeline must be a bool, got 'yes'"):
+        RunEvents(timeline="yes")  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """``ppswap serve`` as a real server: a uvicorn process on loopback. Start it, train, follow
 a job's server-sent events as they come and cancel it inside a step, train the next job,
 scrape the metrics, stop it gracefully; then kill one mid-job and restart it on the same
-store: the job in flight is listed as interrupted. Every wait has a deadline."""
+store: the job in flight is listed as interrupted, and resumed from its last checkpoint
+it ends with the losses of an uninterrupted run. Every wait has a deadline."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ async def test_a_uvicorn_server_trains_streams_cancels_and_survives_a_crash(
                             answer = await client.delete(f"/runs/{long_job}")
                             assert answer.status_code == 202
             # the stream went on as the job happened, and ended with it
-            assert kinds[:3] == ["JobState", "JobState", "RunStarted"]
+            assert kinds[:4] == ["JobState", "JobState", "SavedBytesWithoutSwap", "RunStarted"]
             assert kinds[-2:] == ["RunCancelled", "JobState"] and "StepFinished" not in kinds
             cancelled = await wait_state(client, long_job, "cancelled")
             assert cancelled["steps_done"] == 0
@@ -106,21 +107,36 @@ async def test_a_uvicorn_server_trains_streams_cancels_and_survives_a_crash(
     assert ("job_cancelled", long_job) in by_run and ("job_finished", next_job) in by_run
     assert sum(entry["event"] == "step_finished" for entry in logged) == 2
 
-    # A crash mid-job (SIGKILL: no shutdown at all), then a restart on the same store.
+    # A crash mid-job (SIGKILL: no shutdown at all), then a restart on the same store and
+    # the job resumed from its last checkpoint.
+    body = TINY | {"steps": 40, "momentum": 0.9}
     with server(db, port, log) as process:
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
             await wait_up(client, process)
-            doomed = (await client.post("/runs", json=TINY | {"steps": 500})).json()["id"]
+            doomed = (await client.post("/runs", json=body)).json()["id"]
             with anyio.fail_after(120):
-                while (await client.get(f"/runs/{doomed}")).json()["steps_done"] < 1:
-                    await anyio.sleep(0.05)
+                while (await client.get(f"/runs/{doomed}")).json()["steps_done"] < 2:
+                    await anyio.sleep(0.02)
         process.kill()
         process.wait(timeout=30)
     with server(db, port, log) as process:
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
             await wait_up(client, process)
             runs = {run["id"]: run for run in (await client.get("/runs")).json()["runs"]}
+            resumed = await client.post(f"/runs/{doomed}/resume")
+            assert resumed.status_code == 202, resumed.text
+            done = await wait_state(client, doomed, "finished")
+            # the same job, uninterrupted, in the same server (a process launched from
+            # here may load other kernels than this one: MindSpore's import sets its
+            # LD_LIBRARY_PATH, which the server inherits)
+            again = (await client.post("/runs", json=body)).json()["id"]
+            uninterrupted = await wait_state(client, again, "finished")
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
-    assert runs[doomed]["state"] == "interrupted" and runs[doomed]["steps_done"] >= 1
+    interrupted_at = runs[doomed]["steps_done"]
+    assert runs[doomed]["state"] == "interrupted" and 2 <= interrupted_at < 40
+    # the checkpoint is written just before the record: at most one step ahead of it
+    assert resumed.json()["steps_done"] in (interrupted_at, interrupted_at + 1)
     assert runs[long_job]["state"] == "cancelled" and runs[next_job]["state"] == "finished"
+    assert done["losses"] == uninterrupted["losses"] and len(set(done["losses"])) == 40
+    assert done["losses"][:interrupted_at] == runs[doomed]["losses"]
