@@ -44,13 +44,7 @@ from ppswap.backends.base import Backend, ForwardScope
 from ppswap.core.faults import FaultPlan
 from ppswap.core.transport import MultiProcessTransport, Transport, is_multi_process
 from ppswap.fsdp.mesh import DeviceMesh
-from ppswap.fsdp.plan import (
-    check_mesh,
-    check_process_stages,
-    replica_of,
-    resolve_mesh,
-    world_orders,
-)
+from ppswap.fsdp.plan import MeshPlan, plan_mesh
 from ppswap.moe.split import check_expert_stages
 from ppswap.options import RunOptions
 from ppswap.scheduler.budget import BudgetPlan, plan_memory_budget
@@ -133,8 +127,8 @@ class RunPlan:
     targets: Any
     trace: Path | None
     channel_capacity: int
-    # FSDP: the DP x PP mesh; ranks are then world ranks and ``orders`` is indexed by them.
-    mesh: DeviceMesh | None = None
+    # FSDP: the checked DP x PP layout; ranks are then world ranks, ``orders`` indexed by them.
+    mesh_plan: MeshPlan | None = None
     forward_scope: ForwardScope = nullcontext
     # Parameters several stages hold (tied embeddings): summed by TIED_GRAD_SUM steps.
     ties: Ties = NO_TIES
@@ -178,19 +172,19 @@ class RunPlan:
         """A forward-only run without ``loss_fn``: its result is the last stage's outputs."""
         return self.options.forward_only and self.loss_fn is None
 
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The FSDP mesh (None without one)."""
+        return None if self.mesh_plan is None else self.mesh_plan.mesh
+
     def stages_of(self, rank: int) -> tuple[PipelineStage, ...]:
-        if self.mesh is not None:
-            coords = self.mesh.coords(rank)
-            return tuple(
-                s
-                for s in self.stages
-                if self.config.rank_of(s.stage_index) == coords.pp and replica_of(s) == coords.dp
-            )
+        if self.mesh_plan is not None:
+            return self.mesh_plan.stages_of(rank, self.stages, self.config.rank_of)
         return tuple(s for s in self.stages if self.config.rank_of(s.stage_index) == rank)
 
     def dp_index(self, rank: int) -> int:
         """The data-parallel replica of ``rank`` (0 without a mesh)."""
-        return 0 if self.mesh is None else self.mesh.coords(rank).dp
+        return 0 if self.mesh_plan is None else self.mesh_plan.dp_index(rank)
 
 
 def prepare_run(
@@ -210,13 +204,12 @@ def prepare_run(
     backend = _check_backend(stage_list)
     stage_num = stage_list[0].stage_num
     distributed = _multi_process(options.transport)
-    mesh = resolve_mesh(stage_list, options.mesh)
+    mesh_plan = plan_mesh(stage_list, options.mesh, options.pp, distributed)
+    mesh = None if mesh_plan is None else mesh_plan.mesh
     check_expert_stages(stage_list, mesh, one_process=distributed is None)
     pp = _resolve_pp(options, stage_num, distributed, mesh)
     config = options.schedule_config(pp=pp, vpp=stage_num // pp, fsdp=mesh is not None)
-    if mesh is not None:
-        check_mesh(mesh, pp, distributed)
-    local_ranks = _check_coverage(stage_list, config, distributed, mesh)
+    local_ranks = _check_coverage(stage_list, config, distributed, mesh_plan)
     check_data(
         backend, stage_list, options, inputs, targets, loss_fn, 1 if mesh is None else mesh.dp
     )
@@ -226,7 +219,8 @@ def prepare_run(
         orders = budget.orders
     else:
         orders = planned_orders(config, options.swap_policy, options.cost_model, recompute)
-    orders = world_orders(orders, mesh)
+    if mesh_plan is not None:
+        orders = mesh_plan.world_orders(orders)
     ties = plan_ties(stage_list, backend, config, mesh, distributed=distributed is not None)
     return RunPlan(
         options=options,
@@ -240,7 +234,7 @@ def prepare_run(
         targets=targets,
         trace=None if trace is None else Path(trace),
         channel_capacity=max(_p2p_requests(order) for order in orders) + 1,
-        mesh=mesh,
+        mesh_plan=mesh_plan,
         ties=ties,
         budget=budget,
         forward_scope=backend.caller_forward_scope(
@@ -285,11 +279,6 @@ def _check_stages(stages: Sequence[PipelineStage]) -> list[PipelineStage]:
     stage_nums = {s.stage_num for s in stages}
     if len(stage_nums) != 1:
         raise ValueError(f"stages must agree on stage_num, got {sorted(stage_nums)}")
-    indices = [s.stage_index for s in stages]
-    if len({(s.stage_index, replica_of(s)) for s in stages}) != len(indices):
-        raise ValueError(
-            f"stages must not repeat a stage index (per dp replica), got {sorted(indices)}"
-        )
     return list(stages)
 
 
@@ -330,8 +319,7 @@ def _resolve_pp(
 ) -> int:
     pp = options.pp
     if mesh is not None:
-        # check_mesh checks pp against the mesh, and the world size against mesh.world_size
-        pp = mesh.pp if pp is None else pp
+        pp = mesh.pp  # plan_mesh checked a given pp and the world size against the mesh
     elif distributed is not None:
         world = distributed.world_size
         if pp is not None and pp != world:
@@ -362,38 +350,34 @@ def _check_coverage(
     stages: Sequence[PipelineStage],
     config: ScheduleConfig,
     distributed: MultiProcessTransport | None,
-    mesh: DeviceMesh | None,
+    mesh_plan: MeshPlan | None,
 ) -> tuple[int, ...]:
-    """The ranks this process runs; the stages must be exactly theirs."""
-    if distributed is not None and mesh is not None:
-        # One process per world rank: pipeline rank w % pp of dp replica w // pp.
-        rank = distributed.rank
-        check_process_stages(stages, mesh, rank, config.stages_of(mesh.coords(rank).pp))
-        return (rank,)
-    if distributed is not None:
-        local_ranks: tuple[int, ...] = (distributed.rank,)
-        expected = set(config.stages_of(distributed.rank))
-        where = f"rank {distributed.rank} (of {config.pp})"
+    """The ranks this process runs; the stage indices given must be exactly theirs, each
+    once (with a mesh in one process: per dp replica, which ``plan_mesh`` checked alike)."""
+    if mesh_plan is not None:
+        local_ranks = mesh_plan.local_ranks
+    elif distributed is not None:
+        local_ranks = (distributed.rank,)
     else:
         local_ranks = tuple(range(config.pp))
-        expected = set(range(config.num_stages))
+    if distributed is None:
+        expected = list(range(config.num_stages))
         where = "an in-process run"
-    given = {s.stage_index for s in stages}
-    if given != expected:
+    else:
+        rank = distributed.rank
+        pipeline_rank = rank if mesh_plan is None else mesh_plan.pipeline_rank(rank)
+        expected = sorted(config.stages_of(pipeline_rank))
+        where = f"rank {rank} (of {config.pp})" if mesh_plan is None else mesh_plan.where(rank)
+    indices = sorted(s.stage_index for s in stages)
+    if distributed is None and mesh_plan is not None:
+        indices = sorted(set(indices))  # one replica's: plan_mesh checked them alike
+    elif len(set(indices)) != len(indices):
+        raise ValueError(f"stages must not repeat a stage index, got {indices}")
+    if indices != expected:
         raise ValueError(
-            f"stages must cover stage indices {sorted(expected)} exactly once for {where}, "
-            f"got {sorted(s.stage_index for s in stages)}"
+            f"stages must cover stage indices {expected} exactly once for {where}, got {indices}"
         )
-    if mesh is None:
-        return local_ranks
-    pairs = sorted((s.stage_index, replica_of(s)) for s in stages)
-    wanted = sorted((index, d) for index in expected for d in range(mesh.dp))
-    if pairs != wanted:
-        raise ValueError(
-            f"stages must hold every stage index {sorted(expected)} once per dp replica "
-            f"0..{mesh.dp - 1} (mesh={mesh!r}), got (stage, dp_rank) pairs {pairs}"
-        )
-    return tuple(range(mesh.world_size))
+    return local_ranks
 
 
 def split_batches(plan: RunPlan) -> Batches:

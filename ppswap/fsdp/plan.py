@@ -1,22 +1,23 @@
-"""How a run with fully_shard()-ed stages is laid out: checks and per-world-rank pieces.
+"""How a run with fully_shard()-ed stages is laid out: one checked ``MeshPlan``.
 
-Used by ``ppswap.actors.prepare`` (before anything runs) and ``ppswap.actors.runtime``:
+``plan_mesh`` is what run assembly (``ppswap.actors.prepare``) asks, once, before
+anything runs: the run's mesh, read from its stages (every stage sharded with one mesh,
+or none) and checked against an explicit ``mesh=`` and ``pp=``, the transport (across
+processes: one process per world rank, with collectives) and the stages' replicas (in
+one process every dp replica holds the same stage indices, each once; across processes,
+this process's stages are those of its world rank's replica). The ``MeshPlan`` it returns
+answers the rest: the world ranks this process runs, each world rank's stages and dp
+replica, the pipeline orders as every world rank runs them.
 
-- ``resolve_mesh``: the mesh of a run, read from its stages (every stage sharded with one
-  mesh, or none) and checked against an explicit ``mesh=`` argument;
-- ``check_mesh``: the mesh must match the run's ranks (``mesh.pp`` pipeline ranks; across
-  processes, one process per world rank over a transport with collectives);
-- ``check_process_stages``: across processes, this process's stages must be those of its
-  world rank (pipeline rank ``w % pp`` of dp replica ``w // pp``);
-- ``replica_of``: the dp replica a stage belongs to (0 for an unsharded stage);
-- ``world_orders``: the pipeline ranks' orders as every world rank runs them;
-- ``collectives_for``: the collective side of a transport (None for a P2P-only one);
-- ``param_storage_bytes``: measured parameter bytes of unsharded stages (pp-only runs).
+Also here: ``replica_of`` (the dp replica a stage belongs to, 0 for an unsharded stage),
+``collectives_for`` (the collective side of a transport, None for a P2P-only one) and
+``param_storage_bytes`` (measured parameter bytes of unsharded stages: pp-only runs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ppswap.core.transport import (
     CollectiveTransport,
@@ -30,15 +31,7 @@ from ppswap.fsdp.shard import fsdp_state_of
 from ppswap.scheduler.steps import Order
 from ppswap.stage import PipelineStage
 
-__all__ = [
-    "check_mesh",
-    "check_process_stages",
-    "collectives_for",
-    "param_storage_bytes",
-    "replica_of",
-    "resolve_mesh",
-    "world_orders",
-]
+__all__ = ["MeshPlan", "collectives_for", "param_storage_bytes", "plan_mesh", "replica_of"]
 
 
 def replica_of(stage: PipelineStage) -> int:
@@ -47,7 +40,115 @@ def replica_of(stage: PipelineStage) -> int:
     return 0 if state is None else state.dp_rank
 
 
-def resolve_mesh(stages: Sequence[PipelineStage], mesh: object) -> DeviceMesh | None:
+@dataclass(frozen=True, slots=True)
+class MeshPlan:
+    """The checked FSDP layout of a run (module docstring). ``world_rank``: this process's
+    world rank when each world rank is its own process, None when they all run here."""
+
+    mesh: DeviceMesh
+    world_rank: int | None
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The world ranks this process runs."""
+        if self.world_rank is not None:
+            return (self.world_rank,)
+        return tuple(range(self.mesh.world_size))
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.dp
+
+    def dp_index(self, rank: int) -> int:
+        """The dp replica of world rank ``rank``."""
+        return self.mesh.coords(rank).dp
+
+    def pipeline_rank(self, rank: int) -> int:
+        """The pipeline rank world rank ``rank`` runs (``rank % pp``)."""
+        return self.mesh.coords(rank).pp
+
+    def where(self, rank: int) -> str:
+        """World rank ``rank`` described for an error message."""
+        coords = self.mesh.coords(rank)
+        return (
+            f"world rank {rank}, pipeline rank {coords.pp} of dp replica {coords.dp} "
+            f"(mesh={self.mesh!r}: world rank w is pipeline rank w % pp of replica w // pp)"
+        )
+
+    def stages_of(
+        self, rank: int, stages: Sequence[PipelineStage], rank_of: Callable[[int], int]
+    ) -> tuple[PipelineStage, ...]:
+        """The stages world rank ``rank`` runs: those of its replica whose stage index the
+        schedule places (``rank_of``) on its pipeline rank."""
+        coords = self.mesh.coords(rank)
+        return tuple(
+            s for s in stages if rank_of(s.stage_index) == coords.pp and replica_of(s) == coords.dp
+        )
+
+    def world_orders(self, orders: Sequence[Order]) -> tuple[Order, ...]:
+        """Orders indexed by world rank: rank ``w`` runs pipeline rank ``w % pp``'s order
+        with its peers in its own replica."""
+        mesh = self.mesh
+        if len(orders) != mesh.pp:
+            raise ValueError(f"expected {mesh.pp} pipeline orders for {mesh!r}, got {len(orders)}")
+        return tuple(
+            order_for_world_rank(orders[rank % mesh.pp], mesh, rank)
+            for rank in range(mesh.world_size)
+        )
+
+
+def plan_mesh(
+    stages: Sequence[PipelineStage],
+    mesh: object,
+    pp: int | None,
+    transport: MultiProcessTransport | None,
+) -> MeshPlan | None:
+    """The run's ``MeshPlan``, every check of the mesh done; None when no stage is
+    fully_shard()-ed (and no ``mesh`` given). ``mesh``, ``pp``: the run's options;
+    ``transport``: the multi-process transport (None in one process). Each refusal is a
+    TypeError or ValueError naming the value and what is allowed."""
+    found = _resolve_mesh(stages, mesh)
+    if found is None:
+        return None
+    _check_mesh(found, found.pp if pp is None else pp, transport)
+    if transport is None:
+        _check_replicas(stages, found)
+        return MeshPlan(found, None)
+    plan = MeshPlan(found, transport.rank)
+    _check_process_replica(stages, plan, transport.rank)
+    return plan
+
+
+def _check_replicas(stages: Sequence[PipelineStage], mesh: DeviceMesh) -> None:
+    """In one process: every dp replica 0..dp-1 holds the same stage indices, each once."""
+    pairs = sorted((s.stage_index, replica_of(s)) for s in stages)
+    if len(set(pairs)) != len(pairs):
+        raise ValueError(
+            f"stages must not repeat a stage index (per dp replica), got (stage, dp_rank) "
+            f"pairs {pairs}"
+        )
+    indices = sorted({index for index, _ in pairs})
+    wanted = sorted((index, d) for index in indices for d in range(mesh.dp))
+    if pairs != wanted:
+        raise ValueError(
+            f"stages must hold every stage index {indices} once per dp replica "
+            f"0..{mesh.dp - 1} (mesh={mesh!r}), got (stage, dp_rank) pairs {pairs}"
+        )
+
+
+def _check_process_replica(stages: Sequence[PipelineStage], plan: MeshPlan, rank: int) -> None:
+    """Across processes: world rank ``rank``'s stages are all of its dp replica ``rank //
+    pp`` (which stage indices: ``ppswap.actors.prepare``, from the schedule)."""
+    dp = plan.dp_index(rank)
+    wrong = sorted((s.stage_index, replica_of(s)) for s in stages if replica_of(s) != dp)
+    if wrong:
+        raise ValueError(
+            f"stages must be fully_shard()-ed with dp_rank={dp} for {plan.where(rank)}, got "
+            f"(stage, dp_rank) pairs {wrong}"
+        )
+
+
+def _resolve_mesh(stages: Sequence[PipelineStage], mesh: object) -> DeviceMesh | None:
     """The run's mesh: the one every stage was sharded with (None when no stage is).
 
     Refuses a mix of sharded and unsharded stages, stages sharded with different meshes
@@ -83,7 +184,7 @@ def resolve_mesh(stages: Sequence[PipelineStage], mesh: object) -> DeviceMesh | 
     return found
 
 
-def check_mesh(mesh: DeviceMesh, pp: int, transport: MultiProcessTransport | None) -> None:
+def _check_mesh(mesh: DeviceMesh, pp: int, transport: MultiProcessTransport | None) -> None:
     """The mesh must match the run's ranks: ``mesh.pp == pp``. ``transport`` is the
     multi-process transport (None in one process): then every world rank is its own
     process, so its world size must be ``mesh.world_size``, and it must have the
@@ -109,42 +210,6 @@ def check_mesh(mesh: DeviceMesh, pp: int, transport: MultiProcessTransport | Non
             f"for mesh={mesh!r} (one process per world rank), got world_size="
             f"{transport.world_size}"
         )
-
-
-def check_process_stages(
-    stages: Sequence[PipelineStage], mesh: DeviceMesh, rank: int, expected: Sequence[int]
-) -> None:
-    """Across processes: world rank ``rank`` runs the stage indices ``expected`` (those of
-    its pipeline rank ``rank % pp``), each once, as dp replica ``rank // pp``."""
-    coords = mesh.coords(rank)
-    where = (
-        f"world rank {rank}, pipeline rank {coords.pp} of dp replica {coords.dp} "
-        f"(mesh={mesh!r}: world rank w is pipeline rank w % pp of replica w // pp)"
-    )
-    wrong = sorted((s.stage_index, replica_of(s)) for s in stages if replica_of(s) != coords.dp)
-    if wrong:
-        raise ValueError(
-            f"stages must be fully_shard()-ed with dp_rank={coords.dp} for {where}, got "
-            f"(stage, dp_rank) pairs {wrong}"
-        )
-    given = sorted(s.stage_index for s in stages)
-    if given != sorted(expected):
-        raise ValueError(
-            f"stages must cover stage indices {sorted(expected)} exactly once for {where}, "
-            f"got {given}"
-        )
-
-
-def world_orders(orders: Sequence[Order], mesh: DeviceMesh | None) -> tuple[Order, ...]:
-    """Orders indexed by world rank: rank ``w`` runs pipeline rank ``w % pp``'s order with
-    its peers in its own replica. Without a mesh, ``orders`` unchanged."""
-    if mesh is None:
-        return tuple(orders)
-    if len(orders) != mesh.pp:
-        raise ValueError(f"expected {mesh.pp} pipeline orders for {mesh!r}, got {len(orders)}")
-    return tuple(
-        order_for_world_rank(orders[rank % mesh.pp], mesh, rank) for rank in range(mesh.world_size)
-    )
 
 
 def collectives_for(transport: Transport) -> CollectiveTransport | None:
