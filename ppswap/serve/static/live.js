@@ -98,6 +98,7 @@ function spanKind(actor, name) {
 
 function drawTimeline() {
   const svg = document.getElementById("timeline-plot");
+  const LANE_LABELS = 110;  // room for "rank 0 compute"
   const rows = state.timeline;
   const lanes = [...new Set(rows.map((r) => `${r[0]} ${r[1]}`))].sort();
   svg.setAttribute("height", Math.max(120, MARGIN.top + MARGIN.bottom + lanes.length * 22));
@@ -106,24 +107,24 @@ function drawTimeline() {
   if (rows.length === 0) return;
   const start = Math.min(...rows.map((r) => r[3]));
   const end = Math.max(...rows.map((r) => r[3] + r[4]));
-  const scale = (width - MARGIN.left - MARGIN.right) / Math.max(end - start, 1e-9);
+  const scale = (width - LANE_LABELS - MARGIN.right) / Math.max(end - start, 1e-9);
   lanes.forEach((lane, index) => {
     el("text", { x: 4, y: MARGIN.top + index * 22 + 14, class: "axis" }, svg, "rank " + lane);
   });
   for (const [rank, actor, name, begin, duration] of rows) {
     const kind = spanKind(actor, name);
     const rect = el("rect", {
-      x: MARGIN.left + (begin - start) * scale, y: MARGIN.top + lanes.indexOf(`${rank} ${actor}`) * 22,
+      x: LANE_LABELS + (begin - start) * scale, y: MARGIN.top + lanes.indexOf(`${rank} ${actor}`) * 22,
       width: Math.max(1, duration * scale), height: 18, class: "span span-" + kind, "data-kind": kind,
     }, svg);
     el("title", {}, rect, `${name} (${kind}): ${(duration * 1e3).toFixed(3)} ms`);
   }
   const bottom = MARGIN.top + lanes.length * 22 + 14;
-  el("text", { x: MARGIN.left, y: bottom, class: "axis" }, svg, "0 ms");
+  el("text", { x: LANE_LABELS, y: bottom, class: "axis" }, svg, "0 ms");
   el("text", { x: width - 80, y: bottom, class: "axis" }, svg, ((end - start) * 1e3).toFixed(1) + " ms");
   ["compute", "copy", "wait", "p2p"].forEach((kind, k) => {
-    el("rect", { x: MARGIN.left + 150 + k * 90, y: bottom - 10, width: 10, height: 10, class: "span-" + kind }, svg);
-    el("text", { x: MARGIN.left + 164 + k * 90, y: bottom, class: "legend" }, svg, kind);
+    el("rect", { x: LANE_LABELS + 150 + k * 90, y: bottom - 10, width: 10, height: 10, class: "span-" + kind }, svg);
+    el("text", { x: LANE_LABELS + 164 + k * 90, y: bottom, class: "legend" }, svg, kind);
   });
 }
 
