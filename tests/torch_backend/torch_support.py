@@ -19,16 +19,22 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from stage_runs import stage_runs_holding_chunks
 from torch import nn
+
+# tests/ (stage_runs) for the torchrun and mpiexec scripts, which put only this folder on
+# the path; under pytest it is there already.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stage_runs import stage_runs_holding_chunks
 
 from ppswap import PipelineStage, RunResult, run_schedule
 from ppswap.backends.torch.autograd import TorchRecord
