@@ -20,6 +20,7 @@ LAYERS = [
     {"errors", "scheduler"},
     {"core", "backends"},
     {"logs", "swap", "stage"},
+    {"stage_run"},
     {"results", "fsdp"},
     {"moe"},
     {"options", "events", "metrics"},
