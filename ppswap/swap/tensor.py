@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
@@ -282,18 +281,24 @@ class SwapTensor(Storage):
     ) -> None:
         """A new DEVICE entry holding ``device`` (the captured view, ``key``) with its
         capture ``fingerprint``; its storage is held on device as ``device_block``.
-        Arguments by position: one entry is made per saved view a forward captures."""
+        Arguments by position: one entry is made per saved view a forward captures, so
+        the fields are set here, not through ``Storage.__init__`` (a call less each)."""
         shape = key.shape
-        super().__init__(
-            group,
-            tag,
-            math.prod(shape) * key.itemsize,
-            shape,
-            key.dtype,
-            device,
-            fingerprint,
-            device_block,
-        )
+        count = 1
+        for n in shape:
+            count *= n
+        self.group = group
+        self.tag = tag
+        self.nbytes = count * key.itemsize
+        self.shape = shape
+        self.dtype = key.dtype
+        self._state = SwapState.DEVICE
+        self.device = device
+        self.device_block = device_block
+        self.span = None
+        self.job = None
+        self.fingerprint = fingerprint
+        self.released = False
         self._owner = owner
         self.key = key
         self.bulk = bulk
