@@ -29,7 +29,8 @@ queued, as it would not on a device of its own.
   for their inputs, the leaf whose input comes first runs first (``LocalSteps.next_batch``,
   ``BatchRun.pairs``).
 - FSDP steps are the FSDP driver's jobs (``ppswap.fsdp.driver``); after the last step its
-  ``finish`` awaits the gradient reduce-scatters and installs them (one job).
+  ``finish`` awaits the gradient reduce-scatters and installs them (one job), before a
+  TIED_GRAD_SUM, which begins a batch as the two jobs of ``ppswap.actors.tie_sum``.
 
 Every wait has a deadline (the run's step timeout, ``RunContext``); a missed deadline
 raises PipelineHangError with the flight recorder's dump, naming the step the batch was
@@ -75,6 +76,7 @@ from ppswap.actors.local_steps import BatchHooks, LocalSteps, RankInputs
 from ppswap.actors.mail import RankMail
 from ppswap.actors.p2p import P2PChannel
 from ppswap.actors.step_waits import StepWaits
+from ppswap.actors.tie_sum import TIE_GATHER_JOB, TieRankDriver
 from ppswap.core.arrival import ArrivalTimeoutError
 from ppswap.core.executor import DedicatedThread, loop_caller
 from ppswap.core.faults import ComputeFaults
@@ -92,6 +94,7 @@ __all__ = ["JOB_KINDS", "BatchMode", "ComputeActor", "RankInputs", "SwapDriver"]
 
 _FSDP_STEP = "fsdp_step"  # an FSDP_UNSHARD / FSDP_RESHARD job
 _FSDP_INSTALL = "fsdp_install"  # the install of gathered parameters: not a step
+_NOT_STEPS = frozenset({_FSDP_INSTALL, TIE_GATHER_JOB})  # jobs that serve the step after
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,7 @@ class ComputeActor:
         fsdp: FsdpRankDriver | None = None,
         mode: BatchMode = BatchMode(),
         experts: ExpertRunner | None = None,
+        ties: TieRankDriver | None = None,
     ) -> None:
         if mode.arrival_waits < 1:
             raise ValueError(f"mode.arrival_waits must be >= 1, got {mode.arrival_waits}")
@@ -135,6 +139,7 @@ class ComputeActor:
         self._copy_stream = bodies.copies
         self._recorder = recorder = run.recorder
         self._fsdp = fsdp
+        self._fsdp_finished = False
         self._experts = experts
         self._log = run.logger(self.actor_name)
         self._mode = mode
@@ -150,6 +155,7 @@ class ComputeActor:
             fsdp_job=None if fsdp is None else partial(self._fsdp_job, fsdp),
             install=None if fsdp is None else partial(self._install_job, fsdp),
             stops=None if self._faults is None else self._faults.stops,
+            tie_jobs=None if ties is None else partial(self._tie_jobs, ties),
         )
         self._local = LocalSteps(
             stages, data, self._mail, bodies, bodies.session, self._errors.failure, hooks
@@ -191,7 +197,7 @@ class ComputeActor:
         started = time.perf_counter()
         async with self._p2p, self._expert_binding():
             await self._walk()
-            if self._fsdp is not None:
+            if self._fsdp is not None and not self._fsdp_finished:
                 await self._finish_fsdp(self._fsdp)
             self._current = "final sends"
             for future in self._mail.sends:
@@ -221,6 +227,8 @@ class ComputeActor:
             if step.kind in _POSTS:
                 self._post_now(step)
                 index += 1
+            elif step.kind is StepKind.TIED_GRAD_SUM and self._fsdp and not self._fsdp_finished:
+                await self._finish_fsdp(self._fsdp)  # a tie sums the shard gradients
             else:
                 index = await self._run_batch(index)
 
@@ -267,6 +275,8 @@ class ComputeActor:
 
     @staticmethod
     def _faulted(faults: ComputeFaults, job: StepJob) -> StepJob:
+        if job.kind in _NOT_STEPS:  # a rule for the step wraps the step's own job
+            return job
         run = faults.wrap(job.step, job.run)
         if run is job.run:
             return job
@@ -314,8 +324,15 @@ class ComputeActor:
         """After the order: the gradient reduce-scatters (errors named like a step's)."""
         label = "fsdp finish"
         self._current = label
+        self._fsdp_finished = True
         with self._errors.naming(label):
             self._batches += await fsdp.finish()
+
+    def _tie_jobs(self, ties: TieRankDriver, step: MetaStep) -> Sequence[StepJob]:
+        try:
+            return ties.jobs(step)
+        except Exception as exc:
+            raise self._errors.named(step, exc) from exc
 
     # -- one batch ------------------------------------------------------------------------
     async def _execute(
@@ -379,7 +396,7 @@ class ComputeActor:
             if kind == "swap_finish" and job.arrival is not None:
                 self._waits.exposed_copy_s += waited  # waited on the thread
                 self._waited_s[job.step] = waited
-            if kind == _FSDP_INSTALL:
+            if kind in _NOT_STEPS:
                 continue
             if index not in early.applied:
                 self._apply(job.step, result)
@@ -418,18 +435,23 @@ class ComputeActor:
         posted: Sequence[tuple[int, MetaStep]],
     ) -> None:
         """The spans of the steps a batch ran: an FSDP install is no step of the order,
-        and is drawn as part of the gap before the leaf it serves."""
-        kept = [n for n, index in enumerate(ran_indices) if jobs[index].kind != _FSDP_INSTALL]
+        and is drawn as part of the gap before the leaf it serves; a TIED_GRAD_SUM's
+        gather job as part of the step's span (from the gather to the sum's end)."""
+        kept = [n for n, index in enumerate(ran_indices) if jobs[index].kind not in _NOT_STEPS]
         if len(kept) < len(ran_indices):
-            before = [0] * (len(ran_indices) + 1)  # installs among the first n that ran
+            before = [0] * (len(ran_indices) + 1)  # jobs not steps among the first n that ran
             for n, index in enumerate(ran_indices):
-                before[n + 1] = before[n] + (jobs[index].kind == _FSDP_INSTALL)
+                before[n + 1] = before[n] + (jobs[index].kind in _NOT_STEPS)
             posted = [(n - before[n], step) for n, step in posted]
+            started = [outcome.started[n] for n in kept]
+            seconds = [outcome.seconds[n] for n in kept]
+            for position, n in enumerate(kept):
+                if n and jobs[ran_indices[n - 1]].kind == TIE_GATHER_JOB:
+                    begin = outcome.started[n - 1]
+                    seconds[position] += started[position] - begin
+                    started[position] = begin
             outcome = BatchOutcome(
-                [outcome.results[n] for n in kept],
-                [outcome.started[n] for n in kept],
-                [outcome.seconds[n] for n in kept],
-                outcome.error,
+                [outcome.results[n] for n in kept], started, seconds, outcome.error
             )
         steps = [jobs[ran_indices[n]].step for n in kept]
         self._trace.batch(steps, outcome, posted)

@@ -21,7 +21,8 @@ where both wait, the batch waits for whichever comes first and runs that leaf fi
 batch; the next one starts with it. A send's payload maker also gets the
 ``RankMail.hand_off`` of the send, if any. A run's ``BatchHooks`` add the rest: FSDP
 steps join as the FSDP driver's jobs, each compute leaf after the job that installs its
-stage's gathered parameters, and a fault plan's callback ends a batch before its step.
+stage's gathered parameters, a TIED_GRAD_SUM begins a batch as its two jobs (the tie
+driver's), and a fault plan's callback ends a batch before its step.
 Every step of an order is thus a job of some batch, or a send or receive posted on the
 way. Everything here runs on the event loop.
 """
@@ -41,6 +42,7 @@ from ppswap.scheduler.steps import (
     COMPOSITE_KINDS,
     LAUNCH_OF_WAIT,
     LOCAL_KINDS,
+    TIED_GRAD_SUM,
     MetaStep,
     StepKind,
 )
@@ -83,12 +85,14 @@ class BatchHooks:
     job of an FSDP_UNSHARD / FSDP_RESHARD (the FSDP driver's); ``install(leaf)``, a job
     that must run before compute leaf ``leaf`` (the install of its stage's gathered
     parameters) or None; ``stops(step)``: the batch ends before ``step`` (a fault plan's
-    callback at it runs on the event loop first). Each may raise for a step the order
+    callback at it runs on the event loop first); ``tie_jobs(step)``, the jobs of a
+    TIED_GRAD_SUM (``ppswap.actors.tie_sum``). Each may raise for a step the order
     cannot run."""
 
     fsdp_job: Callable[[MetaStep], StepJob] | None = None
     install: Callable[[MetaStep], StepJob | None] | None = None
     stops: Callable[[MetaStep], bool] | None = None
+    tie_jobs: Callable[[MetaStep], Sequence[StepJob]] | None = None
 
 
 @dataclass(slots=True)
@@ -221,6 +225,16 @@ class LocalSteps:
                 waits_left -= waits
                 jobs.extend(leaves)
                 plan.composites.append(step)
+                index += 1
+                continue
+            if step.kind is TIED_GRAD_SUM:
+                if jobs:  # it begins its batch: the rank's FSDP gradients come first
+                    break
+                if self.hooks.tie_jobs is None:
+                    raise self.failure(
+                        step, "the order has a TIED_GRAD_SUM but this rank holds no tie"
+                    )
+                jobs.extend(self.hooks.tie_jobs(step))
                 index += 1
                 continue
             if step.kind in _FSDP_KINDS:

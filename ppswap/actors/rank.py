@@ -23,6 +23,7 @@ from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.local_steps import ARRIVAL_WAITS_PER_BATCH
 from ppswap.actors.p2p import P2PActor, p2p_channel
 from ppswap.actors.prepare import RunPlan
+from ppswap.actors.tie_sum import TieSums
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
@@ -60,6 +61,7 @@ class RankRuntime:
         log_steps: bool,
         handoff: ThreadHandoff | None = None,
         events: RunEvents | None = None,
+        ties: TieSums | None = None,
     ) -> None:
         self.rank = rank
         self.stages: tuple[PipelineStage, ...] = plan.stages_of(rank)
@@ -154,6 +156,7 @@ class RankRuntime:
             fsdp=self.fsdp,
             mode=mode,
             experts=self.experts,
+            ties=None if ties is None else ties.driver(rank, p2p_tx),
         )
         self.copy_actor = CopyStreamActor(self.copy_stream, timeout_s=plan.step_timeout)
         self.p2p_actor = P2PActor(

@@ -45,9 +45,10 @@ from ppswap.actors.data import Batches
 from ppswap.actors.distributed import abort_job, configure_transport, gather_results
 from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.p2p import InProcessTransport
-from ppswap.actors.prepare import RunPlan, prepare_run, split_batches
+from ppswap.actors.prepare import RunPlan, prepare_run, split_batches, with_tie_steps
 from ppswap.actors.rank import RankRuntime
-from ppswap.actors.ties import grads_to_give, resolve_ties, sum_tied_grads
+from ppswap.actors.tie_sum import TieSums, grads_to_give
+from ppswap.actors.ties import resolve_ties
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
@@ -166,6 +167,7 @@ class _Wiring:
     log_steps: bool
     handoff: ThreadHandoff | None
     events: RunEvents | None
+    ties: TieSums | None = None
 
     def rank(self, rank: int, plan: RunPlan, generation: int) -> RankRuntime:
         return RankRuntime(
@@ -181,6 +183,7 @@ class _Wiring:
             log_steps=self.log_steps,
             handoff=self.handoff,
             events=self.events,
+            ties=self.ties,
         )
 
 
@@ -198,9 +201,10 @@ async def _run(
     recorder.register_status("compute thread", lambda: f"running {compute.current_job}")
     recorder.register_status("transport", lambda: repr(transport.stats()))
     configure_transport(transport, plan.config.num_stages, plan.config.micro)
-    training, ties = not plan.config.forward_only, plan.ties
-    args = (plan.stages, transport, plan.config, plan.mesh, plan.step_timeout)
-    tie_groups = await resolve_ties(ties, *args) if training else ()
+    training = not plan.config.forward_only
+    args = (transport, plan.config, plan.mesh, plan.step_timeout)
+    tie_groups = await resolve_ties(plan.ties, *args) if training else ()
+    plan = with_tie_steps(plan, tie_groups)  # each holder rank's TIED_GRAD_SUM, last
     if log_steps:
         log.info("run_start", generation=generation, ranks=list(plan.local_ranks))
     if events is not None:
@@ -214,14 +218,16 @@ async def _run(
         shared = is_immediate(transport) and len(plan.local_ranks) > 1
         wrapped = plan.faults is not None and plan.faults.covers(FaultSite.P2P)
         handoff = ThreadHandoff() if shared and not wrapped else None
+        ties = None
+        if tie_groups:
+            layout = (plan.backend, plan.config, plan.mesh, runs)
+            ties = TieSums(plan.ties, tie_groups, *layout, distributed=is_distributed(transport))
         wiring = _Wiring(
-            compute, transport, engine, recorder, batches, runs, log_steps, handoff, events
+            compute, transport, engine, recorder, batches, runs, log_steps, handoff, events, ties
         )
         ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
         try:
             await _run_ranks(compute, ranks)
-            if tie_groups:  # TIED_GRAD_SUM, each holder rank's last step
-                await sum_tied_grads(ties, tie_groups, runs, plan.backend, compute, *args[1:])
             stats = await compute.run(_closed_stats, plan, ranks, runs)
         except BaseException as exc:
             error = first_pipeline_error(exc) if isinstance(exc, BaseExceptionGroup) else exc

@@ -1,12 +1,12 @@
-"""Tied parameters at run time: found when the run is planned, summed when it ends.
+"""Tied parameters, planned: which parameters several stages hold, checked before the run.
 
 A parameter several stages hold (tied embeddings: a GPT-2 head that multiplies by the
 input embedding's weight) gets, in each stage's backward, only that stage's share of its
 gradient. After a successful training run every holder's ``stage.grads`` entry for it is
 the whole gradient: the sum of the holders' shares, added in stage order (stage index
-ascending), so every holder has the same bits. The plan shows the sum as each holder
-rank's last step, TIED_GRAD_SUM (``ppswap.scheduler.ties``); the runtime runs it once the
-rank's actors are done, before the gradients are given to the parameters.
+ascending), so every holder has the same bits. Each holder rank's order ends with a
+TIED_GRAD_SUM step per set of stages it shares ties with (``orders_with_ties``,
+``ppswap.scheduler.ties``); its compute actor runs it (``ppswap.actors.tie_sum``).
 
 Ties are found two ways (``plan_ties``, from the run's planning):
 
@@ -21,23 +21,14 @@ holds the same rows of the same shape). Refused before anything runs (ValueError
 declared name that is not a trainable parameter of the stage's module, a key declared
 twice on one stage, one parameter object under two keys, a key that only one stage
 declares, and copies that differ in shape or dtype (naming both stages). Across processes
-the declarations are all-gathered once per set of stages and layout (the first run), at
-the start of the run, before any forward.
-
-Across processes a tie whose holders are on several ranks is one ``all_gather`` among
-them (every transport offers it over any group of ranks): each rank sends its holders'
-gradients, every member adds all of them in stage order (numpy, as the transports' own
-``reduce_scatter_sum``); holders on one rank are summed by the framework. Either way the
-sum is the same on every holder, and a parameter object held by several stages is given
-to the framework once (torch: ``.grad`` gets the sum once).
+every training run all-gathers the declarations among all ranks at its start, before any
+forward (``resolve_ties``): the ties, and so the orders, are the same on every rank.
 """
 
 from __future__ import annotations
 
 import json
-import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +36,6 @@ import anyio
 import numpy as np
 
 from ppswap.backends.base import Backend
-from ppswap.backends.types import HostArray, Tensor
-from ppswap.core.dtypes import BFLOAT16, is_bfloat16
-from ppswap.core.executor import DedicatedThread
 from ppswap.core.transport import Transport, is_distributed
 from ppswap.errors import PipelineHangError
 from ppswap.fsdp.mesh import DeviceMesh
@@ -56,18 +44,17 @@ from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import Order
 from ppswap.scheduler.ties import with_tie_steps
 from ppswap.stage import PipelineStage
-from ppswap.stage_run import StageRun, StageRuns
 
 __all__ = [
     "NO_TIES",
     "TieCopy",
     "TieGroup",
+    "TieHolder",
     "Ties",
-    "grads_to_give",
     "orders_with_ties",
     "plan_ties",
     "resolve_ties",
-    "sum_tied_grads",
+    "world_rank_of",
 ]
 
 _EXCHANGE_KEY = "ppswap.ties"
@@ -108,7 +95,7 @@ class TieGroup:
 
 
 @dataclass(frozen=True, slots=True)
-class _Holder:
+class TieHolder:
     """A copy held in this process: its stage and the parameter's index there."""
 
     stage: PipelineStage
@@ -127,7 +114,7 @@ class Ties:
     other processes); ``groups``: every tie with all its copies, or None until the other
     processes' declarations are gathered (``resolve_ties``)."""
 
-    local: Mapping[tuple[str, int], tuple[_Holder, ...]]
+    local: Mapping[tuple[str, int], tuple[TieHolder, ...]]
     declared: frozenset[tuple[str, int]]
     groups: tuple[TieGroup, ...] | None
 
@@ -195,7 +182,7 @@ def plan_ties(
     components: dict[Node, list[Node]] = {}
     for node in names:
         components.setdefault(find(node), []).append(node)
-    local: dict[tuple[str, int], tuple[_Holder, ...]] = {}
+    local: dict[tuple[str, int], tuple[TieHolder, ...]] = {}
     declared = set()
     for members in components.values():
         members.sort()
@@ -253,7 +240,7 @@ def _default_name(backend: Backend, stage: PipelineStage, index: int) -> str:
     return f"parameter {index} ({backend.parameter_name(stage.parameters[index])})"
 
 
-def _holder(backend: Backend, stage: PipelineStage, index: int, name: str) -> _Holder:
+def _holder(backend: Backend, stage: PipelineStage, index: int, name: str) -> TieHolder:
     param = stage.parameters[index]
     dtype = backend.numpy_dtype(param)
     copy = TieCopy(
@@ -263,7 +250,7 @@ def _holder(backend: Backend, stage: PipelineStage, index: int, name: str) -> _H
         tuple(backend.shape_of(param)),
         "?" if dtype is None else str(dtype),
     )
-    return _Holder(stage, index, copy)
+    return TieHolder(stage, index, copy)
 
 
 def _check_alike(key: str, copies: Sequence[TieCopy]) -> None:
@@ -276,7 +263,8 @@ def _check_alike(key: str, copies: Sequence[TieCopy]) -> None:
             )
 
 
-def _world_rank(config: ScheduleConfig, mesh: DeviceMesh | None, copy: TieCopy) -> int:
+def world_rank_of(config: ScheduleConfig, mesh: DeviceMesh | None, copy: TieCopy) -> int:
+    """The world rank holding ``copy`` (its pipeline rank, in its dp replica's block)."""
     rank = config.rank_of(copy.stage)
     return rank if mesh is None else rank + copy.replica * mesh.pp
 
@@ -298,7 +286,7 @@ def _groups_of(
                 "same key on two or more stages"
             )
         _check_alike(key, copies)
-        ranks = tuple(sorted({_world_rank(config, mesh, c) for c in copies}))
+        ranks = tuple(sorted({world_rank_of(config, mesh, c) for c in copies}))
         groups.append(TieGroup(key, replica, tuple(copies), ranks))
     return tuple(sorted(groups, key=lambda g: (g.replica, g.copies[0].stage)))
 
@@ -313,209 +301,48 @@ def orders_with_ties(
 
 # -- the run's start: every process's declarations -------------------------------------
 
-# What each set of stages last learned from the other processes: a memo, as the planner
-# keeps its plans (``planned_orders``), so that steps after the first exchange nothing.
-_GATHERED: weakref.WeakKeyDictionary[PipelineStage, tuple[object, tuple[TieGroup, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
-
 
 async def resolve_ties(
     ties: Ties,
-    stages: Sequence[PipelineStage],
     transport: Transport,
     config: ScheduleConfig,
     mesh: DeviceMesh | None,
     timeout_s: float,
 ) -> tuple[TieGroup, ...]:
-    """Every tie of the run with all its copies. Across processes the first run of a set
-    of stages (and after a change of layout or declarations) all-gathers every process's
-    declared copies among all ranks, before any forward: every rank of the job must run
-    it (a rank refused here fails before its first step). Raises ValueError for the
-    cross-process refusals of ``plan_ties`` (the same on every rank)."""
+    """Every tie of the run with all its copies. Across processes every training run
+    all-gathers every process's declared copies among all ranks, before any forward
+    (one small message per peer): a rank that changed its declarations since the last
+    run is seen by all, and every rank of the job takes part whether or not it declares
+    anything (a rank refused here fails before its first step). Raises ValueError for
+    the cross-process refusals of ``plan_ties`` (the same on every rank) and
+    PipelineHangError where a rank does not take part within ``timeout_s``."""
     if ties.groups is not None:
         return ties.groups
     if not is_distributed(transport):
         raise TypeError(f"transport must be a distributed one, got {type(transport).__name__}")
     mine = ties.records(declared=True)
-    memo_key = (id(transport), config.num_stages, config.pp, mesh, tuple(mine))
-    kept = [_GATHERED.get(stage) for stage in stages]
-    if kept and all(entry is not None and entry[0] == memo_key for entry in kept):
-        entry = kept[0]
-        assert entry is not None
-        return entry[1]
     body = json.dumps([[key, *_fields(copy)] for key, copy in mine]).encode()
     everyone = tuple(range(transport.world_size))
-    with _deadline(timeout_s, transport.rank, "the exchange of tied declarations"):
-        gathered = await transport.all_gather(
-            transport.rank, everyone, _EXCHANGE_KEY, np.frombuffer(body, dtype=np.uint8).copy()
-        )
+    try:
+        with anyio.fail_after(timeout_s):
+            gathered = await transport.all_gather(
+                transport.rank, everyone, _EXCHANGE_KEY, np.frombuffer(body, dtype=np.uint8).copy()
+            )
+    except TimeoutError as exc:
+        raise PipelineHangError(
+            f"the exchange of tied declarations among ranks {list(everyone)} missed its "
+            f"deadline ({timeout_s:g} s): every rank of the job must start the run",
+            rank=transport.rank,
+            actor="runtime",
+            step="tied declarations",
+            dump="(before the run: no flight recorder)",
+        ) from exc
     records: list[_Record] = []
     for array in gathered:
         for key, stage, replica, name, shape, dtype in json.loads(bytes(array).decode()):
             records.append((key, TieCopy(stage, replica, name, tuple(shape), dtype)))
-    groups = _groups_of(records + ties.records(declared=False), config, mesh)
-    for stage in stages:
-        _GATHERED[stage] = (memo_key, groups)
-    return groups
+    return _groups_of(records + ties.records(declared=False), config, mesh)
 
 
 def _fields(copy: TieCopy) -> list[object]:
     return [copy.stage, copy.replica, copy.name, list(copy.shape), copy.dtype]
-
-
-@contextmanager
-def _deadline(timeout_s: float, rank: int, what: str) -> Iterator[None]:
-    """``anyio.fail_after`` whose timeout is a PipelineHangError naming the rank."""
-    try:
-        with anyio.fail_after(timeout_s):
-            yield
-    except TimeoutError as exc:
-        raise PipelineHangError(
-            f"{what} missed its deadline ({timeout_s:g} s)",
-            rank=rank,
-            actor="runtime",
-            step="TIED_GRAD_SUM",
-            dump="(after the rank's actors ended: no flight recorder)",
-        ) from exc
-
-
-# -- the run's end: TIED_GRAD_SUM --------------------------------------------------------
-
-
-async def sum_tied_grads(
-    ties: Ties,
-    groups: Sequence[TieGroup],
-    runs: StageRuns,
-    backend: Backend,
-    compute: DedicatedThread,
-    transport: Transport,
-    config: ScheduleConfig,
-    mesh: DeviceMesh | None,
-    timeout_s: float,
-) -> None:
-    """After a successful training run: every holder's gradient of each tie (in its
-    stage's ``runs``) becomes the sum over the tie's holders, added in stage order (module
-    docstring). The framework's work runs on ``compute``; a tie held by several processes
-    is one all-gather among them, with the step deadline."""
-    mine = [g for g in groups if (g.key, g.replica) in ties.local]
-    if not mine:
-        return
-    totals: dict[tuple[str, int], HostArray] = {}
-    if is_distributed(transport) and (spread := [g for g in mine if len(g.ranks) > 1]):
-        rank = transport.rank
-        parts = await compute.run(_host_parts, ties, spread, runs, backend)
-        with _deadline(timeout_s, rank, "the sum of tied gradients"):
-            for group in spread:
-                key = (group.key, group.replica)
-                gathered = await transport.all_gather(
-                    rank, group.ranks, f"ppswap.tie.{group.replica}.{group.key}", parts[key]
-                )
-                totals[key] = _fold_gathered(group, gathered, config, mesh)
-    await compute.run(_install, ties, mine, totals, runs, backend)
-
-
-def _grad_of(backend: Backend, runs: StageRuns, holder: _Holder) -> Tensor:
-    param, grad = runs[holder.stage].run_grads()[holder.index]
-    return backend.zeros_like(param) if grad is None else grad
-
-
-def _host_parts(
-    ties: Ties, groups: Sequence[TieGroup], runs: StageRuns, backend: Backend
-) -> dict[tuple[str, int], HostArray]:
-    """Compute thread: per tie, this process's holders' gradients stacked in stage order."""
-    return {
-        (g.key, g.replica): np.stack(
-            [
-                backend.to_host(_grad_of(backend, runs, h), copy=True)
-                for h in ties.local[(g.key, g.replica)]
-            ]
-        )
-        for g in groups
-    }
-
-
-def _fold_gathered(
-    group: TieGroup,
-    gathered: Sequence[HostArray],
-    config: ScheduleConfig,
-    mesh: DeviceMesh | None,
-) -> HostArray:
-    """The sum of every holder's gradient in stage order (``g_0 + g_1 + ...``, a new
-    array), from each member rank's stacked part. bfloat16 parts are added as
-    ``ml_dtypes``' type whichever numpy type carried them (as ``sum_contributions``)."""
-    rows: dict[int, HostArray] = {}
-    for rank, part in zip(group.ranks, gathered, strict=True):
-        held = [c.stage for c in group.copies if _world_rank(config, mesh, c) == rank]
-        if part.shape[0] != len(held):
-            raise ValueError(
-                f"tied {group.key!r}: rank {rank} sent {part.shape[0]} gradients, expected "
-                f"{len(held)} (stages {held})"
-            )
-        for stage, row in zip(held, part, strict=True):
-            rows[stage] = row.view(BFLOAT16) if BFLOAT16 and is_bfloat16(row.dtype) else row
-    ordered = [rows[stage] for stage in group.stages]
-    total = ordered[0].copy()
-    for row in ordered[1:]:
-        total += row
-    return total
-
-
-def _install(
-    ties: Ties,
-    groups: Sequence[TieGroup],
-    totals: Mapping[tuple[str, int], HostArray],
-    runs: StageRuns,
-    backend: Backend,
-) -> None:
-    """Compute thread: each holder's gradient of each tie replaced by the tie's sum (a
-    host total from the other processes, or the framework's sum of the holders here).
-    One tensor per parameter object: holders of one object share it, distinct copies
-    each get their own (an optimizer may change a gradient in place)."""
-    replaced: dict[int, tuple[StageRun, list[Tensor | None]]] = {}
-    for group in groups:
-        holders = ties.local[(group.key, group.replica)]
-        total_host = totals.get((group.key, group.replica))
-        if total_host is None:
-            total: Tensor = None
-            for holder in holders:
-                grad = _grad_of(backend, runs, holder)
-                total = grad if total is None else total + grad
-        by_object: dict[int, Tensor] = {}
-        for holder in holders:
-            param = holder.stage.parameters[holder.index]
-            tensor = by_object.get(id(param))
-            if tensor is None:
-                if total_host is not None:
-                    tensor = backend.from_host(total_host.copy(), like=param)
-                elif not by_object:
-                    tensor = total
-                else:
-                    tensor = backend.from_payload(
-                        backend.to_payload(total, copy=True, host=False), like=param
-                    )
-                by_object[id(param)] = tensor
-            stage = runs[holder.stage]
-            if id(stage) not in replaced:
-                replaced[id(stage)] = (stage, [grad for _, grad in stage.run_grads()])
-            replaced[id(stage)][1][holder.index] = tensor
-    for stage, grads in replaced.values():
-        stage.replace_grads(grads)
-
-
-def grads_to_give(
-    stages: Sequence[StageRun],
-) -> tuple[list[Tensor], list[Tensor | None]]:
-    """Every stage's ``(parameter, gradient)`` pairs, each parameter object once (its
-    first stage's: after ``sum_tied_grads`` every holder's is the whole sum), as
-    ``Backend.give_grads`` takes them."""
-    params: list[Tensor] = []
-    grads: list[Tensor | None] = []
-    seen: set[int] = set()
-    for stage in stages:
-        for param, grad in stage.run_grads():
-            if id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-                grads.append(grad)
-    return params, grads

@@ -12,9 +12,10 @@ matching rule of the plan wins.
 Sites, the steps they see and what they can do:
 
 - ``COMPUTE`` (the compute actor; the step may be a leaf inside a composite): ``RAISE``
-  on the compute thread in FWD / BWD / BWD_INPUT / BWD_WEIGHT (the failure travels the
-  same path as a MindSpore error would); ``DELAY`` blocks the compute thread for
-  ``delay_s`` before the step (a stuck kernel: the step deadline applies); ``CALL`` runs
+  on the compute thread in FWD / BWD / BWD_INPUT / BWD_WEIGHT / RECOMPUTE and in a
+  TIED_GRAD_SUM's sum (the failure travels the same path as a MindSpore error would);
+  ``DELAY`` blocks the compute thread for ``delay_s`` before such a step (a stuck kernel:
+  the step deadline applies); ``CALL`` runs
   ``callback()`` on the event loop before a step of any kind (tests cancel a run at an
   exact step with it). ``ComputeFaults`` applies them on the path every run takes: RAISE
   and DELAY *wrap* the step's body in its batch, and a batch ends before a step with a
@@ -46,6 +47,7 @@ from ppswap.scheduler.steps import (
     RUNS_MODULE_KINDS,
     SEND_KINDS,
     SWAP_LAUNCH_KINDS,
+    TIED_GRAD_SUM,
     MetaStep,
     StepKind,
 )
@@ -91,8 +93,8 @@ class FaultAction(enum.Enum):
 
 # (site, action) -> the step kinds a rule may name.
 _ALLOWED: dict[tuple[FaultSite, FaultAction], frozenset[StepKind]] = {
-    (FaultSite.COMPUTE, FaultAction.RAISE): RUNS_MODULE_KINDS,
-    (FaultSite.COMPUTE, FaultAction.DELAY): RUNS_MODULE_KINDS,
+    (FaultSite.COMPUTE, FaultAction.RAISE): RUNS_MODULE_KINDS | {TIED_GRAD_SUM},
+    (FaultSite.COMPUTE, FaultAction.DELAY): RUNS_MODULE_KINDS | {TIED_GRAD_SUM},
     (FaultSite.COMPUTE, FaultAction.CALL): frozenset(StepKind),
     (FaultSite.COPY, FaultAction.RAISE): SWAP_LAUNCH_KINDS,
     (FaultSite.COPY, FaultAction.DELAY): SWAP_LAUNCH_KINDS,

@@ -12,6 +12,7 @@ are refused before the run, naming the stages.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
@@ -19,9 +20,11 @@ import pytest
 import torch
 from tied_model import TIED, lm_loss, tied_modules, tokens, unsplit
 
-from ppswap import PipelineStage, run_schedule
+from ppswap import PipelineError, PipelineStage, run_schedule
+from ppswap.core.faults import FaultPlan, call_at, fail_compute
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.fsdp.shard import full_gradients
+from ppswap.scheduler.steps import StepKind
 
 CASES = {
     "gpipe-pp4": ("gpipe", 4, 4, {}),
@@ -151,3 +154,60 @@ def test_declared_copies_must_agree() -> None:
 
 def run(stages: list[PipelineStage]) -> None:
     anyio.run(train, stages, "gpipe", 2, False)
+
+
+def assert_equals_unsplit(stages: list[PipelineStage]) -> None:
+    _, want = unsplit(len(stages))
+    last = stages[-1]
+    k_last = tied_index(last, last.module.head.weight)
+    for stage, reference in zip(stages, want, strict=True):
+        reference = reference if stage is not last else [*reference[:-1], want[0][0]]
+        for grad, expected in zip(stage.grads, reference, strict=True):
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7)
+    assert torch.equal(last.grads[k_last], stages[0].grads[0])
+
+
+@pytest.mark.asyncio
+async def test_the_sum_is_a_step_of_the_holder_ranks(tmp_path: Any) -> None:
+    """1F1B pp4: TIED_GRAD_SUM is a step the compute actors of ranks 0 and 3 run (a span
+    on their compute lane in the Chrome trace, from handing their share over to the
+    sum's end; none on ranks 1 and 2); a fault plan fails it (a PipelineError naming
+    the rank, the compute actor and the step) or cancels the run there, and the same
+    stages then train to the unsplit model's gradients."""
+    stages = stages_of(4, shared=False, declare=True)
+    trace = tmp_path / "tied.json"
+    x, y = tokens()
+    common: dict[str, Any] = {
+        "micro_batch_num": 4,
+        "inputs": x,
+        "targets": y,
+        "loss_fn": lm_loss,
+        "step_timeout": 60.0,
+    }
+    result = await run_schedule(stages, "1f1b", trace=trace, **common)
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {(e["pid"], e["args"]["name"]): e["tid"] for e in events if e["name"] == "thread_name"}
+    sums = [(e["pid"], e["tid"]) for e in events if e["ph"] == "X" and e["name"].startswith("TS")]
+    assert sorted(sums) == [(0, lanes[(0, "compute")]), (3, lanes[(3, "compute")])]
+    assert {e["name"] for e in events if e["name"].startswith("TS")} == {"TS.s0", "TS.s3"}
+    untied = await run_schedule(stages_of(4, shared=False, declare=False), "1f1b", **common)
+    pairs = zip(result.ranks, untied.ranks, strict=True)
+    steps = [tied.steps_executed - plain.steps_executed for tied, plain in pairs]
+    assert steps == [1, 0, 0, 1]  # the holders' TIED_GRAD_SUM
+    assert_equals_unsplit(stages)
+
+    fail = FaultPlan((fail_compute(StepKind.TIED_GRAD_SUM, rank=3),))
+    with pytest.raises(PipelineError) as failed:
+        await run_schedule(stages, "1f1b", faults=fail, **common)
+    error = failed.value
+    assert (error.rank, error.actor, error.step) == (3, "compute", "TS.s3"), error
+    assert "injected raise at compute of rank 3, TS.s3" in str(error)
+
+    with anyio.CancelScope() as scope:
+        cancel = FaultPlan((call_at(scope.cancel, StepKind.TIED_GRAD_SUM, rank=0),))
+        await run_schedule(stages, "1f1b", faults=cancel, **common)
+    assert scope.cancelled_caught
+
+    again = await run_schedule(stages, "1f1b", **common)
+    assert again.loss == result.loss
+    assert_equals_unsplit(stages)
