@@ -104,6 +104,22 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         json_out=True,
     ),
     Benchmark(
+        "budget",
+        "bench_budget.py",
+        "Memory budget: keep, swap or recompute per chunk",
+        "memory_budget on the torch peer model and the MindSpore demo MLP (pp2, every block "
+        "wrapped by recompute_wrapper and swap_wrapper), GPipe, 1F1B, Interleaved, 1F1B + "
+        "overlap, copies throttled fast (a tenth of a forward per chunk) and slow (two "
+        "forwards); budgets of 75% and 50% of the keep-everything peak and "
+        "recompute-everything's peak: violations, peak cut, share of chunks moved or "
+        "recomputed, predicted over measured peak and step, step over the best simple policy "
+        "that fits (keep, gap-rule swap, recompute all) and over recompute-all; planning time "
+        "of Interleaved pp8 vpp2 m64.",
+        args=("--quick", "--repeats", "2"),
+        quick_args=("--quick", "--repeats", "1", "--backend", "torch"),
+        limit_s=480.0,
+    ),
+    Benchmark(
         "memory-model",
         "memory_model_table.py",
         "Memory model per rank (pp4, m8)",
@@ -142,6 +158,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "figure for changes to the swap layer's hot path.",
         quick_args=("--sessions", "5", "--repeats", "2"),
         limit_s=120.0,
+    ),
+    Benchmark(
+        "swap-overhead-sweep",
+        "bench_swap_overhead.py",
+        "Swap's step cost by chunk size (MindSpore and torch, one process)",
+        "A pipeline step with swap over the same step without, at chunks of 64 KB to 64 MB "
+        "held in 8 saved tensors (the compute per chunk grows with its bytes), GPipe pp2 "
+        "and Interleaved 1F1B pp2 vpp2 m8, copies unthrottled; swap and no-swap runs "
+        "alternating. The target: at most 1.10x from 160 KB up.",
+        args=("--sweep", "--pairs", "3"),
+        quick_args=("--sweep", "--sizes", "64K,1M", "--pairs", "1", "--micro", "4"),
+        limit_s=1800.0,
     ),
     Benchmark(
         "runtime",
