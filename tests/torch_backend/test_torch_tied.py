@@ -20,8 +20,8 @@ import pytest
 import torch
 from tied_model import TIED, lm_loss, tied_modules, tokens, unsplit
 
-from ppswap import PipelineError, PipelineStage, run_schedule
-from ppswap.core.faults import FaultPlan, call_at, fail_compute
+from ppswap import PipelineError, PipelineHangError, PipelineStage, run_schedule
+from ppswap.core.faults import FaultPlan, call_at, delay_compute, fail_compute
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.fsdp.shard import full_gradients
 from ppswap.scheduler.steps import StepKind
@@ -210,4 +210,22 @@ async def test_the_sum_is_a_step_of_the_holder_ranks(tmp_path: Any) -> None:
 
     again = await run_schedule(stages, "1f1b", **common)
     assert again.loss == result.loss
+    assert_equals_unsplit(stages)
+
+
+@pytest.mark.asyncio
+async def test_a_stuck_sum_is_a_hang_named_at_its_step() -> None:
+    """A DELAY rule stalls rank 3's sum past the step deadline: the run ends with a
+    PipelineHangError at a TIED_GRAD_SUM of the compute actor, whose dump shows the
+    batch at the step; the same stages then train to the unsplit model's gradients."""
+    stages = stages_of(4, shared=False, declare=True)
+    x, y = tokens()
+    common: dict[str, Any] = {"micro_batch_num": 4, "inputs": x, "targets": y, "loss_fn": lm_loss}
+    stuck = FaultPlan((delay_compute(3.0, StepKind.TIED_GRAD_SUM, rank=3),))
+    with pytest.raises(PipelineHangError) as hung:
+        await run_schedule(stages, "1f1b", faults=stuck, step_timeout=1.0, **common)
+    error = hung.value
+    assert error.actor == "compute" and error.step in ("TS.s0", "TS.s3"), error
+    assert "compute thread: running BatchRun.run (rank 3 at TS.s3" in str(error), error
+    await run_schedule(stages, "1f1b", step_timeout=60.0, **common)
     assert_equals_unsplit(stages)
