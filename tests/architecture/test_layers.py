@@ -26,7 +26,7 @@ LAYERS = [
     {"options", "events", "metrics"},
     {"actors"},
     {"pipeline"},
-    {"cli_args"},
+    {"cli_args", "cli_budget"},
     {"cli_demo"},
     {"__init__", "demo", "cli", "__main__", "serve"},
 ]
