@@ -360,11 +360,12 @@ async def test_compute_jobs_are_counted_and_timed_per_kind() -> None:
             "backward_weight": leaves[StepKind.BWD_WEIGHT],
             "swap_prepare": launches,
             "swap_finish": launches,
+            "recompute": 0,  # nothing is recompute-wrapped here: test_torch_recompute counts it
         }
         assert dict(stats.compute_jobs) == expected
         kinds_seen.update(kind for kind, count in expected.items() if count)
         for kind, count in expected.items():
             assert (stats.compute_job_s[kind] > 0) == (count > 0), kind
-    assert kinds_seen == set(JOB_KINDS)  # the case exercises every kind
+    assert kinds_seen == set(JOB_KINDS) - {"recompute"}  # the case exercises every other kind
     total = sum(sum(rank.compute_job_s.values()) for rank in result.ranks)
     assert total < result.step_time_s  # one compute thread serves every rank
