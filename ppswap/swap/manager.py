@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
@@ -127,6 +127,8 @@ class SavedTensorSink(Protocol):
 _Region = tuple[bool, PolicyFn | None, bool | None, str | None]
 """A capture region's pack arguments: capture, policy_fn, group_swap, label."""
 _OUTSIDE: _Region = (False, None, None, "registered")
+_NO_STATE = nullcontext()
+"""The block of a ``module_state`` that added nothing (a nullcontext can be re-entered)."""
 
 
 class _RegionScope:
@@ -231,9 +233,12 @@ class Collection:
             state = self._module_states[module] = self.backend.module_state(module)
         return state
 
-    @contextmanager
-    def module_state(self, tensors: Iterable[Tensor]) -> Iterator[None]:
-        """Treat ``tensors`` as parameters (never captured or counted) inside the block."""
+    def module_state(self, tensors: Iterable[Tensor]) -> AbstractContextManager[None]:
+        """Treat ``tensors`` as parameters (never captured or counted) inside the block.
+
+        The parameters are added now, when the context manager is made (a stage passes
+        its whole module state to the collection, so usually none is new: then nothing
+        is added and the block runs in a shared no-op context)."""
         added = []
         known = self._parameter_ids
         for tensor in tensors:
@@ -242,6 +247,11 @@ class Collection:
             ptr = self.backend.storage_of(tensor).ptr
             self._parameters.setdefault(ptr, []).append(tensor)
             added.append(ptr)
+        return self._without(added) if added else _NO_STATE
+
+    @contextmanager
+    def _without(self, added: list[int]) -> Iterator[None]:
+        """Remove the parameters ``module_state`` added (by storage) when the block ends."""
         try:
             yield
         finally:
