@@ -2,7 +2,8 @@
 
 ``ppswap plan --schedule SCHEDULE --pp N [--vpp V] --micro M
 [--split-dw] [--overlap-b-f] [--p2p plain|batch|boundary] [--fsdp] [--swap] [--min-swap-gap N]
-[--swap-policy gap|peak|cost [--copy-leaves X] [--cost-budget B]] [--compute-only]
+[--swap-policy gap|peak|cost [--copy-leaves X] [--cost-budget B]] [--backend mindspore|torch]
+[--compute-only]
 [--format text|json|torch-csv] [--width N]`` prints every rank's order: the finalized order (compute
 -> FSDP -> P2P -> swap, the swapped chunks those of ``--swap-policy``), or with
 ``--compute-only`` the compute slots alone. The orders are validated (per-rank invariants,
@@ -13,7 +14,8 @@ per rank, ``simulate.memory_rows``); torch-csv is the compute orders as the CSV
 torch.distributed.pipelining writes and loads (``user_orders.csv_text``: one row per
 rank, one action per cell, ``0F0``); text is a per-rank grid (``MetaStep.short()`` cells)
 folded into blocks of at most ``--width`` columns, then a legend of every step code in it
-and, with ``--swap``, the memory model's table.
+and, with ``--swap``, the memory model's table. ``--backend`` (default mindspore) says where
+the memory model frees a chunk whose backward is split (``ScheduleConfig.saved_until``).
 
 ``ppswap plot`` takes the same schedule and swap options and draws the diagram, with the
 swap plan only with ``--swap`` (as ``plan``). ``--swap-policy cost`` plans with
@@ -49,6 +51,7 @@ from ppswap.scheduler.config import (
     DEFAULT_MIN_SWAP_GAP,
     P2P_MODES,
     SCHEDULE_NAMES,
+    SavedUntil,
     ScheduleConfig,
 )
 from ppswap.scheduler.cost import (
@@ -71,6 +74,7 @@ from ppswap.scheduler.validate import validate_all, validate_order
 
 __all__ = [
     "CLI_COPY_LEAVES",
+    "SAVED_UNTIL_OF_BACKEND",
     "build_parser",
     "cli_cost_model",
     "format_json",
@@ -90,6 +94,8 @@ CLI_COPY_LEAVES = 1.0
 """``--copy-leaves``' default: one chunk's copy each way takes one compute leaf."""
 _CLI_CHUNK_BYTES = 1000
 _CLI_LEAF_S = 1.0
+SAVED_UNTIL_OF_BACKEND: dict[str, SavedUntil] = {"mindspore": "input", "torch": "weight"}
+"""``--backend``: each framework's ``Backend.saved_until``, without importing it."""
 
 
 def cli_cost_model(copy_leaves: float, budget: float) -> CostModel:
@@ -195,14 +201,14 @@ def plan_payload(
             if not compute_only
             else plan_orders(config, swap_policy=swap_policy, cost_model=cost_model)
         )
-        payload["memory"] = memory_rows(planned)
+        payload["memory"] = memory_rows(planned, saved_until=config.saved_until)
     return payload
 
 
 def _memory_text(config: ScheduleConfig, orders: Sequence[Order], width: int) -> str:
     """The swap memory model of ``orders`` per rank, as a table; its title wrapped at
     ``width``."""
-    rows = memory_rows(orders)
+    rows = memory_rows(orders, saved_until=config.saved_until)
     title = f"swap memory model (resident activation chunks, min_swap_gap={config.min_swap_gap}):"
     lines = [*textwrap.wrap(title, width), "rank |  swapped | peak no swap | peak swap"]
     lines += [
@@ -278,6 +284,7 @@ def _config_from_args(args: argparse.Namespace) -> ScheduleConfig:
         fsdp=args.fsdp,
         swap=args.swap,
         min_swap_gap=args.min_swap_gap,
+        saved_until=SAVED_UNTIL_OF_BACKEND[args.backend],
     )
 
 
@@ -363,6 +370,13 @@ def _add_schedule_arguments(plan: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MIN_SWAP_GAP,
         help=f"smallest FWD->BWD gap that is swapped (default {DEFAULT_MIN_SWAP_GAP})",
+    )
+    plan.add_argument(
+        "--backend",
+        choices=tuple(SAVED_UNTIL_OF_BACKEND),
+        default="mindspore",
+        help="the framework whose memory the model predicts: with a dx/dw split, mindspore "
+        "frees a chunk at its BWD_INPUT, torch at its BWD_WEIGHT (default mindspore)",
     )
     plan.add_argument(
         "--swap-policy",

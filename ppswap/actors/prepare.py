@@ -208,7 +208,10 @@ def prepare_run(
     mesh = None if mesh_plan is None else mesh_plan.mesh
     check_expert_stages(stage_list, mesh, one_process=distributed is None)
     pp = _resolve_pp(options, stage_num, distributed, mesh)
-    config = options.schedule_config(pp=pp, vpp=stage_num // pp, fsdp=mesh is not None)
+    config = replace(
+        options.schedule_config(pp=pp, vpp=stage_num // pp, fsdp=mesh is not None),
+        saved_until=backend.saved_until,  # where the framework frees a split chunk
+    )
     local_ranks = _check_coverage(stage_list, config, distributed, mesh_plan)
     check_data(
         backend, stage_list, options, inputs, targets, loss_fn, 1 if mesh is None else mesh.dp

@@ -40,6 +40,7 @@ import numpy as np
 from ppswap.backends.autograd import Autograd
 from ppswap.backends.types import HostArray, Module, PackHook, Tensor, UnpackHook
 from ppswap.core.oneshot import OneShot
+from ppswap.scheduler.config import SavedUntil
 
 __all__ = [
     "NO_STORAGE",
@@ -270,6 +271,11 @@ class Backend(Protocol):
     module_name: str
     """Its module type, for messages: ``"mindspore.nn.Cell"``, ``"torch.nn.Module"``."""
     autograd: Autograd
+    saved_until: SavedUntil
+    """When a chunk whose backward is split frees its saved tensors: ``"input"`` at its
+    BWD_INPUT, ``"weight"`` at its BWD_WEIGHT (``"weight"`` exactly where
+    ``autograd.defers_weight_grads``). Run planning hands it to the scheduler's memory
+    model (``ScheduleConfig.saved_until``)."""
 
     # -- modules and parameters -------------------------------------------------------
     def is_module(self, obj: object) -> bool: ...

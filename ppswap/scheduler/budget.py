@@ -10,8 +10,9 @@ measured on a stage is not used there.
 
 The memory model, in bytes, at every compute slot of a rank's swap-free order (the peak
 is reached at a compute slot: docs/memory-model.md). A chunk counts from its FWD's slot
-to its release: its consumer's slot (BWD, or BWD_INPUT), or with the dx/dw split its
-BWD_WEIGHT's (torch frees a split chunk only there; on MindSpore this over-counts):
+to its release: its consumer's slot (BWD, or BWD_INPUT), or with the dx/dw split and
+``config.saved_until="weight"`` its BWD_WEIGHT's (torch frees a split chunk only there;
+MindSpore at its BWD_INPUT, ``"input"``):
 
 - kept: ``kept`` bytes throughout;
 - swapped (the gap rule's chunks only: ``swap_plan``'s anchors): ``kept - moved`` over its
@@ -57,8 +58,8 @@ from ppswap.scheduler.cost_memory import candidates_of
 from ppswap.scheduler.cost_model import CostModel, simulate_run
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.recompute_plan import ChunkPolicy, orders_for_policies
+from ppswap.scheduler.simulate import release_kinds
 from ppswap.scheduler.steps import (
-    BWD_WEIGHT,
     CONSUMER_KINDS,
     FWD,
     SWAP_LAUNCH_LOAD,
@@ -184,16 +185,16 @@ def _chunk_models(
     first: dict[Chunk, int] = {}
     consumer: dict[Chunk, int] = {}
     last: dict[Chunk, int] = {}
+    released = release_kinds(config.saved_until)
     slots = compute_slots(plain)
     for slot in slots:
         for leaf in slot.leaves:
             if leaf.kind is FWD:
                 first[leaf.chunk] = slot.slot
-            elif leaf.kind in CONSUMER_KINDS:
+            if leaf.kind in CONSUMER_KINDS:
                 consumer[leaf.chunk] = slot.slot
-                last[leaf.chunk] = max(last.get(leaf.chunk, slot.slot), slot.slot)
-            elif leaf.kind is BWD_WEIGHT:
-                last[leaf.chunk] = max(last.get(leaf.chunk, slot.slot), slot.slot)
+            if leaf.kind in released:
+                last[leaf.chunk] = slot.slot
     windows: dict[Chunk, tuple[int, int]] = {}
     if config.swap:
         candidates, _ = candidates_of(config, rank, plain)

@@ -25,6 +25,7 @@ from ppswap.scheduler.families import (
 __all__ = [
     "DEFAULT_MIN_SWAP_GAP",
     "P2PMode",
+    "SavedUntil",
     "ScheduleConfig",
     "ScheduleName",
     "check_schedule_options",
@@ -34,8 +35,13 @@ ScheduleName = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"
 ]
 P2PMode = Literal["plain", "batch", "boundary"]
+SavedUntil = Literal["input", "weight"]
+"""When a chunk whose backward is split (BWD_INPUT, then BWD_WEIGHT) frees its saved
+tensors: ``"input"`` at its BWD_INPUT (MindSpore computes dx and dw there), ``"weight"``
+at its BWD_WEIGHT (torch's weight pass reads the graph's saved tensors)."""
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
 P2P_MODES: tuple[str, ...] = get_args(P2PMode)
+SAVED_UNTIL: tuple[str, ...] = get_args(SavedUntil)
 DEFAULT_MIN_SWAP_GAP = 4
 
 
@@ -87,6 +93,8 @@ class ScheduleConfig:
     families of ``ppswap.scheduler.families`` (their own rules). ``order``: every rank's
     compute order given from outside (``ppswap.scheduler.user_orders``); it replaces the
     family's order and placement, and ``schedule`` is then only a label.
+    ``saved_until``: the framework's release point of a split chunk (:data:`SavedUntil`),
+    set by run planning from the backend; every memory prediction reads it.
     """
 
     schedule: ScheduleName = "gpipe"
@@ -101,6 +109,7 @@ class ScheduleConfig:
     min_swap_gap: int = DEFAULT_MIN_SWAP_GAP
     forward_only: bool = False
     order: ComputeOrders | None = None
+    saved_until: SavedUntil = "input"
 
     def __post_init__(self) -> None:
         check_schedule_options(
@@ -116,6 +125,7 @@ class ScheduleConfig:
         check_int("vpp", self.vpp, 1)
         check_int("micro", self.micro, 1)
         check_bool("fsdp", self.fsdp)
+        check_one_of("saved_until", self.saved_until, SAVED_UNTIL)
         if self.order is not None:
             self._check_order()
         elif self.schedule in FAMILIES:

@@ -1,7 +1,8 @@
 """The cost policy's memory model: a rank's peak under a chunk selection, without re-planning.
 
-The memory model is ``simulate.memory_profile`` (resident chunks at every top-level step).
-Two facts about it make a selection's peak cheap to update:
+The memory model is ``simulate.memory_profile`` (resident chunks at every top-level step;
+a split chunk released where ``config.saved_until`` says). Two facts about it make a
+selection's peak cheap to update:
 
 - The peak is reached at a compute slot. Between two compute slots the swap steps only
   release (SWAP_WAIT_OFFLOAD) and then re-allocate (SWAP_LAUNCH_LOAD: every offload wait
@@ -112,7 +113,9 @@ def candidates_of(
     config: ScheduleConfig, rank: int, order: Order
 ) -> tuple[list[Candidate], RankMemory]:
     """The fixed rule's chunks of rank ``rank`` (``order`` swap-free, ``config.swap``
-    True) with their windows, in FWD order, and the rank's memory with none swapped."""
+    True) with their windows, in FWD order, and the rank's memory with none swapped
+    (a split chunk held until ``config.saved_until``'s step: a window still ends at the
+    load before the BWD_INPUT, since the chunk is back on device from there)."""
     plans = [plan for plan in plan_swap(order, config) if plan.eligible]
     end: dict[Chunk, int] = {}
     slots = 0
@@ -121,7 +124,7 @@ def candidates_of(
             slots += 1
         elif step.kind is StepKind.SWAP_LAUNCH_LOAD:
             end[step.chunk] = slots
-    profile = memory_profile(order)
+    profile = memory_profile(order, saved_until=config.saved_until)
     base = RankMemory.of([profile[slot.index] for slot in compute_slots(order)])
     candidates = [
         Candidate(rank, plan.chunk, plan.gap, plan.fwd_slot, plan.fwd_slot + 2, end[plan.chunk])

@@ -24,8 +24,9 @@ Selection, per rank (ranks do not interact: a rank's memory depends on its own o
 2. Pruned, last chosen first: a chunk whose removal leaves the peak where it is goes.
 
 Peaks are in resident chunks, the model of ``simulate.memory_profile`` that the gap rule's
-predictions use; chunks of one rank are taken as equal in size (on the last stage the loss
-adds to its chunks). Below its peak a rank holds more chunks than under the fixed rule, so
+predictions use (a split chunk held until ``config.saved_until``'s step); chunks of one
+rank are taken as equal in size (on the last stage the loss adds to its chunks). Below
+its peak a rank holds more chunks than under the fixed rule, so
 what else the device holds at those moments (gradients, a backward's temporaries) meets
 more activations than before: the fixed rule stays the default for that reason, and
 because the published memory figures are its.

@@ -37,7 +37,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
-from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.config import SavedUntil, ScheduleConfig
 from ppswap.scheduler.cost import CostModel, SwapPolicy, build_orders
 from ppswap.scheduler.simulate import (
     CopyWindow,
@@ -246,16 +246,25 @@ def _draw_rank(
 
 
 def _draw_memory(
-    ax: Axes, timeline: Timeline, orders: Sequence[Order], columns: int, swap: bool
+    ax: Axes,
+    timeline: Timeline,
+    orders: Sequence[Order],
+    columns: int,
+    swap: bool,
+    saved_until: SavedUntil,
 ) -> None:
     """Resident chunks per rank: with ``swap``, swap (solid) against no swap (dashed);
-    without, the no-swap line alone (solid)."""
+    without, the no-swap line alone (solid); a split chunk held until ``saved_until``."""
     xs = list(range(columns + 1))
     styles = ((False, "--"), (True, "-")) if swap else ((False, "-"),)
     for rank, order in enumerate(orders):
         color = _RANK_COLORS[rank % len(_RANK_COLORS)]
         for with_swap, style in styles:
-            values = list(resident_by_column(timeline, rank, order, with_swap=with_swap))
+            values = list(
+                resident_by_column(
+                    timeline, rank, order, with_swap=with_swap, saved_until=saved_until
+                )
+            )
             values += [values[-1] if values else 0] * (columns + 1 - len(values))
             ax.step(xs, values, where="post", color=color, linestyle=style, lw=1.3)
     ax.set_ylabel("resident chunks")
@@ -364,7 +373,7 @@ def schedule_figure(
         fontsize=7,
         frameon=False,
     )
-    _draw_memory(memory_ax, timeline, orders, columns, config.swap)
+    _draw_memory(memory_ax, timeline, orders, columns, config.swap, config.saved_until)
     memory_ax.set_xticks(range(0, columns + 1, 2 if columns > 30 else 1))
     memory_ax.tick_params(axis="x", labelsize=7)
     figure.tight_layout()

@@ -15,11 +15,15 @@ Timeline
 Memory model (unit: one activation chunk ``(stage, micro)``)
     Walking one rank's order: +1 when a FWD runs; with swap, -1 at SWAP_WAIT_OFFLOAD (the
     device storage is released) and +1 at SWAP_LAUNCH_LOAD (it is allocated again); -1
-    when the chunk's BWD or BWD_INPUT completes (BWD_WEIGHT holds nothing). The profile
-    gives one value per top-level step: for a compute slot the chunks resident *while it
-    runs* (the chunk its FWD produces counts from its start, the chunk its consumer reads
-    until it completes, so an OVERLAP_B_F slot holds both), for any other step the chunks
-    resident right after it. The peak is the maximum of the profile.
+    when the chunk's *release* completes: its BWD, or, with the dx/dw split, its
+    BWD_INPUT where ``saved_until="input"`` (MindSpore: dx and dw are computed there) and
+    its BWD_WEIGHT where ``saved_until="weight"`` (torch: the weight pass reads the
+    graph's saved tensors, so a swapped chunk loaded back for its BWD_INPUT stays on device
+    until its BWD_WEIGHT). The profile gives one value per top-level step: for a compute
+    slot the chunks resident *while it runs* (the chunk its FWD produces counts from its
+    start, the chunk it releases until it completes, so an OVERLAP_B_F slot holds both),
+    for any other step the chunks resident right after it. The peak is the maximum of the
+    profile.
 """
 
 from __future__ import annotations
@@ -33,10 +37,14 @@ from ppswap.scheduler.analysis import (
     compute_slots,
     slot_dependencies,
 )
-from ppswap.scheduler.config import ScheduleConfig
+from ppswap.scheduler.checks import check_one_of
+from ppswap.scheduler.config import SAVED_UNTIL, SavedUntil, ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.steps import (
-    CONSUMER_KINDS,
+    BWD,
+    BWD_INPUT,
+    BWD_WEIGHT,
+    FWD,
     LAUNCH_OF_WAIT,
     SWAP_LAUNCH_KINDS,
     SWAP_LAUNCH_OFFLOAD,
@@ -56,6 +64,7 @@ __all__ = [
     "memory_profile",
     "memory_rows",
     "memory_table",
+    "release_kinds",
     "resident_by_column",
     "step_columns",
 ]
@@ -142,26 +151,43 @@ def build_timeline(config: ScheduleConfig, orders: Sequence[Order]) -> Timeline:
     return Timeline(num_columns=num_columns, cells=cells, bubbles=bubbles)
 
 
-def _slot_delta(slot: ComputeSlot) -> tuple[int, int]:
-    produced = sum(1 for leaf in slot.leaves if leaf.kind is StepKind.FWD)
-    consumed = sum(1 for leaf in slot.leaves if leaf.kind in CONSUMER_KINDS)
+_RELEASE_KINDS: dict[str, frozenset[StepKind]] = {
+    "input": frozenset({BWD, BWD_INPUT}),
+    "weight": frozenset({BWD, BWD_WEIGHT}),
+}
+
+
+def release_kinds(saved_until: SavedUntil) -> frozenset[StepKind]:
+    """The compute leaves that free a chunk's saved tensors: BWD, and with the dx/dw
+    split BWD_INPUT (``saved_until="input"``) or BWD_WEIGHT (``"weight"``)."""
+    check_one_of("saved_until", saved_until, SAVED_UNTIL)
+    return _RELEASE_KINDS[saved_until]
+
+
+def _slot_delta(slot: ComputeSlot, released: frozenset[StepKind]) -> tuple[int, int]:
+    produced = sum(1 for leaf in slot.leaves if leaf.kind is FWD)
+    consumed = sum(1 for leaf in slot.leaves if leaf.kind in released)
     return produced, consumed
 
 
-def memory_profile(order: Order, *, with_swap: bool = True) -> tuple[int, ...]:
+def memory_profile(
+    order: Order, *, with_swap: bool = True, saved_until: SavedUntil = "input"
+) -> tuple[int, ...]:
     """Resident activation chunks at each top-level step of ``order`` (see module doc).
 
     With ``with_swap=False`` the swap steps are ignored (they keep their entry, unchanged
     from the step before), which is the same as the profile of the order without them.
+    ``saved_until``: where a split chunk is released (``ScheduleConfig.saved_until``).
     """
     if not isinstance(with_swap, bool):
         raise TypeError(f"with_swap must be a bool, got {with_swap!r}")
+    released = release_kinds(saved_until)
     slot_at = {slot.index: slot for slot in compute_slots(order)}
     resident = 0
     profile: list[int] = []
     for index, step in enumerate(order):
         if index in slot_at:
-            produced, consumed = _slot_delta(slot_at[index])
+            produced, consumed = _slot_delta(slot_at[index], released)
             profile.append(resident + produced)
             resident += produced - consumed
             continue
@@ -238,13 +264,18 @@ def copy_windows(timeline: Timeline, rank: int, order: Order) -> tuple[CopyWindo
 
 
 def resident_by_column(
-    timeline: Timeline, rank: int, order: Order, *, with_swap: bool = True
+    timeline: Timeline,
+    rank: int,
+    order: Order,
+    *,
+    with_swap: bool = True,
+    saved_until: SavedUntil = "input",
 ) -> tuple[int, ...]:
     """Resident chunks of ``rank`` in every column: the largest profile value of the steps
     in that column, or the value carried from before when the column has none (a bubble).
-    Its maximum equals ``max(memory_profile(order, with_swap=...))``.
+    Its maximum equals ``max(memory_profile(order, with_swap=..., saved_until=...))``.
     """
-    profile = memory_profile(order, with_swap=with_swap)
+    profile = memory_profile(order, with_swap=with_swap, saved_until=saved_until)
     columns = step_columns(timeline, rank, order)
     per_column: list[int | None] = [None] * timeline.num_columns
     for column, value in zip(columns, profile, strict=True):
@@ -266,23 +297,29 @@ def memory_table(config: ScheduleConfig) -> list[dict[str, int]]:
 
     The orders are lowered with ``swap=True`` whatever ``config.swap`` says (the table is
     the prediction for a swap run); ``peak_chunks_no_swap`` is the same order with the swap
-    steps ignored. Keys: ``rank``, ``peak_chunks_no_swap``, ``peak_chunks_swap``,
-    ``eligible`` (the number of eligible chunks of the rank).
+    steps ignored; a split chunk is released as ``config.saved_until`` says. Keys:
+    ``rank``, ``peak_chunks_no_swap``, ``peak_chunks_swap``, ``eligible`` (the number of
+    eligible chunks of the rank).
     """
     if not isinstance(config, ScheduleConfig):
         raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
-    return memory_rows(build_all_orders(replace(config, swap=True)))
+    orders = build_all_orders(replace(config, swap=True))
+    return memory_rows(orders, saved_until=config.saved_until)
 
 
-def memory_rows(orders: Sequence[Order]) -> list[dict[str, int]]:
+def memory_rows(
+    orders: Sequence[Order], *, saved_until: SavedUntil = "input"
+) -> list[dict[str, int]]:
     """:func:`memory_table`'s rows for any finalized orders (one per rank), such as those of
     another swap policy (``cost.build_orders``); ``eligible`` counts the chunks the orders
-    swap."""
+    swap; ``saved_until`` as in :func:`memory_profile`."""
     return [
         {
             "rank": rank,
-            "peak_chunks_no_swap": max(memory_profile(order, with_swap=False), default=0),
-            "peak_chunks_swap": max(memory_profile(order), default=0),
+            "peak_chunks_no_swap": max(
+                memory_profile(order, with_swap=False, saved_until=saved_until), default=0
+            ),
+            "peak_chunks_swap": max(memory_profile(order, saved_until=saved_until), default=0),
             "eligible": len(eligible_chunks(order)),
         }
         for rank, order in enumerate(orders)

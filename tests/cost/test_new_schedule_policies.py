@@ -15,17 +15,17 @@ peak policy keeps the gap rule's planned peak with fewer chunks, and its measure
 the gap rule's, to the byte (but for DualPipeV, whose composites may run their two leaves
 in either order).
 
-On torch, a chunk whose backward is split keeps its saved tensors until its BWD_WEIGHT
-(``defers_weight_grads``), while the memory model releases it at BWD_INPUT: where the
-order defers a weight past later slots (Interleaved Zero Bubble's and ZBV's deferred W),
-the rank holds more than the plan says. Those cases are strict xfails here, so they fail
-loudly once the model counts the deferred weights; the numerics hold on every case.
+A chunk whose backward is split is released where the backend frees it
+(``Backend.saved_until``): MindSpore at its BWD_INPUT, torch at its BWD_WEIGHT (a swapped
+chunk loaded back for its BWD_INPUT stays on device until then). The plans here are made
+with the backend's value, as a run plans them, so the deferred weights of Interleaved
+Zero Bubble and ZBV are counted on torch and the bound holds on every case.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ import numpy as np
 import pytest
 
 from ppswap import PipelineStage, RunResult, run_schedule
+from ppswap.backends.mindspore.backend import MindSporeBackend
+from ppswap.backends.torch.backend import TorchBackend
 from ppswap.demo.model import build_mlp_stages
 from ppswap.demo.model import mse_loss as ms_mse_loss
 from ppswap.scheduler.config import ScheduleConfig
@@ -57,10 +59,6 @@ POLICIES: tuple[SwapPolicy, ...] = ("peak", "cost")
 # Planner inputs only (the runs' copies are not throttled): copies of one compute leaf
 # each way, so the cost policy keeps fewer chunks than the gap rule where its budget binds.
 TIGHT = CostModel(chunk_bytes=1000, d2h_gbps=1e-6, h2d_gbps=1e-6, leaf_s=1.0)
-TORCH_DEFERRED_W = (
-    "torch holds a split chunk until its BWD_WEIGHT; the memory model releases it at "
-    "BWD_INPUT, so a deferred W keeps more resident than planned"
-)
 
 
 def _ms_stages(stage_num: int) -> list[PipelineStage]:
@@ -82,14 +80,16 @@ def _torch_grads(stages: Sequence[PipelineStage]) -> list[list[Any]]:
     return [[g.detach().clone().numpy() for g in stage.grads] for stage in stages]
 
 
-BACKENDS: dict[str, dict[str, Callable[..., Any]]] = {
+BACKENDS: dict[str, dict[str, Any]] = {
     "mindspore": {
+        "saved_until": MindSporeBackend.saved_until,
         "stages": _ms_stages,
         "data": _ms_data,
         "loss": ms_mse_loss,
         "grads": _ms_grads,
     },
     "torch": {
+        "saved_until": TorchBackend.saved_until,
         "stages": lambda stage_num: build_flat_stages(stage_num, dim=DIM, blocks=2),
         "data": lambda: make_flat_data(2 * MICRO, DIM),
         "loss": torch_mse_loss,
@@ -133,12 +133,19 @@ def _assert_same_numbers(
             np.testing.assert_array_equal(g0, g1)
 
 
-def _config(schedule: str) -> ScheduleConfig:
-    return ScheduleConfig(schedule=schedule, pp=PP, vpp=STAGES // PP, micro=MICRO, swap=True)
+def _config(backend: str, schedule: str) -> ScheduleConfig:
+    return ScheduleConfig(
+        schedule=schedule,
+        pp=PP,
+        vpp=STAGES // PP,
+        micro=MICRO,
+        swap=True,
+        saved_until=BACKENDS[backend]["saved_until"],
+    )
 
 
-def _planned(schedule: str, policy: SwapPolicy) -> tuple[Any, ...]:
-    return build_orders(_config(schedule), policy, TIGHT if policy == "cost" else None)
+def _planned(backend: str, schedule: str, policy: SwapPolicy) -> tuple[Any, ...]:
+    return build_orders(_config(backend, schedule), policy, TIGHT if policy == "cost" else None)
 
 
 async def _pinned_per_stage(backend: str, movable: float) -> list[float]:
@@ -155,14 +162,15 @@ async def _check_policy(backend: str, schedule: str, policy: SwapPolicy) -> None
     _assert_same_numbers(off, gap)
     _assert_same_numbers(off, chosen)
 
-    orders = _planned(schedule, policy)
+    orders = _planned(backend, schedule, policy)
     planned = [len(eligible_chunks(order)) for order in orders]
     assert [rank.copies for rank in chosen[0].ranks] == [2 * n for n in planned]
     moved = next(r for r, n in zip(chosen[0].ranks, planned, strict=True) if n)
     movable = moved.offloaded_bytes / planned[moved.rank]
     pinned = await _pinned_per_stage(backend, movable)
-    config = _config(schedule)
-    for row, rank in zip(memory_rows(orders), chosen[0].ranks, strict=True):
+    config = _config(backend, schedule)
+    rows = memory_rows(orders, saved_until=config.saved_until)
+    for row, rank in zip(rows, chosen[0].ranks, strict=True):
         most_pinned = max(pinned[stage] for stage in config.stages_of(row["rank"]))
         bound = row["peak_chunks_swap"] * movable + row["peak_chunks_no_swap"] * most_pinned
         assert rank.peak_saved_bytes <= bound, (row, rank.peak_saved_bytes, bound)
@@ -188,31 +196,10 @@ async def test_mindspore_policy_is_bit_identical_within_the_planned_peak(
     await _check_policy("mindspore", schedule, policy)
 
 
-def _torch_case(schedule: str, policy: SwapPolicy) -> Any:
-    # Found by running them: the gap rule already exceeds the plan on Interleaved ZB's
-    # rank 1 (4 chunks alive where the model counts 3), the peak policy on ZBV's rank 1.
-    deferred = schedule == "interleaved_zb" or (schedule == "zbv" and policy == "peak")
-    marks = [pytest.mark.xfail(strict=True, reason=TORCH_DEFERRED_W)] if deferred else []
-    return pytest.param(schedule, policy, marks=marks, id=f"{schedule}-{policy}")
-
-
 @pytest.mark.asyncio
-@pytest.mark.parametrize(
-    ("schedule", "policy"), [_torch_case(s, p) for s in SCHEDULES for p in POLICIES]
-)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 async def test_torch_policy_is_bit_identical_within_the_planned_peak(
     schedule: str, policy: SwapPolicy
 ) -> None:
     await _check_policy("torch", schedule, policy)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("schedule", SCHEDULES)
-async def test_torch_policy_is_bit_identical(schedule: str, policy: SwapPolicy) -> None:
-    """The numbers alone, on every case (the xfails above fail only on the peak)."""
-    off = await _run("torch", schedule, pp=PP, policy=None)
-    chosen = await _run("torch", schedule, pp=PP, policy=policy)
-    _assert_same_numbers(off, chosen)
-    planned = [len(eligible_chunks(order)) for order in _planned(schedule, policy)]
-    assert [rank.copies for rank in chosen[0].ranks] == [2 * n for n in planned]

@@ -57,6 +57,7 @@ from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.backends.mindspore import recompute
 from ppswap.backends.mindspore.autograd import MindSporeAutograd
 from ppswap.backends.types import HostArray, Module, PackHook, UnpackHook
+from ppswap.scheduler.config import SavedUntil
 
 __all__ = ["MindSporeBackend", "SwapWrapperCell"]
 
@@ -148,6 +149,7 @@ class MindSporeBackend:
     name = "mindspore"
     tensor_name = "mindspore.Tensor"
     module_name = "mindspore.nn.Cell"
+    saved_until: SavedUntil = "input"  # mindspore.vjp computes dx and dw at BWD_INPUT
 
     def __init__(self) -> None:
         self.autograd: Autograd = MindSporeAutograd()

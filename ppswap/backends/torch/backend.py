@@ -67,6 +67,7 @@ from ppswap.backends.torch.hooks import CheckedHooks, top_saved_tensors_hooks
 from ppswap.backends.torch.rng import rng_scope, run_seed
 from ppswap.backends.types import HostArray, Module, PackHook, UnpackHook
 from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING, is_bfloat16
+from ppswap.scheduler.config import SavedUntil
 
 __all__ = ["SwapWrapperModule", "TorchBackend"]
 
@@ -187,6 +188,7 @@ class TorchBackend:
     name = "torch"
     tensor_name = "torch.Tensor"
     module_name = "torch.nn.Module"
+    saved_until: SavedUntil = "weight"  # the dw pass reads the graph's saved tensors
 
     def __init__(self) -> None:
         self.autograd: Autograd = TorchAutograd()
