@@ -204,7 +204,7 @@ _FRESH_PROCESS_RUN = textwrap.dedent(
     import json, sys
     import anyio, mindspore as ms, numpy as np
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    sys.path.insert(0, sys.argv[1])
+    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/.."]  # reliability_support, then tests/
     from reliability_support import GPIPE, grads_of, make_stages, run_case
 
     async def main():
