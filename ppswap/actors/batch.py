@@ -192,6 +192,13 @@ def start_batch(
     return BatchRun(jobs, announce, yield_to, arrival_timeout_s, parks=True).run()
 
 
+def _landed() -> Arrival:
+    """A wait that is over: what a job of a pair that waits for nothing counts as."""
+    arrival = Arrival("nothing to wait for")
+    arrival.land(None)
+    return arrival
+
+
 @dataclass(slots=True, eq=False, repr=False)
 class BatchRun:
     """One batch on the compute thread, resumable at a job (``start_batch``): ``run()``
@@ -216,6 +223,9 @@ class BatchRun:
     waited: list[float] = field(default_factory=list)
     resumed: bool = False  # the next job begins a part of the run: it does not yield
     parked_at: float | None = None  # when the next job parked for its arrival
+    # Jobs whose body gave the thread up (a fiber, ``core.fiber``), by job index: what
+    # each waits for before its body goes on.
+    suspended: dict[int, ThreadWait] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.pairs:
@@ -242,7 +252,7 @@ class BatchRun:
             self.resumed = False
             begin = clock()
             try:
-                if (arrival := job.arrival) is not None:
+                if (arrival := self._pending(index)) is not None:
                     paired = position in pairs and not arrival.ready
                     if paired:
                         index, job, arrival = self._first_ready(position)
@@ -258,7 +268,8 @@ class BatchRun:
                     if paired and not arrival.ready:  # blocking: whichever comes first
                         self._awaited(position).wait(self.arrival_timeout_s)
                         index, job, arrival = self._first_ready(position)
-                    arrival.wait(0.0 if self.parks else self.arrival_timeout_s)
+                    if index not in self.suspended:  # a suspended body reads its own
+                        arrival.wait(0.0 if self.parks else self.arrival_timeout_s)
                     ready = clock()
                     waited_s = ready - (begin if self.parked_at is None else self.parked_at)
                     begin, self.parked_at = ready, None
@@ -268,8 +279,15 @@ class BatchRun:
                 if type(result) is Suspended:  # a fiber gave the thread up (core.fiber)
                     if not self.parks:
                         raise RuntimeError(f"{job.step.short()} suspended on a thread it owns")
+                    self.suspended[index] = result.wait
                     self.resumed = True
+                    if position in pairs:
+                        # Its partner runs meanwhile: peers may have run the pair in the
+                        # other order, and wait for this rank's partner to go on.
+                        order[position], order[position + 1] = order[position + 1], index
+                        continue
                     return Resume(self.run, result.wait, self.arrival_timeout_s)
+                self.suspended.pop(index, None)
                 for hand_off in job.hand_offs:
                     hand_off(result)
             except Exception as exc:
@@ -299,12 +317,22 @@ class BatchRun:
         errors)."""
         return f"rank {rank} {self.now()}"
 
+    def _pending(self, index: int) -> ThreadWait | None:
+        """What job ``index`` waits for before it runs (on): its suspended body's wait,
+        else its input's arrival (None: nothing)."""
+        return self.suspended.get(index, self.jobs[index].arrival)
+
     def _pair(self, position: int) -> tuple[StepJob, StepJob, ThreadWait, ThreadWait]:
-        """The two jobs of the pair at ``position``, in their current order, and their
-        arrivals (both jobs of a pair wait for one)."""
-        first, second = self.jobs[self.order[position]], self.jobs[self.order[position + 1]]
-        assert first.arrival is not None and second.arrival is not None
-        return first, second, first.arrival, second.arrival
+        """The two jobs of the pair at ``position``, in their current order, and what
+        each waits for (a job of a pair waits for its input, or its suspended body for
+        its exchange; one that waits for nothing is a landed arrival)."""
+        first_index, second_index = self.order[position], self.order[position + 1]
+        return (
+            self.jobs[first_index],
+            self.jobs[second_index],
+            self._pending(first_index) or _landed(),
+            self._pending(second_index) or _landed(),
+        )
 
     def _first_ready(self, position: int) -> tuple[int, StepJob, ThreadWait]:
         """The pair at ``position``: its second job goes first if only its input is

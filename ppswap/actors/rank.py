@@ -134,6 +134,7 @@ class RankRuntime:
                 sink=p2p_tx,
                 shared=mode.parks,
                 timeout_s=run.step_timeout_s,
+                dump=recorder.dump,
             )
         record = not config.forward_only
         bodies = StepBodies(

@@ -35,7 +35,8 @@ __all__ = ["AllToAll", "ExpertExchange", "LocalExchange"]
 class ExpertExchange:
     """World rank ``rank``'s all-to-all over ``group`` (module docstring). ``post`` is a
     ``loop_caller()`` made on the run's loop; ``sink`` the rank's P2P channel; ``where``
-    says which step the compute thread is at (requests and errors name it)."""
+    says which step the compute thread is at (requests and errors name it); ``dump``
+    gives the flight recorder's state for a hang error."""
 
     def __init__(
         self,
@@ -47,6 +48,7 @@ class ExpertExchange:
         where: Callable[[], MetaStep],
         timeout_s: float = math.inf,
         suspend: Callable[[Arrival], None] | None = None,
+        dump: Callable[[], str] | None = None,
     ) -> None:
         if rank not in group:
             raise ValueError(f"rank must be a member of group {group}, got {rank}")
@@ -57,6 +59,7 @@ class ExpertExchange:
         self._where = where
         self._timeout_s = timeout_s
         self._suspend = suspend
+        self._dump = dump
         self.exchanges = 0
 
     @property
@@ -95,7 +98,7 @@ class ExpertExchange:
                 rank=self.rank,
                 actor="compute",
                 step=step.short(),
-                dump="",
+                dump="" if self._dump is None else self._dump(),
             ) from exc
         return list(received)
 

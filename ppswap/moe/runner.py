@@ -44,6 +44,7 @@ class ExpertRunner:
         sink: RequestSink,
         shared: bool,
         timeout_s: float = math.inf,
+        dump: Callable[[], str] | None = None,
     ) -> None:
         self.rank = rank
         self._group = mesh.ep_group(rank)
@@ -55,6 +56,7 @@ class ExpertRunner:
         self._sink = sink
         self._shared = shared
         self._timeout_s = timeout_s
+        self._dump = dump
         self._step = MetaStep(StepKind.FWD, -1, -1)
         self._fiber: Fiber | None = None
         self.exchange: ExpertExchange | None = None
@@ -74,6 +76,7 @@ class ExpertRunner:
             where=self._where,
             timeout_s=self._timeout_s,
             suspend=self._suspend if self._shared else None,
+            dump=self._dump,
         )
         for stage, blocks in self._blocks.items():
             for number, block in enumerate(blocks):
