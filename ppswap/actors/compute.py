@@ -262,7 +262,10 @@ class ComputeActor:
         if self._experts is not None:
             jobs = [self._with_experts(self._experts, job) for job in jobs]
         self._trace.expect_composites(plan.composites)
-        await self._execute(jobs, plan.posted, plan.sends, frozenset(plan.pairs))
+        pairs = frozenset(plan.pairs)
+        if self._experts is not None and not self._mode.parks and pairs:
+            pairs = self._experts.pairs_in_order(jobs, pairs)
+        await self._execute(jobs, plan.posted, plan.sends, pairs)
         for composite in plan.composites:  # its leaves were jobs of the batch
             self._done(composite)
         self._trace.composites_done(plan.composites)

@@ -15,8 +15,8 @@ peers of the exchange.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from ppswap.core.arrival import Arrival
 from ppswap.core.executor import loop_caller
@@ -29,6 +29,13 @@ from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.stage import PipelineStage
 
 __all__ = ["ExpertRunner"]
+
+
+class StepJobLike(Protocol):
+    """What ``pairs_in_order`` reads of a batch's job (``ppswap.actors.batch.StepJob``)."""
+
+    @property
+    def step(self) -> MetaStep: ...
 
 
 class ExpertRunner:
@@ -99,6 +106,16 @@ class ExpertRunner:
         if not self._shared:
             return _Stepped(self, step, run)
         return _FiberBody(self, step, run)
+
+    def pairs_in_order(self, jobs: Sequence[StepJobLike], pairs: frozenset[int]) -> frozenset[int]:
+        """A rank alone in its process (blocking in its exchanges): the pairs of a batch
+        without those holding a leaf of a MoE stage, which run in their order. EP peers
+        that ran such a pair in opposite orders (each the leaf whose input came first)
+        would each block in an exchange the other has not reached."""
+        moe = self._blocks
+        return frozenset(
+            i for i in pairs if jobs[i].step.stage not in moe and jobs[i + 1].step.stage not in moe
+        )
 
     def _where(self) -> MetaStep:
         return self._step

@@ -1,7 +1,8 @@
-"""The MindSpore MoE block: unsplit, it computes the dense top-k mixture (numpy
-reference); split over an EP group it runs with one process per rank (``mpiexec -n 4``,
-pp2 x dp2 x ep2, 1F1B: every rank's loss and local gradients equal the unsplit model's,
-swap on bit-identical to off); in one process it is refused in one line."""
+"""The MindSpore MoE block: unsplit, it computes the dense top-k mixture (numpy reference);
+split over an EP group it runs with one process per rank (``mpiexec -n 4``, pp2 x dp2 x
+ep2, 1F1B with overlap_b_f: every rank's loss and local gradients equal the unsplit
+model's, swap on bit-identical to off); in one process it is refused in one line.
+"""
 
 from __future__ import annotations
 

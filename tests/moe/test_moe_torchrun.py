@@ -1,6 +1,8 @@
 """Expert parallelism across processes over TorchDistTransport (gloo): ``torchrun
---nproc_per_node 4``, pp2 x dp2 x ep2, torch MoE stages, 1F1B. Each rank's loss and local
-gradients equal the unsplit model's (rtol 1e-5), swap on equals swap off bit for bit."""
+--nproc_per_node 4``, pp2 x dp2 x ep2, torch MoE stages, 1F1B with overlap_b_f. Each
+rank's loss and local gradients equal the unsplit model's (rtol 1e-5), swap on equals
+swap off bit for bit.
+"""
 
 from __future__ import annotations
 

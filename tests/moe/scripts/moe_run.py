@@ -3,11 +3,12 @@
     mpiexec -n 4 python moe_run.py OUT_DIR mpi
     torchrun --standalone --nproc_per_node 4 moe_run.py OUT_DIR torch
 
-World rank ``w`` is pipeline rank ``w % 2`` of dp replica ``w // 2`` (EP rank
-``w // 2``): it builds every stage module from the same seed, keeps its pipeline rank's,
-splits its experts (``expert_parallel``), shards its dense parameters (``fully_shard``)
-and runs 1F1B, swap off and then on. It writes OUT_DIR/swap{0,1}-rank{w}.npz: the loss
-and its stage's gradients by parameter name. A failure aborts the job.
+World rank ``w`` is pipeline rank ``w % 2`` of dp replica ``w // 2`` (EP rank ``w //
+2``): it builds every stage module from the same seed, keeps its pipeline rank's, splits
+its experts (``expert_parallel``), shards its dense parameters (``fully_shard``) and
+runs 1F1B with overlap_b_f, swap off and then on. It writes
+OUT_DIR/swap{0,1}-rank{w}.npz: the loss and its stage's gradients by parameter name. A
+failure aborts the job.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ async def main(transport: Any, out_dir: Path) -> None:
         result = await run_schedule(
             [stage],
             "1f1b",
+            overlap_b_f=True,
             micro_batch_num=MICRO,
             inputs=x,
             targets=y,

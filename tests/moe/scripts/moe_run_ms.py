@@ -2,9 +2,9 @@
 
     mpiexec -n 4 python moe_run_ms.py OUT_DIR
 
-As ``moe_run.py`` with MindSpore stages (``tests/moe/moe_support_ms.py``): 1F1B, swap
-off then on; OUT_DIR/swap{0,1}-rank{w}.npz holds the loss and the stage's gradients by
-position (``grad:{k}``). A failure aborts the job (``MPI_Abort``).
+As ``moe_run.py`` with MindSpore stages (``tests/moe/moe_support_ms.py``): 1F1B with
+overlap_b_f, swap off then on; OUT_DIR/swap{0,1}-rank{w}.npz holds the loss and the
+stage's gradients by position (``grad:{k}``). A failure aborts the job (``MPI_Abort``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ async def main(transport: MPITransport, out_dir: Path) -> None:
         result = await run_schedule(
             [stage],
             "1f1b",
+            overlap_b_f=True,
             micro_batch_num=MICRO,
             inputs=x,
             targets=y,
