@@ -61,19 +61,20 @@ def _no_thread_left() -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    ("schedule", "pp", "stage_num", "top_k", "shard_first"),
+    ("schedule", "pp", "stage_num", "top_k", "shard_first", "split_dw"),
     [
-        ("gpipe", 2, 2, 1, False),
-        ("gpipe", 2, 2, 2, True),
-        ("interleaved_1f1b", 2, 4, 2, False),
+        ("gpipe", 2, 2, 1, False, False),
+        ("gpipe", 2, 2, 2, True, False),
+        ("interleaved_1f1b", 2, 4, 2, False, False),
+        ("1f1b", 2, 2, 2, False, True),
     ],
 )
 async def test_pp2_ep2_equals_the_unsplit_model(
-    schedule: str, pp: int, stage_num: int, top_k: int, shard_first: bool
+    schedule: str, pp: int, stage_num: int, top_k: int, shard_first: bool, split_dw: bool
 ) -> None:
     mesh = DeviceMesh(pp=pp, dp=2, ep=2)
     stages = ep_stages(stage_num, mesh, top_k, shard_first=shard_first)
-    result = await _run(stages, pp, 2 * pp, schedule, swap=False)
+    result = await _run(stages, pp, 2 * pp, schedule, swap=False, split_dw=split_dw)
     x, y = make_data(2 * 2 * pp * 2)
     ref_loss, ref_grads = reference(stage_num, top_k, x, y)
     assert result.loss == pytest.approx(ref_loss, rel=1e-5)
@@ -82,16 +83,20 @@ async def test_pp2_ep2_equals_the_unsplit_model(
 
 
 @pytest.mark.asyncio
-async def test_level1_pp4_ep2_1f1b_overlap_and_swap() -> None:
+@pytest.mark.parametrize("split_dw", [False, True])
+async def test_level1_pp4_ep2_1f1b_overlap_and_swap(split_dw: bool) -> None:
     """The design's Level1 case: PP=4 x EP=2 (eight ranks), 1F1B with overlap_b_f, swap
     on against swap off: the same losses and local gradients bit for bit, both equal to
-    the unsplit model, every worker ended, and a lower peak of saved bytes with swap."""
+    the unsplit model, every worker ended, and a lower peak of saved bytes with swap;
+    also with the dx/dw split."""
     mesh = DeviceMesh(pp=4, dp=2, ep=2)
     micro = 8
     runs = {}
     for swap in (False, True):
         stages = ep_stages(4, mesh, 2)
-        result = await _run(stages, 4, micro, "1f1b", swap=swap, overlap_b_f=True)
+        result = await _run(
+            stages, 4, micro, "1f1b", swap=swap, overlap_b_f=True, split_dw=split_dw
+        )
         runs[swap] = (stages, result)
         _no_thread_left()
     (off_stages, off), (on_stages, on) = runs[False], runs[True]
