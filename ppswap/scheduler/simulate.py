@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ppswap.scheduler.analysis import (
-    ComputeSlot,
     check_orders,
     compute_slots,
     slot_dependencies,
@@ -44,13 +43,17 @@ from ppswap.scheduler.steps import (
     BWD,
     BWD_INPUT,
     BWD_WEIGHT,
+    COMPUTE_KINDS,
     FWD,
     LAUNCH_OF_WAIT,
     SWAP_LAUNCH_KINDS,
+    SWAP_LAUNCH_LOAD,
     SWAP_LAUNCH_OFFLOAD,
+    SWAP_WAIT_OFFLOAD,
     MetaStep,
     Order,
     StepKind,
+    iter_leaves,
 )
 from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.scheduler.validate import ScheduleDeadlockError
@@ -66,6 +69,7 @@ __all__ = [
     "memory_table",
     "release_kinds",
     "resident_by_column",
+    "saved_bytes_profile",
     "step_columns",
 ]
 
@@ -164,12 +168,6 @@ def release_kinds(saved_until: SavedUntil) -> frozenset[StepKind]:
     return _RELEASE_KINDS[saved_until]
 
 
-def _slot_delta(slot: ComputeSlot, released: frozenset[StepKind]) -> tuple[int, int]:
-    produced = sum(1 for leaf in slot.leaves if leaf.kind is FWD)
-    consumed = sum(1 for leaf in slot.leaves if leaf.kind in released)
-    return produced, consumed
-
-
 def memory_profile(
     order: Order, *, with_swap: bool = True, saved_until: SavedUntil = "input"
 ) -> tuple[int, ...]:
@@ -181,20 +179,71 @@ def memory_profile(
     """
     if not isinstance(with_swap, bool):
         raise TypeError(f"with_swap must be a bool, got {with_swap!r}")
+    return _walk(order, with_swap, release_kinds(saved_until), None, None)
+
+
+def saved_bytes_profile(
+    order: Order,
+    *,
+    kept: Sequence[int],
+    moved: Sequence[int],
+    with_swap: bool = True,
+    saved_until: SavedUntil = "input",
+) -> tuple[int, ...]:
+    """:func:`memory_profile` in bytes: a chunk of stage ``s`` holds ``kept[s]`` bytes
+    from its FWD to its release and ``kept[s] - moved[s]`` while it is swapped out
+    (``kept`` and ``moved`` indexed by global stage; ``0 <= moved[s] <= kept[s]``). With
+    ``kept == moved == 1`` on every stage it is :func:`memory_profile`."""
+    if not isinstance(with_swap, bool):
+        raise TypeError(f"with_swap must be a bool, got {with_swap!r}")
     released = release_kinds(saved_until)
+    if len(kept) != len(moved):
+        raise ValueError(
+            f"kept and moved must hold one int per stage each, got {len(kept)} and {len(moved)}"
+        )
+    for stage, (whole, part) in enumerate(zip(kept, moved, strict=True)):
+        if not (isinstance(whole, int) and isinstance(part, int) and 0 <= part <= whole):
+            raise ValueError(
+                f"kept and moved must be ints with 0 <= moved <= kept, got kept={whole!r} "
+                f"and moved={part!r} for stage {stage}"
+            )
+    stages = {leaf.stage for leaf in iter_leaves(order) if leaf.kind in COMPUTE_KINDS}
+    if stages and max(stages) >= len(kept):
+        raise ValueError(
+            f"kept and moved hold {len(kept)} stages; the order runs stage {max(stages)}"
+        )
+    return _walk(order, with_swap, released, kept, moved)
+
+
+def _walk(
+    order: Order,
+    with_swap: bool,
+    released: frozenset[StepKind],
+    kept: Sequence[int] | None,
+    moved: Sequence[int] | None,
+) -> tuple[int, ...]:
+    """The profile of the module doc; a chunk of stage ``s`` weighs ``kept[s]`` and moves
+    ``moved[s]`` (1 and 1 where None)."""
     slot_at = {slot.index: slot for slot in compute_slots(order)}
     resident = 0
     profile: list[int] = []
     for index, step in enumerate(order):
-        if index in slot_at:
-            produced, consumed = _slot_delta(slot_at[index], released)
+        slot = slot_at.get(index)
+        if slot is not None:
+            produced = consumed = 0
+            for leaf in slot.leaves:
+                weight = 1 if kept is None else kept[leaf.stage]
+                if leaf.kind is FWD:
+                    produced += weight
+                elif leaf.kind in released:
+                    consumed += weight
             profile.append(resident + produced)
             resident += produced - consumed
             continue
-        if with_swap and step.kind is StepKind.SWAP_WAIT_OFFLOAD:
-            resident -= 1
-        elif with_swap and step.kind is StepKind.SWAP_LAUNCH_LOAD:
-            resident += 1
+        if with_swap and step.kind is SWAP_WAIT_OFFLOAD:
+            resident -= 1 if moved is None else moved[step.stage]
+        elif with_swap and step.kind is SWAP_LAUNCH_LOAD:
+            resident += 1 if moved is None else moved[step.stage]
         profile.append(resident)
     return tuple(profile)
 

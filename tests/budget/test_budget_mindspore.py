@@ -4,9 +4,11 @@ The demo's MLP stages, every block wrapped by ``recompute_wrapper`` and ``swap_w
 (the plan chooses per chunk). Calibrated from a keep-everything, a gap-rule swap and a
 recompute-everything run; budgets of 75% and 50% of the keep-everything peak and
 recompute-everything's peak (none below the planner's least budget) are met on every
-rank, losses and gradients equal the keep run's bit for bit, and without overlap the
-predicted peak is within 5% of the measured one (an upper bound of it under overlap, where
-a composite's leaves run in the order they become ready).
+rank (1F1B + split_dw and Interleaved Zero Bubble too, their chunks released at
+BWD_INPUT: ``saved_until="input"``), losses and gradients equal the keep run's bit for
+bit, and without overlap the predicted peak is within 5% of the measured one (an upper
+bound of it under overlap, where a composite's leaves run in the order they become
+ready).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ CASES = {
     "1f1b": dict(schedule="1f1b", stage_num=2, pp=2),
     "1f1b-overlap": dict(schedule="1f1b", stage_num=2, pp=2, overlap_b_f=True),
     "interleaved": dict(schedule="interleaved_1f1b", stage_num=4, pp=2),
+    "1f1b-dxdw": dict(schedule="1f1b", stage_num=2, pp=2, split_dw=True),
+    "interleaved-zb": dict(schedule="interleaved_zb", stage_num=4, pp=2),
 }
 MICRO = 8
 
@@ -88,7 +92,9 @@ def test_budget_met_and_bit_identical(name: str) -> None:
         vpp=case["stage_num"] // case["pp"],
         micro=MICRO,
         overlap_b_f=overlap,
+        split_dw=bool(case.get("split_dw")),
         swap=True,
+        saved_until=stages[0].backend.saved_until,
     )
     least = least_budgets(config, model, frozenset(range(case["stage_num"])))
     if not overlap:

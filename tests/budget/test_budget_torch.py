@@ -2,7 +2,9 @@
 every rank's measured peak of saved bytes within its budget, bit-identical to keeping
 everything.
 
-Per schedule (GPipe, 1F1B, 1F1B + overlap_b_f, Interleaved), the stages' blocks are
+Per schedule (GPipe, 1F1B, 1F1B + overlap_b_f, Interleaved, and with a dx/dw split 1F1B +
+split_dw and Interleaved Zero Bubble, whose chunks torch holds until their BWD_WEIGHT:
+the plan is made with ``saved_until="weight"``), the stages' blocks are
 wrapped by both ``recompute_wrapper`` and ``swap_wrapper`` (the plan chooses per chunk).
 Three calibration runs measure what the planner needs and the budgets' bases: keep
 everything (its peak), swap by the gap rule (what a swap moves) and recompute everything
@@ -70,6 +72,8 @@ CASES = {
     "1f1b": dict(schedule="1f1b", stage_num=2, pp=2),
     "1f1b-overlap": dict(schedule="1f1b", stage_num=2, pp=2, overlap_b_f=True),
     "interleaved": dict(schedule="interleaved_1f1b", stage_num=4, pp=2),
+    "1f1b-dxdw": dict(schedule="1f1b", stage_num=2, pp=2, split_dw=True),
+    "interleaved-zb": dict(schedule="interleaved_zb", stage_num=4, pp=2),
 }
 
 
@@ -123,7 +127,9 @@ def test_budget_met_and_bit_identical(name: str) -> None:
         vpp=case["stage_num"] // case["pp"],
         micro=8,
         overlap_b_f=overlap,
+        split_dw=bool(case.get("split_dw")),
         swap=True,
+        saved_until=stages[0].backend.saved_until,
     )
     least = least_budgets(config, model, frozenset(range(case["stage_num"])))
     if not overlap:  # recompute-everything's peak is within what the planner meets

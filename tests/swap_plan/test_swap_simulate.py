@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from ppswap.cli import main
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.simulate import (
@@ -11,8 +14,10 @@ from ppswap.scheduler.simulate import (
     build_timeline,
     copy_windows,
     memory_profile,
+    memory_rows,
     memory_table,
     resident_by_column,
+    saved_bytes_profile,
     step_columns,
 )
 from ppswap.scheduler.steps import MetaStep, Order, StepKind
@@ -126,6 +131,120 @@ def test_composite_holds_both_chunks_while_it_runs() -> None:
 def test_memory_profile_rejects_non_bool() -> None:
     with pytest.raises(TypeError, match="with_swap must be a bool"):
         memory_profile((), with_swap=1)  # type: ignore[arg-type]
+
+
+def split_one_stage_swapped() -> tuple[ScheduleConfig, Order]:
+    """F0..F3 on one stage, then I0 I1 W0 I2 W1 I3 W2 W3 (each W deferred past the next
+    I); chunk 3 alone swapped (``min_swap_gap=6``)."""
+    config = ScheduleConfig(
+        schedule="1f1b", pp=1, micro=4, split_dw=True, swap=True, min_swap_gap=6
+    )
+    order = (
+        *(MetaStep(K.FWD, 0, i) for i in range(4)),
+        MetaStep(K.BWD_INPUT, 0, 0),
+        MetaStep(K.BWD_INPUT, 0, 1),
+        MetaStep(K.BWD_WEIGHT, 0, 0),
+        MetaStep(K.BWD_INPUT, 0, 2),
+        MetaStep(K.BWD_WEIGHT, 0, 1),
+        MetaStep(K.BWD_INPUT, 0, 3),
+        MetaStep(K.BWD_WEIGHT, 0, 2),
+        MetaStep(K.BWD_WEIGHT, 0, 3),
+    )
+    return config, inject_swap_steps(order, config, 0)
+
+
+def test_split_chunk_is_released_where_saved_until_says() -> None:
+    _, order = split_one_stage_swapped()
+    assert " ".join(s.short() for s in order) == (
+        "F0.0 F1.0 F2.0 F3.0 LO3.0 I0.0 WO3.0 I1.0 W0.0 I2.0 LL3.0 W1.0 WL3.0 I3.0 W2.0 W3.0"
+    )
+    # input: each chunk leaves at its I; chunk 3 (gap 6) is off device from WO3 to LL3
+    assert memory_profile(order, saved_until="input") == (
+        1, 2, 3, 4, 4, 4, 2, 2, 1, 1, 1, 1, 1, 1, 0, 0
+    )  # fmt: skip
+    # weight: each chunk stays until its W (chunk 0 through I1, chunk 3 loaded back for
+    # I3 through W2 to W3)
+    assert memory_profile(order, saved_until="weight") == (
+        1, 2, 3, 4, 4, 4, 3, 3, 3, 2, 3, 3, 2, 2, 2, 1
+    )  # fmt: skip
+    assert memory_profile(order) == memory_profile(order, saved_until="input")
+    assert memory_profile(order, with_swap=False, saved_until="weight") == (
+        1, 2, 3, 4, 4, 4, 4, 4, 4, 3, 3, 3, 2, 2, 2, 1
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("saved_until", ["input", "weight"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        *NAMED,
+        ScheduleConfig(schedule="interleaved_zb", pp=4, vpp=2, micro=8, swap=True),
+        ScheduleConfig(schedule="zbv", pp=4, vpp=2, micro=8, swap=True),
+        ScheduleConfig(schedule="dualpipev", pp=4, vpp=2, micro=8, swap=True),
+    ],
+    ids=lambda c: f"{c.schedule}-{c.overlap_b_f}-{c.split_dw}",
+)
+def test_saved_bytes_profile_in_units_is_the_chunk_profile(
+    config: ScheduleConfig, saved_until: str
+) -> None:
+    ones = [1] * config.num_stages
+    for order in build_all_orders(config):
+        for with_swap in (False, True):
+            assert saved_bytes_profile(
+                order, kept=ones, moved=ones, with_swap=with_swap, saved_until=saved_until
+            ) == memory_profile(order, with_swap=with_swap, saved_until=saved_until)
+
+
+def test_release_at_weight_never_predicts_less() -> None:
+    """A chunk held to its W is held at least as long: per rank, every peak with
+    ``"weight"`` is at least the one with ``"input"``, and on the zero-bubble families
+    strictly above it on some rank (their deferred Ws)."""
+    for schedule in ("interleaved_zb", "zbv"):
+        config = ScheduleConfig(schedule=schedule, pp=4, vpp=2, micro=8, swap=True)
+        orders = build_all_orders(config)
+        early = memory_rows(orders, saved_until="input")
+        late = memory_rows(orders, saved_until="weight")
+        assert memory_table(config) == early
+        assert memory_table(replace(config, saved_until="weight")) == late
+        pairs = [
+            (e[key], w[key])
+            for e, w in zip(early, late, strict=True)
+            for key in ("peak_chunks_no_swap", "peak_chunks_swap")
+        ]
+        assert all(e <= w for e, w in pairs)
+        assert any(e < w for e, w in pairs)
+
+
+def test_saved_until_and_sizes_are_checked() -> None:
+    _, order = split_one_stage_swapped()
+    with pytest.raises(ValueError, match="saved_until must be one of input, weight, got 'dw'"):
+        memory_profile(order, saved_until="dw")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="saved_until must be one of input, weight"):
+        ScheduleConfig(schedule="1f1b", pp=2, micro=2, saved_until="bwd")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one int per stage each, got 1 and 2"):
+        saved_bytes_profile(order, kept=[4], moved=[1, 1])
+    with pytest.raises(ValueError, match="0 <= moved <= kept, got kept=1 and moved=2 for stage 0"):
+        saved_bytes_profile(order, kept=[1], moved=[2])
+    with pytest.raises(ValueError, match="hold 1 stages; the order runs stage 1"):
+        saved_bytes_profile((MetaStep(K.FWD, 1, 0),), kept=[1], moved=[0])
+
+
+def test_cli_plan_backend_picks_the_release_point(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--schedule", "zbv", "--pp", "4", "--micro", "8", "--swap"]
+    peaks = {}
+    for backend in (None, "mindspore", "torch"):
+        assert main(argv + ([] if backend is None else ["--backend", backend])) == 0
+        rows = capsys.readouterr().out.splitlines()[-4:]
+        peaks[backend] = [int(row.split("|")[-1]) for row in rows]
+    config = ScheduleConfig(schedule="zbv", pp=4, vpp=2, micro=8, swap=True)
+    assert (
+        peaks[None] == peaks["mindspore"] == [r["peak_chunks_swap"] for r in memory_table(config)]
+    )
+    torch_rows = memory_table(replace(config, saved_until="weight"))
+    assert peaks["torch"] == [r["peak_chunks_swap"] for r in torch_rows] == [2, 4, 6, 7]
+    with pytest.raises(SystemExit):
+        main([*argv, "--backend", "jax"])
+    assert "--backend: invalid choice: 'jax'" in capsys.readouterr().err
 
 
 def test_gpipe_pp4_m8_memory_table() -> None:
