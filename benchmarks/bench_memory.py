@@ -34,11 +34,12 @@ MindSpore runs with ``pynative_synchronize=True``: on this 2-core machine the as
 PyNative launch pipeline made a leaf 10 to 25 times slower under load (its runtime threads
 compete with the compute and copy threads for two cores); results are bit-identical.
 
-On torch, a backward split into BWD_INPUT and BWD_WEIGHT keeps the chunk's saved tensors
-until its BWD_WEIGHT (the dw pass reads them), where the memory model releases the chunk
-at BWD_INPUT (MindSpore computes both gradients at BWD_INPUT). Where an order defers a
-weight past later slots (Interleaved Zero Bubble, ZBV, DualPipeV's cool-down) a torch
-rank can then hold more than the prediction, with and without swap.
+The prediction releases a chunk whose backward is split where the backend does
+(``Backend.saved_until``): MindSpore at its BWD_INPUT (it computes both gradients there),
+torch at its BWD_WEIGHT (the dw pass reads the saved tensors; a swapped chunk loaded back
+for its BWD_INPUT stays on device until then). Where an order defers a weight past later
+slots (Interleaved Zero Bubble, ZBV, DualPipeV's cool-down) torch's planned cut is
+therefore smaller than MindSpore's.
 """
 
 from __future__ import annotations
@@ -224,7 +225,8 @@ def measure_case(case: BenchCase, backend: str = "mindspore") -> list[dict[str, 
     if plain.losses != swapped.losses:
         raise RuntimeError(f"{case.name}: swap changed the losses")
     rows = []
-    predictions = memory_table(case.config)
+    saved_until = runner.stages[0].backend.saved_until
+    predictions = memory_table(replace(case.config, saved_until=saved_until))
     for base, swap in zip(plain.ranks, swapped.ranks, strict=True):
         prediction = predictions[base.rank % case.config.pp]  # world rank -> pipeline rank
         chunks_no_swap = prediction["peak_chunks_no_swap"]

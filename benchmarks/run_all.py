@@ -73,9 +73,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "Memory: what swap saves, on torch",
         "The table above with the torch demo LM (the same sizes and schedules). A backward "
         "split into BWD_INPUT and BWD_WEIGHT keeps its chunk's saved tensors on torch until "
-        "its BWD_WEIGHT, where the memory model (and MindSpore) release them at BWD_INPUT: "
-        "where an order defers its weights (Interleaved Zero Bubble, ZBV), a rank holds "
-        "more than the prediction, and swap cuts less than planned.",
+        "its BWD_WEIGHT (the dw pass reads them; a swapped chunk loaded back for BWD_INPUT "
+        "stays until then), and the prediction releases them there (`Backend.saved_until`; "
+        "MindSpore releases them at BWD_INPUT): where an order defers its weights "
+        "(Interleaved Zero Bubble, ZBV), torch holds more than MindSpore, and swap plans "
+        "and cuts less.",
         args=("--backend", "torch"),
         limit_s=300.0,
     ),
