@@ -22,7 +22,7 @@ import gc
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from stage_runs import stage_runs_holding_chunks
 
 from ppswap import PipelineStage, RunResult, run_schedule
 from ppswap.backends.torch.autograd import TorchRecord
+from ppswap.backends.torch.backend import TorchBackend
 from ppswap.fsdp import DeviceMesh, full_gradients, fully_shard
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
@@ -302,9 +303,10 @@ class Prediction:
 
 
 def predictions(config: ScheduleConfig) -> list[Prediction]:
-    """Per rank, from the lowered orders: eligible chunks and the planned peaks."""
+    """Per rank, from the lowered orders: eligible chunks and the planned peaks (a split
+    chunk held until its BWD_WEIGHT, as torch holds it)."""
     orders = build_all_orders(config)
-    table = memory_table(config)
+    table = memory_table(replace(config, saved_until=TorchBackend.saved_until))
     return [
         Prediction(
             rank=row["rank"],
