@@ -44,6 +44,7 @@ from ppswap.core.arrival import Arrival, ArrivalTimeoutError, FirstOf, ThreadWai
 from ppswap.core.executor import Resume
 from ppswap.core.fiber import Suspended
 from ppswap.core.messages import Payload
+from ppswap.core.oneshot import OneShot
 from ppswap.scheduler.steps import PAYLOAD_MAKER_KINDS as _MAKES_PAYLOAD_OF
 from ppswap.scheduler.steps import MetaStep
 from ppswap.stage_run import StageCollector, StageRun
@@ -192,6 +193,19 @@ def start_batch(
     return BatchRun(jobs, announce, yield_to, arrival_timeout_s, parks=True).run()
 
 
+def _until_ready(wait: ThreadWait, timeout_s: float) -> None:
+    """Block until ``wait`` is over, without reading it (a suspended body reads its own
+    exchange, error included); ``ArrivalTimeoutError`` after ``timeout_s``."""
+    over: OneShot[None] = OneShot()
+
+    def set_over() -> None:
+        over.set_value(None)
+
+    wait.on_ready(set_over)
+    if not over.wait(timeout_s):
+        raise ArrivalTimeoutError(f"{wait.label} not there within {timeout_s}s")
+
+
 def _landed() -> Arrival:
     """A wait that is over: what a job of a pair that waits for nothing counts as."""
     arrival = Arrival("nothing to wait for")
@@ -243,6 +257,7 @@ class BatchRun:
                 and yield_to is not None
                 and job.kind in COMPUTE_JOB_KINDS
                 and position - 1 not in pairs  # a pair is not split by a yield
+                and not self.suspended  # nor a suspended body left behind
                 and yield_to()
             ):
                 if not self.parks:
@@ -268,8 +283,10 @@ class BatchRun:
                     if paired and not arrival.ready:  # blocking: whichever comes first
                         self._awaited(position).wait(self.arrival_timeout_s)
                         index, job, arrival = self._first_ready(position)
-                    if index not in self.suspended:  # a suspended body reads its own
+                    if index not in self.suspended:
                         arrival.wait(0.0 if self.parks else self.arrival_timeout_s)
+                    elif not arrival.ready:  # blocking: the body reads it (and its error)
+                        _until_ready(arrival, self.arrival_timeout_s)
                     ready = clock()
                     waited_s = ready - (begin if self.parked_at is None else self.parked_at)
                     begin, self.parked_at = ready, None
@@ -277,15 +294,16 @@ class BatchRun:
                     waited_s = 0.0
                 result = job.run()
                 if type(result) is Suspended:  # a fiber gave the thread up (core.fiber)
-                    if not self.parks:
-                        raise RuntimeError(f"{job.step.short()} suspended on a thread it owns")
                     self.suspended[index] = result.wait
                     self.resumed = True
                     if position in pairs:
-                        # Its partner runs meanwhile: peers may have run the pair in the
-                        # other order, and wait for this rank's partner to go on.
+                        # Its partner runs meanwhile (the exchange overlaps its compute);
+                        # peers may have run the pair in the other order, and wait for
+                        # this rank's partner to go on.
                         order[position], order[position + 1] = order[position + 1], index
                         continue
+                    if not self.parks:
+                        continue  # the loop blocks until it is there, then resumes it
                     return Resume(self.run, result.wait, self.arrival_timeout_s)
                 self.suspended.pop(index, None)
                 for hand_off in job.hand_offs:

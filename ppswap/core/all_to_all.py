@@ -51,11 +51,16 @@ class LocalExchange:
 @runtime_checkable
 class ExpertBlock(Protocol):
     """What a MoE block offers expert parallelism: its expert count, the experts it keeps
-    (``first``, ``count``), the stacked expert parameters (framework tensors), and the
-    all-to-all it routes tokens over (None: every expert is local)."""
+    (``first``, ``count``), the stacked expert parameters (framework tensors), the
+    all-to-all it routes tokens over (None: every expert is local), and whether its
+    forward and backward may run on a thread of their own, interleaved with other
+    forwards and backwards of the process (``runs_in_fibers``, ``ppswap.core.fiber``)."""
 
     @property
     def num_experts(self) -> int: ...
+
+    @property
+    def runs_in_fibers(self) -> bool: ...
 
     @property
     def kept_experts(self) -> tuple[int, int]: ...

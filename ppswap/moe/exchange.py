@@ -10,8 +10,9 @@ collectives; the P2P actor awaits the transport's ``all_to_all`` on the loop, an
 reply lands an ``Arrival`` the compute thread waits for, with the step deadline: a missed
 deadline is a ``PipelineHangError`` naming the rank and the step, a peer that sent rows
 of another shape or dtype a ``PipelineError`` from the P2P actor. ``suspend``, where
-given, is called with the ``Arrival`` before the wait when it is not there yet: a
-thread shared by several ranks gives itself up there instead of blocking.
+given, is called with the ``Arrival`` before the wait when it is not there yet: a body
+running as a fiber (``ppswap.core.fiber``) gives the thread up there until it is (then
+``suspend`` returns True) instead of blocking it.
 
 ``AllToAll`` and ``LocalExchange`` (the one-member group) are in ``ppswap.core.all_to_all``.
 """
@@ -47,7 +48,7 @@ class ExpertExchange:
         sink: RequestSink,
         where: Callable[[], MetaStep],
         timeout_s: float = math.inf,
-        suspend: Callable[[Arrival], None] | None = None,
+        suspend: Callable[[Arrival], bool] | None = None,
         dump: Callable[[], str] | None = None,
     ) -> None:
         if rank not in group:
@@ -87,9 +88,8 @@ class ExpertExchange:
         )
         self.exchanges += 1
         timeout_s = self._timeout_s
-        if self._suspend is not None and not arrival.ready:
-            self._suspend(arrival)  # back when it is there, or its deadline passed
-            timeout_s = 0.0
+        if self._suspend is not None and not arrival.ready and self._suspend(arrival):
+            timeout_s = 0.0  # resumed when it is there, or its deadline passed
         try:
             received: tuple[HostArray, ...] = arrival.wait(timeout_s)
         except ArrivalTimeoutError as exc:

@@ -6,10 +6,16 @@ Made by the rank (``ppswap.actors.rank``) when a stage of it holds MoE blocks. `
 P2P channel, under a key per stage and block (``s{stage}.b{n}``); ``close`` (as it ends)
 unbinds them and abandons a body still suspended. ``wrap`` (event loop, as a batch is
 built) turns the compute job of a leaf of such a stage into one that tells the exchange
-which step it is at and, where the ranks of the process share the compute thread, runs
-the body as a ``Fiber`` that gives the thread up while an all-to-all is in flight: the
-batch parks on it (``Suspended``) and the thread serves the other ranks, among them the
-peers of the exchange.
+which step it is at and runs the body as a ``Fiber`` that gives the thread up while an
+all-to-all is in flight (``Suspended``): the batch runs the other leaf of its composite
+meanwhile (the all-to-all of FWD j overlaps the compute of BWD i), and, where the ranks
+of the process share the compute thread, parks and lets the thread serve the other
+ranks, among them the peers of the exchange.
+
+A stage whose blocks cannot run in fibers (``ExpertBlock.runs_in_fibers``: MindSpore)
+blocks its compute thread in its exchanges; it runs with one rank per process only, and
+its composites run their leaves in order (``pairs_in_order``): EP peers that ran one in
+opposite orders (each the leaf whose input came first) would wait on each other.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ class StepJobLike(Protocol):
 
 class ExpertRunner:
     """World rank ``rank``'s MoE blocks during a run (module docstring). ``shared``: the
-    compute thread is shared by the ranks of this process (bodies run as fibers)."""
+    compute thread is shared by the ranks of this process (every stage must run its
+    bodies as fibers)."""
 
     def __init__(
         self,
@@ -60,12 +67,22 @@ class ExpertRunner:
             for index, stage in stages.items()
             if expert_blocks(stage.module)
         }
+        self._fibers = {
+            index: all(block.runs_in_fibers for block in blocks)
+            for index, blocks in self._blocks.items()
+        }
+        if shared and not all(self._fibers.values()):
+            blocked = sorted(index for index, fibers in self._fibers.items() if not fibers)
+            raise ValueError(
+                f"rank {rank}: the MoE blocks of stages {blocked} cannot run in fibers, so "
+                "their ranks cannot share a process's compute thread"
+            )
         self._sink = sink
-        self._shared = shared
         self._timeout_s = timeout_s
         self._dump = dump
         self._step = MetaStep(StepKind.FWD, -1, -1)
-        self._fiber: Fiber | None = None
+        self._fiber: Fiber | None = None  # the one running now, if any
+        self._live: dict[Fiber, None] = {}  # started and not finished (suspended)
         self.exchange: ExpertExchange | None = None
 
     @property
@@ -82,7 +99,7 @@ class ExpertRunner:
             sink=self._sink,
             where=self._where,
             timeout_s=self._timeout_s,
-            suspend=self._suspend if self._shared else None,
+            suspend=self._suspend,
             dump=self._dump,
         )
         for stage, blocks in self._blocks.items():
@@ -94,44 +111,46 @@ class ExpertRunner:
         for blocks in self._blocks.values():
             for block in blocks:
                 block.bind_exchange(None)
-        if self._fiber is not None:
-            self._fiber.abandon()
-            self._fiber = None
+        for fiber in self._live:
+            fiber.abandon()
+        self._live.clear()
+        self._fiber = None
 
     def wrap(self, step: MetaStep, run: Callable[[], Any]) -> Callable[[], Any]:
         """The body of compute leaf ``step`` as the batch runs it (module docstring);
         ``run`` itself for a stage without MoE blocks."""
         if step.stage not in self._blocks:
             return run
-        if not self._shared:
+        if not self._fibers[step.stage]:
             return _Stepped(self, step, run)
         return _FiberBody(self, step, run)
 
     def pairs_in_order(self, jobs: Sequence[StepJobLike], pairs: frozenset[int]) -> frozenset[int]:
-        """A rank alone in its process (blocking in its exchanges): the pairs of a batch
-        without those holding a leaf of a MoE stage, which run in their order. EP peers
-        that ran such a pair in opposite orders (each the leaf whose input came first)
-        would each block in an exchange the other has not reached."""
-        moe = self._blocks
+        """The pairs of a batch without those holding a leaf of a stage that blocks in
+        its exchanges (not in fibers): such a pair runs in its order (module docstring)."""
+        blocking = {index for index, fibers in self._fibers.items() if not fibers}
         return frozenset(
-            i for i in pairs if jobs[i].step.stage not in moe and jobs[i + 1].step.stage not in moe
+            i
+            for i in pairs
+            if jobs[i].step.stage not in blocking and jobs[i + 1].step.stage not in blocking
         )
 
     def _where(self) -> MetaStep:
         return self._step
 
-    def _suspend(self, arrival: Arrival) -> None:
+    def _suspend(self, arrival: Arrival) -> bool:
+        """Give the thread up until ``arrival`` is there: True from a fiber; False from a
+        body that runs on the compute thread itself (it blocks in the wait)."""
         fiber = self._fiber
         if fiber is None:
-            raise RuntimeError(
-                f"rank {self.rank}: an all-to-all outside a compute leaf of a MoE stage "
-                "cannot wait on a shared compute thread"
-            )
+            return False
         fiber.suspend(arrival)
+        return True
 
 
 class _Stepped:
-    """A body that names its step to the exchange, then runs (a rank alone)."""
+    """A body that names its step to the exchange, then runs on the compute thread (it
+    blocks in its exchanges: a stage whose blocks cannot run in fibers)."""
 
     __slots__ = ("_run", "_runner", "_step")
 
@@ -157,9 +176,11 @@ class _FiberBody:
         if self._fiber is None:
             name = f"ppswap-moe-rank{runner.rank}-{self._step.short()}"
             self._fiber = Fiber(self._run, name, runner._timeout_s * 2)
+            runner._live[self._fiber] = None
         runner._step, runner._fiber = self._step, self._fiber
         try:
             return self._fiber.step()
         finally:
+            runner._fiber = None
             if self._fiber.done:
-                runner._fiber = None
+                runner._live.pop(self._fiber, None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ppswap.backends import backend_for, framework_of
+from ppswap.backends import backend_for
 from ppswap.backends.types import Module
 from ppswap.core.all_to_all import ExpertBlock, is_expert_block
 from ppswap.fsdp.mesh import DeviceMesh
@@ -131,7 +131,7 @@ def check_expert_stages(
                 f"ppswap.moe.expert_parallel(module, mesh={mesh!r}, dp_rank=...) for mesh.ep="
                 f"{mesh.ep}"
             )
-        if one_process and framework_of(stage.module) == "mindspore":
+        if one_process and not all(b.runs_in_fibers for b in expert_blocks(stage.module)):
             raise ValueError(
                 f"{where}: MindSpore stages run expert parallelism with one process per "
                 f"rank (transport=MPITransport(...)), not every rank in one process: its "

@@ -130,3 +130,36 @@ def test_a_suspended_leaf_outside_a_pair_parks_the_batch() -> None:
     x.land(1)
     outcome = _resume(parked)
     assert isinstance(outcome, BatchOutcome) and outcome.results == ["fwd", "after"]
+
+
+def test_a_blocking_batch_runs_the_partner_of_a_suspended_leaf() -> None:
+    """A rank alone in its process (the batch blocks instead of parking): the same
+    overlap, each exchange landed from another thread later."""
+    log: list[str] = []
+    x, y = Arrival("x"), Arrival("y")
+    first, second = _Body("fwd", x, log), _Body("bwd", y, log)
+    jobs = [
+        StepJob(MetaStep(StepKind.FWD, 0, 1), "forward", first, arrival=_landed("in-f")),
+        StepJob(MetaStep(StepKind.BWD, 0, 0), "backward", second, arrival=_landed("in-b")),
+    ]
+    timers = [threading.Timer(0.2, y.land, ("dy",)), threading.Timer(0.4, x.land, ("dx",))]
+    for timer in timers:
+        timer.start()
+    try:
+        outcome = BatchRun(jobs, None, None, 10.0, parks=False, pairs=frozenset({0})).run()
+    finally:
+        for timer in timers:
+            timer.join()
+    assert isinstance(outcome, BatchOutcome) and outcome.error is None
+    assert outcome.results == ["bwd", "fwd"] and list(outcome.order) == [1, 0]
+    assert log == ["fwd starts", "bwd starts", "bwd got dy", "fwd got dx"]
+
+
+def test_a_blocking_batch_fails_at_the_deadline_of_a_suspended_leaf() -> None:
+    body = _Body("fwd", Arrival("never"), [])
+    jobs = [StepJob(MetaStep(StepKind.FWD, 0, 0), "forward", body)]
+    outcome = BatchRun(jobs, None, None, 0.2, parks=False).run()
+    assert isinstance(outcome, BatchOutcome)
+    assert "never not there within 0.2s" in str(outcome.error)
+    assert body.fiber is not None
+    body.fiber.abandon()

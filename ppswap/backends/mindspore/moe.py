@@ -93,6 +93,11 @@ class MoE(nn.Cell):  # type: ignore[misc]
     def kept_experts(self) -> tuple[int, int]:
         return self._kept
 
+    @property
+    def runs_in_fibers(self) -> bool:
+        """PyNative autograd cannot record two forwards interleaved (module docstring)."""
+        return False
+
     def keep_experts(self, first: int, count: int) -> None:
         """Keep experts ``first .. first + count - 1`` (the parameters stay the same
         objects; their data is sliced)."""

@@ -104,6 +104,11 @@ class MoE(nn.Module):
     def kept_experts(self) -> tuple[int, int]:
         return self._kept
 
+    @property
+    def runs_in_fibers(self) -> bool:
+        """torch's autograd accepts calls from any thread, interleaved."""
+        return True
+
     def keep_experts(self, first: int, count: int) -> None:
         """Keep experts ``first .. first + count - 1`` (the parameters stay the same
         objects; their data is sliced, the rest released)."""
