@@ -297,6 +297,24 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         quick_args=("--rounds", "5", "--warmup", "2"),
         limit_s=300.0,
     ),
+    Benchmark(
+        "serve",
+        "bench_serve.py",
+        "ppswap serve under load while training",
+        "A `ppswap serve` process on 127.0.0.1 trains the torch demo LM (pp2, m8, swap, SGD "
+        "with momentum), each job twice: quiet, then while 100 concurrent clients ask for "
+        "its status (`GET /runs/{id}`) and the metrics (`GET /metrics`) in turn, polling "
+        "once a second each or back to back, bounded in requests and seconds. Response "
+        "times are measured on the client, which shares the cores with the server and its "
+        "training; the target is a p99 under 50 ms, and the loaded run's losses equal the "
+        "quiet run's bit for bit. The control row is the same polling against the idle "
+        "server: what the machine itself allows at that moment. Back to back keeps 100 "
+        "requests in flight at all times: its times are the queue behind a server that "
+        "shares two cores with its training (a throughput limit, not a latency).",
+        quick_args=("--quick",),
+        limit_s=600.0,
+        json_out=True,
+    ),
 )
 
 

@@ -4,12 +4,16 @@ One table, one row per job: its id, state, the options it was asked with (JSON),
 losses of the steps it finished, its last per-rank metrics, its error, and times.
 ``JobStore`` holds one ``sqlite3`` connection and runs every statement on a worker thread
 (``anyio.to_thread``), one at a time (a lock), so the event loop never waits on the disk.
+It keeps each record it wrote or read since it opened (it is the file's only writer
+while it is open): ``get`` of such a record answers from memory, without a thread hop,
+which keeps status requests cheap while a job trains.
 Opening a store marks every job that was queued or running when the previous service
 stopped as ``interrupted``: nothing runs it any more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import threading
@@ -91,6 +95,7 @@ class JobStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(_SCHEMA)
         self.interrupted_at_open = self._interrupt_active()
+        self._known: dict[str, JobRecord] = {}  # the loop's side only
 
     def _interrupt_active(self) -> int:
         marks = ",".join("?" * len(ACTIVE_STATES))
@@ -149,13 +154,27 @@ class JobStore:
     # -- the loop's side -----------------------------------------------------------------
     async def insert(self, record: JobRecord) -> None:
         await self._call(self._insert, record)
+        self._known.pop(record.id, None)  # read back once, with its times
 
     async def update(self, job_id: str, **changes: Any) -> None:
         await self._call(self._update, job_id, changes)
+        known = self._known.get(job_id)
+        if known is not None:  # as a read would give it: JSON columns copied through JSON
+            stored = {
+                k: json.loads(json.dumps(v)) if k in _JSON_COLUMNS else v
+                for k, v in changes.items()
+            }
+            self._known[job_id] = dataclasses.replace(known, **stored, updated=time.time())
 
     async def get(self, job_id: str) -> JobRecord | None:
+        known = self._known.get(job_id)
+        if known is not None:
+            return known
         found = await self._call(self._select, job_id)
-        return found[0] if found else None
+        if not found:
+            return None
+        self._known[job_id] = found[0]
+        return found[0]
 
     async def all(self) -> list[JobRecord]:
         return await self._call(self._select, None)

@@ -287,3 +287,35 @@ async def test_the_live_page_and_its_script_come_from_the_package(tmp_path: Path
         "http://www.w3.org", ""
     )
     assert script.status_code == 200 and "EventSource" in script.text
+
+
+@pytest.mark.asyncio
+async def test_status_and_metrics_requests_while_training_leave_the_losses_unchanged(
+    tmp_path: Path,
+) -> None:
+    body = TINY | {"steps": 6, "momentum": 0.9}
+    async with service(tmp_path / "jobs.db") as client:
+        quiet = (await client.post("/runs", json=body)).json()["id"]
+        quiet_losses = (await wait_state(client, quiet, {"finished"}))["losses"]
+        loaded = (await client.post("/runs", json=body)).json()["id"]
+        await wait_state(client, loaded, {"running"})
+        answers: list[tuple[int, str | None]] = []
+
+        async def poll(index: int) -> None:  # 20 clients, 300 requests at most
+            path = (f"/runs/{loaded}", "/metrics")[index % 2]
+            while len(answers) < 300:
+                answer = await client.get(path)
+                state = answer.json()["state"] if path != "/metrics" else None
+                answers.append((answer.status_code, state))
+                if state not in (None, "running"):
+                    return
+                await anyio.sleep(0)
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for index in range(20):
+                    tg.start_soon(poll, index)
+        shown = await wait_state(client, loaded, {"finished"})
+    assert {status for status, _ in answers} == {200}
+    assert sum(state == "running" for _, state in answers) > 20  # the load met the training
+    assert shown["losses"] == quiet_losses and len(set(quiet_losses)) == 6
