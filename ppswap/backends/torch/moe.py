@@ -150,7 +150,8 @@ class MoE(nn.Module):
             raise RuntimeError(
                 f"this MoE block keeps experts {first}..{first + local - 1} of "
                 f"{self._num_experts}, which does not fit EP member {exchange.index} of "
-                f"{members}: split it with ppswap.moe.expert_parallel for the run's mesh"
+                f"{members}: a block split by ppswap.moe.expert_parallel computes inside "
+                "a pipeline run over its mesh, whose EP group holds the other experts"
             )
         experts = picked.reshape(-1).to("cpu").numpy()
         by_expert = np.argsort(experts, kind="stable")
