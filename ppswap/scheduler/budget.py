@@ -58,7 +58,7 @@ from ppswap.scheduler.cost_memory import candidates_of
 from ppswap.scheduler.cost_model import CostModel, simulate_run
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.recompute_plan import ChunkPolicy, orders_for_policies
-from ppswap.scheduler.simulate import release_kinds
+from ppswap.scheduler.simulate import releases_chunk, split_release_kind
 from ppswap.scheduler.steps import (
     CONSUMER_KINDS,
     FWD,
@@ -185,7 +185,7 @@ def _chunk_models(
     first: dict[Chunk, int] = {}
     consumer: dict[Chunk, int] = {}
     last: dict[Chunk, int] = {}
-    released = release_kinds(config.saved_until)
+    split_release = split_release_kind(config.saved_until)
     slots = compute_slots(plain)
     for slot in slots:
         for leaf in slot.leaves:
@@ -193,7 +193,7 @@ def _chunk_models(
                 first[leaf.chunk] = slot.slot
             if leaf.kind in CONSUMER_KINDS:
                 consumer[leaf.chunk] = slot.slot
-            if leaf.kind in released:
+            if releases_chunk(leaf.kind, split_release):
                 last[leaf.chunk] = slot.slot
     windows: dict[Chunk, tuple[int, int]] = {}
     if config.swap:

@@ -67,9 +67,10 @@ __all__ = [
     "memory_profile",
     "memory_rows",
     "memory_table",
-    "release_kinds",
+    "releases_chunk",
     "resident_by_column",
     "saved_bytes_profile",
+    "split_release_kind",
     "step_columns",
 ]
 
@@ -155,17 +156,17 @@ def build_timeline(config: ScheduleConfig, orders: Sequence[Order]) -> Timeline:
     return Timeline(num_columns=num_columns, cells=cells, bubbles=bubbles)
 
 
-_RELEASE_KINDS: dict[str, frozenset[StepKind]] = {
-    "input": frozenset({BWD, BWD_INPUT}),
-    "weight": frozenset({BWD, BWD_WEIGHT}),
-}
-
-
-def release_kinds(saved_until: SavedUntil) -> frozenset[StepKind]:
-    """The compute leaves that free a chunk's saved tensors: BWD, and with the dx/dw
-    split BWD_INPUT (``saved_until="input"``) or BWD_WEIGHT (``"weight"``)."""
+def split_release_kind(saved_until: SavedUntil) -> StepKind:
+    """The half of a split backward that frees its chunk's saved tensors: BWD_INPUT for
+    ``saved_until="input"``, BWD_WEIGHT for ``"weight"``."""
     check_one_of("saved_until", saved_until, SAVED_UNTIL)
-    return _RELEASE_KINDS[saved_until]
+    return BWD_INPUT if saved_until == "input" else BWD_WEIGHT
+
+
+def releases_chunk(kind: StepKind, split_release: StepKind) -> bool:
+    """Whether a compute leaf of ``kind`` frees its chunk: a BWD, or the split half
+    ``split_release`` (:func:`split_release_kind`)."""
+    return kind is BWD or kind is split_release
 
 
 def memory_profile(
@@ -179,7 +180,7 @@ def memory_profile(
     """
     if not isinstance(with_swap, bool):
         raise TypeError(f"with_swap must be a bool, got {with_swap!r}")
-    return _walk(order, with_swap, release_kinds(saved_until), None, None)
+    return _walk(order, with_swap, split_release_kind(saved_until), None, None)
 
 
 def saved_bytes_profile(
@@ -196,7 +197,7 @@ def saved_bytes_profile(
     ``kept == moved == 1`` on every stage it is :func:`memory_profile`."""
     if not isinstance(with_swap, bool):
         raise TypeError(f"with_swap must be a bool, got {with_swap!r}")
-    released = release_kinds(saved_until)
+    split_release = split_release_kind(saved_until)
     if len(kept) != len(moved):
         raise ValueError(
             f"kept and moved must hold one int per stage each, got {len(kept)} and {len(moved)}"
@@ -212,13 +213,13 @@ def saved_bytes_profile(
         raise ValueError(
             f"kept and moved hold {len(kept)} stages; the order runs stage {max(stages)}"
         )
-    return _walk(order, with_swap, released, kept, moved)
+    return _walk(order, with_swap, split_release, kept, moved)
 
 
 def _walk(
     order: Order,
     with_swap: bool,
-    released: frozenset[StepKind],
+    split_release: StepKind,
     kept: Sequence[int] | None,
     moved: Sequence[int] | None,
 ) -> tuple[int, ...]:
@@ -235,7 +236,7 @@ def _walk(
                 weight = 1 if kept is None else kept[leaf.stage]
                 if leaf.kind is FWD:
                     produced += weight
-                elif leaf.kind in released:
+                elif releases_chunk(leaf.kind, split_release):
                     consumed += weight
             profile.append(resident + produced)
             resident += produced - consumed
