@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost_model import CostModel, StageBytes
 from ppswap.swap import swap_wrapper
 
-SCHEDULES = {
+SCHEDULES: dict[str, dict[str, Any]] = {
     "GPipe": dict(schedule="gpipe", stage_num=2),
     "1F1B": dict(schedule="1f1b", stage_num=2),
     "Interleaved": dict(schedule="interleaved_1f1b", stage_num=4),
@@ -153,7 +154,8 @@ def bench_case(
     for label, budget in budgets.items():
         result, step_s = timed(
             repeats,
-            lambda budget=budget: run(
+            partial(
+                run,
                 stages,
                 case,
                 data,
