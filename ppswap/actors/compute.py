@@ -263,8 +263,8 @@ class ComputeActor:
             jobs = [self._with_experts(self._experts, job) for job in jobs]
         self._trace.expect_composites(plan.composites)
         pairs = frozenset(plan.pairs)
-        if self._experts is not None and not self._mode.parks and pairs:
-            pairs = self._experts.pairs_in_order(jobs, pairs)
+        if self._experts is not None:
+            pairs = self._experts.batch_pairs(jobs, plan.composites, pairs, self._mode.parks)
         await self._execute(jobs, plan.posted, plan.sends, pairs)
         for composite in plan.composites:  # its leaves were jobs of the batch
             self._done(composite)

@@ -14,7 +14,7 @@ ranks, among them the peers of the exchange.
 
 A stage whose blocks cannot run in fibers (``ExpertBlock.runs_in_fibers``: MindSpore)
 blocks its compute thread in its exchanges; it runs with one rank per process only, and
-its composites run their leaves in order (``pairs_in_order``): EP peers that ran one in
+its composites run their leaves in order (``batch_pairs``): EP peers that ran one in
 opposite orders (each the leaf whose input came first) would wait on each other.
 """
 
@@ -38,7 +38,7 @@ __all__ = ["ExpertRunner"]
 
 
 class StepJobLike(Protocol):
-    """What ``pairs_in_order`` reads of a batch's job (``ppswap.actors.batch.StepJob``)."""
+    """What ``batch_pairs`` reads of a batch's job (``ppswap.actors.batch.StepJob``)."""
 
     @property
     def step(self) -> MetaStep: ...
@@ -125,15 +125,31 @@ class ExpertRunner:
             return _Stepped(self, step, run)
         return _FiberBody(self, step, run)
 
-    def pairs_in_order(self, jobs: Sequence[StepJobLike], pairs: frozenset[int]) -> frozenset[int]:
-        """The pairs of a batch without those holding a leaf of a stage that blocks in
-        its exchanges (not in fibers): such a pair runs in its order (module docstring)."""
-        blocking = {index for index, fibers in self._fibers.items() if not fibers}
-        return frozenset(
-            i
-            for i in pairs
-            if jobs[i].step.stage not in blocking and jobs[i + 1].step.stage not in blocking
-        )
+    def batch_pairs(
+        self,
+        jobs: Sequence[StepJobLike],
+        composites: Sequence[MetaStep],
+        pairs: frozenset[int],
+        parks: bool,
+    ) -> frozenset[int]:
+        """A batch's pairs (``BatchRun.pairs``) for this rank's MoE stages: every
+        composite of MoE leaves that run in fibers is a pair, whether its inputs are
+        there or not, so that a leaf suspended in an exchange lets its partner run; a
+        composite of MoE leaves that block in their exchanges (not in fibers) is none on
+        a rank alone in its process (``parks`` False): it runs in its order (module
+        docstring)."""
+        fibers = {index for index, runs in self._fibers.items() if runs}
+        blocking = set(self._fibers) - fibers
+        leaves = {composite.sub_steps for composite in composites}
+        found = set(pairs)
+        for i in range(len(jobs) - 1):
+            first, second = jobs[i].step, jobs[i + 1].step
+            stages = {first.stage, second.stage}
+            if (first, second) in leaves and stages & fibers:
+                found.add(i)
+            if not parks and stages & blocking:
+                found.discard(i)
+        return frozenset(found)
 
     def _where(self) -> MetaStep:
         return self._step
