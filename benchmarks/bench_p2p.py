@@ -52,8 +52,8 @@ import numpy.typing as npt  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from mpi_pingpong import pingpong, relaunch_under_mpiexec, under_launcher  # noqa: E402
 
-from ppswap.actors.mpi import MPITransport  # noqa: E402
 from ppswap.core.messages import MessageKey  # noqa: E402
+from ppswap.transports.mpi import MPITransport  # noqa: E402
 
 Array = npt.NDArray[Any]
 KIB = 1024

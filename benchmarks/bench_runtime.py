@@ -41,9 +41,9 @@ import numpy.typing as npt
 from mindspore import Tensor, nn
 
 from ppswap import PipelineStage, RunOptions, run_schedule
-from ppswap.actors.prepare import prepare_run, split_batches
 from ppswap.backends.mindspore import BACKEND as MINDSPORE
 from ppswap.demo.model import mse_loss
+from ppswap.planning.prepare import prepare_run, split_batches
 from ppswap.scheduler.config import ScheduleName
 from ppswap.scheduler.steps import MetaStep, StepKind
 from ppswap.scheduler.swap_plan import eligible_chunks

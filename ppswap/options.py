@@ -1,7 +1,7 @@
 """RunOptions: how a run executes, validated once.
 
 ``run_schedule``, the schedule classes (``ScheduleGPipe`` ...) and the run planner
-(``ppswap.actors.prepare``) share this one type: the keyword arguments of
+(``ppswap.planning.prepare``) share this one type: the keyword arguments of
 ``run_schedule(...)`` and of a schedule's constructor are its fields, checked here, when
 the options are made, before anything runs. A bad value raises a ``TypeError`` or
 ``ValueError`` naming the parameter, the value and what is allowed; an unknown keyword

@@ -76,7 +76,7 @@ class PipelineStage:
     ):
         """``tied``: parameters this stage shares with other stages, by attribute path,
         each under a key that every stage holding a copy declares (``{"wte.weight":
-        "embedding"}``; ``ppswap/actors/ties.py``): after a training run each copy's
+        "embedding"}``; ``ppswap/planning/ties.py``): after a training run each copy's
         gradient is the sum over the copies. In one process a parameter object that
         several stages hold is tied without it."""
         backend = backend_for(module)

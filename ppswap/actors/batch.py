@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ppswap.actors.copy_stream import CopyCompletion, CopyStream
-from ppswap.actors.payloads import payload_of, tensors_of
 from ppswap.backends.types import Tensor
 from ppswap.core.arrival import Arrival, ArrivalTimeoutError, FirstOf, ThreadWait
 from ppswap.core.executor import Resume
@@ -49,6 +48,7 @@ from ppswap.scheduler.steps import PAYLOAD_MAKER_KINDS as _MAKES_PAYLOAD_OF
 from ppswap.scheduler.steps import MetaStep
 from ppswap.stage_run import StageCollector, StageRun
 from ppswap.swap.jobs import CopyJob
+from ppswap.transports.payloads import payload_of, tensors_of
 
 __all__ = [
     "JOB_KINDS",

@@ -39,7 +39,7 @@ arrays)``; ``rank`` is the caller, as ``send``'s ``src``), a separate protocol s
 P2P-only transport still satisfies ``Transport``; a run with FSDP requires it. A
 ``CollectiveRequest`` gets its own task and a span named ``"{op} {key}"``.
 
-``InProcessTransport`` lives in ``ppswap.actors.inprocess`` and is exported here too.
+``InProcessTransport`` lives in ``ppswap.transports.inprocess`` and is exported here too.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ from anyio.streams.memory import (
     MemoryObjectStreamStatistics,
 )
 
-from ppswap.actors.inprocess import InProcessTransport
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.deadlines import resolve, wait_woken
 from ppswap.core.faults import FaultAction, FaultPlan, FaultSite
@@ -81,6 +80,7 @@ from ppswap.core.transport import (
 from ppswap.errors import PipelineError, PipelineHangError, named_failure
 from ppswap.logs import log_step
 from ppswap.scheduler.steps import MetaStep
+from ppswap.transports.inprocess import InProcessTransport
 
 __all__ = ["InProcessTransport", "P2PActor", "P2PChannel", "p2p_channel"]
 

@@ -18,11 +18,9 @@ from ppswap.actors.chunk_meter import ChunkMeter
 from ppswap.actors.compute import BatchMode, ComputeActor, RankInputs
 from ppswap.actors.context import RunContext
 from ppswap.actors.copy_stream import CopyStream, CopyStreamActor
-from ppswap.actors.data import Batches
 from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.local_steps import ARRIVAL_WAITS_PER_BATCH
 from ppswap.actors.p2p import P2PActor, p2p_channel
-from ppswap.actors.prepare import RunPlan
 from ppswap.actors.tie_sum import TieSums
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
@@ -32,6 +30,8 @@ from ppswap.events import RunEvents
 from ppswap.fsdp.driver import FsdpRankDriver
 from ppswap.fsdp.plan import collectives_for
 from ppswap.moe.runner import ExpertRunner
+from ppswap.planning.data import Batches
+from ppswap.planning.prepare import RunPlan
 from ppswap.results import RankStats
 from ppswap.scheduler.recompute_plan import chunk_policies
 from ppswap.scheduler.steps import RECOMPUTE

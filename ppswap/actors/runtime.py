@@ -2,7 +2,7 @@
 
 One run, start to end:
 
-1. ``RunOptions`` checks every option; the planner (``ppswap.actors.prepare``) checks the
+1. ``RunOptions`` checks every option; the planner (``ppswap.planning.prepare``) checks the
    stages and the data against them and builds the finalized, validated per-rank orders.
    Nothing has run yet when a bad input is refused.
 2. Inside the stages' backend's run scope, the process's single compute thread starts,
@@ -41,14 +41,10 @@ import anyio
 import structlog
 
 from ppswap.actors.compute import ComputeActor
-from ppswap.actors.data import Batches
-from ppswap.actors.distributed import abort_job, configure_transport, gather_results
 from ppswap.actors.handoff import ThreadHandoff
 from ppswap.actors.p2p import InProcessTransport
-from ppswap.actors.prepare import RunPlan, prepare_run, split_batches, with_tie_steps
 from ppswap.actors.rank import RankRuntime
 from ppswap.actors.tie_sum import TieSums, grads_to_give
-from ppswap.actors.ties import resolve_ties
 from ppswap.actors.trace import FlightRecorder
 from ppswap.backends.base import CopyEngine
 from ppswap.core.executor import DedicatedThread
@@ -65,10 +61,14 @@ from ppswap.events import (
 )
 from ppswap.fsdp.plan import param_storage_bytes
 from ppswap.options import DEFAULT_STEP_TIMEOUT_S, RunOptions
+from ppswap.planning.data import Batches
+from ppswap.planning.prepare import RunPlan, prepare_run, split_batches, with_tie_steps
+from ppswap.planning.ties import resolve_ties
 from ppswap.results import RankStats, RunResult
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.stage_run import StageRun, StageRuns
 from ppswap.swap.unmarked import warn_if_nothing_swapped
+from ppswap.transports.distributed import abort_job, configure_transport, gather_results
 
 __all__ = ["DEFAULT_STEP_TIMEOUT_S", "RankStats", "RunResult", "run_schedule"]
 

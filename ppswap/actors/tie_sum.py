@@ -1,6 +1,6 @@
 """TIED_GRAD_SUM at run time: the step that makes each holder's tied gradient whole.
 
-A tie (``ppswap.actors.ties``) is summed by a TIED_GRAD_SUM step at the end of each
+A tie (``ppswap.planning.ties``) is summed by a TIED_GRAD_SUM step at the end of each
 holder rank's order (``ppswap.scheduler.ties``), run by the rank's compute actor on its
 one path, as two jobs of one batch (``StepJob``), the step beginning its batch:
 
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from ppswap.actors.batch import StepJob
-from ppswap.actors.ties import TieGroup, TieHolder, Ties, world_rank_of
 from ppswap.backends.base import Backend
 from ppswap.backends.types import HostArray, Tensor
 from ppswap.core.arrival import Arrival
@@ -42,6 +41,7 @@ from ppswap.core.executor import loop_caller
 from ppswap.core.messages import CollectiveRequest, ReplyFuture, RequestSink
 from ppswap.core.packed import pack, unpack
 from ppswap.fsdp.mesh import DeviceMesh
+from ppswap.planning.ties import TieGroup, TieHolder, Ties, world_rank_of
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.steps import TIED_GRAD_SUM, MetaStep
 from ppswap.stage_run import StageRun, StageRuns

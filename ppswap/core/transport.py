@@ -11,7 +11,7 @@ its own thread (to a compute thread waiting for it, ``core.arrival``);
 ``MultiProcessTransport`` has one process per rank, and
 ``DistributedTransport`` is one the runtime configures per run and gathers results
 over. Implementations: ``ppswap.actors.p2p.InProcessTransport`` (the default),
-``ppswap.actors.mpi.MPITransport``,
+``ppswap.transports.mpi.MPITransport``,
 ``ppswap.backends.torch.distributed.TorchDistTransport``.
 A message is identified by ``(src, dst, MessageKey)``, unique within a run.
 """

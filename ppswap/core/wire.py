@@ -5,7 +5,7 @@ Pure numpy and the standard library (no MPI or framework import), so it is testa
 readable on its own, and both transports share it. A message is a header (magic, epoch,
 identity, byte count, dtype, shape) followed, for payloads up to the transport's inline
 limit (``INLINE_MAX_BYTES`` for ``MPITransport``), by the payload itself; larger payloads
-travel as a second message (see ``ppswap.actors.mpi``). The dtype is ``dtype.str``, or
+travel as a second message (see ``ppswap.transports.mpi``). The dtype is ``dtype.str``, or
 ``bfloat16`` for ``ml_dtypes``' bfloat16, which ``dtype.str`` does not name
 (``ppswap.core.dtypes``), or ``ppswap.tuple`` for several arrays packed into one
 (``ppswap.core.packed``: a stage's tuple of activations).

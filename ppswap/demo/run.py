@@ -247,7 +247,7 @@ def mpi_transport() -> Transport:
     Its module is looked up by name here, not imported at the top: importing mpi4py's MPI
     initializes MPI, which only an MPI run should do.
     """
-    transport: Transport = importlib.import_module("ppswap.actors.mpi").MPITransport()
+    transport: Transport = importlib.import_module("ppswap.transports.mpi").MPITransport()
     return transport
 
 

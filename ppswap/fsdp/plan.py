@@ -1,6 +1,6 @@
 """How a run with fully_shard()-ed stages is laid out: one checked ``MeshPlan``.
 
-``plan_mesh`` is what run assembly (``ppswap.actors.prepare``) asks, once, before
+``plan_mesh`` is what run assembly (``ppswap.planning.prepare``) asks, once, before
 anything runs: the run's mesh, read from its stages (every stage sharded with one mesh,
 or none) and checked against an explicit ``mesh=`` and ``pp=``, the transport (across
 processes: one process per world rank, with collectives) and the stages' replicas (in
@@ -138,7 +138,7 @@ def _check_replicas(stages: Sequence[PipelineStage], mesh: DeviceMesh) -> None:
 
 def _check_process_replica(stages: Sequence[PipelineStage], plan: MeshPlan, rank: int) -> None:
     """Across processes: world rank ``rank``'s stages are all of its dp replica ``rank //
-    pp`` (which stage indices: ``ppswap.actors.prepare``, from the schedule)."""
+    pp`` (which stage indices: ``ppswap.planning.prepare``, from the schedule)."""
     dp = plan.dp_index(rank)
     wrong = sorted((s.stage_index, replica_of(s)) for s in stages if replica_of(s) != dp)
     if wrong:

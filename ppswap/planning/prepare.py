@@ -19,7 +19,7 @@ What is checked (docs/reliability.md lists the tests):
   of the run exactly once (once per dp replica with FSDP; across processes with FSDP, the
   stages of this process's world rank ``w``: pipeline rank ``w % pp``, dp replica
   ``w // pp``);
-- the data and ``loss_fn`` (``ppswap.actors.data``).
+- the data and ``loss_fn`` (``ppswap.planning.data``).
 
 What cannot be checked without running the model is reported at the first FWD, before any
 backward: a feature shape the first layer does not accept (a PipelineError naming the
@@ -36,9 +36,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ppswap.actors.data import Batches, check_data, split_data
-from ppswap.actors.p2p import InProcessTransport
-from ppswap.actors.ties import NO_TIES, TieGroup, Ties, orders_with_ties, plan_ties
 from ppswap.backends import type_name
 from ppswap.backends.base import Backend, ForwardScope
 from ppswap.core.faults import FaultPlan
@@ -47,6 +44,8 @@ from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.fsdp.plan import MeshPlan, plan_mesh
 from ppswap.moe.split import check_expert_stages
 from ppswap.options import RunOptions
+from ppswap.planning.data import Batches, check_data, split_data
+from ppswap.planning.ties import NO_TIES, TieGroup, Ties, orders_with_ties, plan_ties
 from ppswap.scheduler.budget import BudgetPlan, plan_memory_budget
 from ppswap.scheduler.checks import budgets_per_rank
 from ppswap.scheduler.config import ScheduleConfig
@@ -59,6 +58,7 @@ from ppswap.scheduler.user_orders import read_orders
 from ppswap.stage import LossFn, PipelineStage
 from ppswap.swap.recompute import has_recompute_blocks
 from ppswap.swap.tensor import CheckMode
+from ppswap.transports.inprocess import InProcessTransport
 
 __all__ = ["RunPlan", "prepare_run", "split_batches", "with_tie_steps"]
 

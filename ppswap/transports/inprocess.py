@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
-from ppswap.actors.payloads import payload_nbytes
 from ppswap.core.messages import HostArray, MessageKey
 from ppswap.core.rank_args import group_index
 from ppswap.core.transport import TransportStats, check_all_to_all, sum_contributions
+from ppswap.transports.payloads import payload_nbytes
 
 __all__ = ["InProcessTransport"]
 

@@ -4,7 +4,7 @@ One process per rank, launched with ``mpiexec -n N``; ``docs/mpi.md`` has the re
 design notes and the measured overhead. In short:
 
 - Non-blocking, no thread: calls post ``Isend`` / ``Irecv`` and poll ``Test()`` from the
-  event loop (``ppswap.actors.mpi_requests``). For ``spin_s`` plus the payload's time at
+  event loop (``ppswap.transports.mpi_requests``). For ``spin_s`` plus the payload's time at
   1 GB/s a wait spins: it polls in a tight loop for slices of at most ``busy_poll_s``
   (default 200 us, the longest it blocks the loop at a time) and yields (``sleep(0)``)
   between slices. Then it sleeps doubling intervals up to ``poll_interval_s`` between
@@ -44,7 +44,6 @@ import numpy as np
 import numpy.typing as npt
 from mpi4py import MPI
 
-from ppswap.actors.mpi_requests import FIRST_BYTES, InFlightRequests, StartedRecv
 from ppswap.core.messages import MessageKey
 from ppswap.core.p2p_tags import P2PTagLayout
 from ppswap.core.rank_args import check_int, check_local, check_peer_call, group_index
@@ -67,6 +66,7 @@ from ppswap.core.wire import (
     encode_message,
     wire_array,
 )
+from ppswap.transports.mpi_requests import FIRST_BYTES, InFlightRequests, StartedRecv
 
 __all__ = ["MPITransport"]
 

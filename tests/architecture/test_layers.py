@@ -24,6 +24,8 @@ LAYERS = [
     {"results", "fsdp"},
     {"moe"},
     {"options", "events", "metrics"},
+    {"transports"},
+    {"planning"},
     {"actors"},
     {"pipeline"},
     {"cli_args", "cli_budget"},

@@ -10,7 +10,6 @@ import anyio
 import numpy as np
 import pytest
 
-from ppswap.actors.inprocess import InProcessTransport
 from ppswap.actors.p2p import P2PActor, p2p_channel
 from ppswap.actors.trace import FlightRecorder
 from ppswap.core.executor import DedicatedThread, loop_caller
@@ -19,6 +18,7 @@ from ppswap.errors import PipelineError, PipelineHangError
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.moe import ExpertExchange, expert_parallel, expert_state_of
 from ppswap.scheduler.steps import MetaStep, StepKind
+from ppswap.transports.inprocess import InProcessTransport
 
 torch = pytest.importorskip("torch")
 moe_module = pytest.importorskip("ppswap.backends.torch.moe")

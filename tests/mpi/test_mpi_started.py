@@ -21,9 +21,9 @@ import pytest
 pytest.importorskip("mpi4py")
 from mpi4py import MPI
 
-from ppswap.actors.mpi import MPITransport
 from ppswap.core.messages import MessageKey
 from ppswap.core.transport import CallbackTransport, complete_all
+from ppswap.transports.mpi import MPITransport
 
 Array = npt.NDArray[Any]
 Got = list[tuple[Array | None, BaseException | None]]

@@ -20,12 +20,12 @@ import pytest
 pytest.importorskip("mpi4py")
 from mpi4py import MPI
 
-from ppswap.actors.distributed import gather_results
-from ppswap.actors.mpi import MPITransport
 from ppswap.core.dtypes import BFLOAT16
 from ppswap.core.messages import MessageKey
 from ppswap.core.wire import PAGE_BYTES, POOL_MIN_BYTES, RecvBufferPool
 from ppswap.results import RankStats
+from ppswap.transports.distributed import gather_results
+from ppswap.transports.mpi import MPITransport
 
 Array = npt.NDArray[Any]
 

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from ppswap import PipelineStage, RunOptions, StepKind, run_schedule
-from ppswap.actors.prepare import prepare_run
 from ppswap.core.faults import FaultPlan, call_at
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.fsdp import DeviceMesh, fully_shard
+from ppswap.planning.prepare import prepare_run
 from ppswap.results import RunResult
 from ppswap.swap import swap_wrapper
 

@@ -1,4 +1,4 @@
-"""Tied parameters on MindSpore, in one process (``ppswap/actors/ties.py``, ``tie_sum.py``;
+"""Tied parameters on MindSpore, in one process (``ppswap/planning/ties.py``, ``tie_sum.py``;
 the torch twin with more schedules, FSDP and the refusals:
 ``tests/torch_backend/test_torch_tied.py``; across processes: ``tests/mpi/test_mpi_tied.py``).
 

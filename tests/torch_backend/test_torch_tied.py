@@ -1,4 +1,4 @@
-"""Tied parameters on torch, in one process (``ppswap/actors/ties.py``): a GPT-2 style
+"""Tied parameters on torch, in one process (``ppswap/planning/ties.py``): a GPT-2 style
 model whose head multiplies by the input embedding's weight (``tied_model.py``).
 
 Held as one object by the first and the last stage (found by identity) or as two copies

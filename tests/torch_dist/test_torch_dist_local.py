@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from fake_work import FakeWork
 
-from ppswap.actors.distributed import AbortingTransport, gather_results, is_distributed
 from ppswap.backends.torch.distributed import P2P_TAGS, TorchDistTransport
 from ppswap.backends.torch.distributed_io import DEFAULT_INLINE_MAX_BYTES, MessageIO
 from ppswap.backends.torch.distributed_wait import Waiters, WorkError, host_tensor
@@ -34,6 +33,7 @@ from ppswap.core.messages import MessageKey
 from ppswap.core.transport import CollectiveTransport, DistributedTransport, Transport
 from ppswap.core.wire import HEADER_MAX_BYTES, INLINE_MAX_BYTES, decode_header, encode_message
 from ppswap.results import RankStats
+from ppswap.transports.distributed import AbortingTransport, gather_results, is_distributed
 
 Array = npt.NDArray[Any]
 

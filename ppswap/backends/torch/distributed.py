@@ -118,7 +118,7 @@ class TorchDistTransport:
     collective call: every rank constructs its transport, in the same order relative to
     its other group creations. Ranks are global ranks. ``timeout_s`` bounds every gloo
     operation; ``abort_on_failure`` asks the runtime to ``abort`` the job when this rank
-    fails (``ppswap.actors.distributed.abort_job``). Payloads of up to ``inline_max_bytes``
+    fails (``ppswap.transports.distributed.abort_job``). Payloads of up to ``inline_max_bytes``
     travel in one message (copied into it), larger ones as a second message of their own
     bytes; every rank must pass the same value (a mismatch raises ``ValueError`` on every
     rank).

@@ -76,7 +76,7 @@ def _run(transport: Any) -> None:
 
 if __name__ == "__main__":
     if sys.argv[2] == "mpi":
-        from ppswap.actors.mpi import MPITransport
+        from ppswap.transports.mpi import MPITransport
 
         with MPITransport() as mpi_transport:
             _run(mpi_transport)

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_support_ms import build_modules, make_data, mse_loss, split_stage
 
 from ppswap import run_schedule
-from ppswap.actors.mpi import MPITransport
 from ppswap.fsdp import DeviceMesh
+from ppswap.transports.mpi import MPITransport
 
 MESH = DeviceMesh(pp=2, dp=2, ep=2)
 MICRO = 4

@@ -18,8 +18,8 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from ppswap.actors.mpi import MPITransport
 from ppswap.core.messages import MessageKey
+from ppswap.transports.mpi import MPITransport
 
 Array = npt.NDArray[Any]
 MICRO_COUNT = 16

@@ -15,8 +15,8 @@ import time
 import anyio
 import numpy as np
 
-from ppswap.actors.mpi import MPITransport
 from ppswap.core.messages import MessageKey
+from ppswap.transports.mpi import MPITransport
 
 
 class InjectedFailure(RuntimeError):

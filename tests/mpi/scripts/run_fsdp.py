@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fsdp"))
 from fsdp_support import DIM, batch
 
 from ppswap import PipelineStage, run_schedule
-from ppswap.actors.mpi import MPITransport
 from ppswap.demo.model import build_mlp_stages, mse_loss
 from ppswap.fsdp import DeviceMesh, fully_shard, gather_full_gradients
 from ppswap.swap import swap_wrapper
+from ppswap.transports.mpi import MPITransport
 
 DP = 2
 MICRO = 4

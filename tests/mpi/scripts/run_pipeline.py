@@ -20,11 +20,11 @@ import anyio
 import numpy as np
 
 from ppswap import PipelineStage, run_schedule
-from ppswap.actors.mpi import MPITransport
 from ppswap.core.faults import FaultPlan, fail_compute
 from ppswap.demo.model import build_mlp_stages, build_tuple_stages, mse_loss
 from ppswap.scheduler.steps import StepKind
 from ppswap.swap import swap_wrapper
+from ppswap.transports.mpi import MPITransport
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_data import BATCH, DIM, bf16_data, bf16_loss, bf16_stages, data, host

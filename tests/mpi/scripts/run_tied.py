@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
 from tied_cells import cells, data, declared, digest, tied_index, unsplit
 
 from ppswap import PipelineStage, run_schedule
-from ppswap.actors.mpi import MPITransport
 from ppswap.demo.model import mse_loss
+from ppswap.transports.mpi import MPITransport
 
 CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "1f1b": ("1f1b", 1, {}),

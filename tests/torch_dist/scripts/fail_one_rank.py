@@ -2,7 +2,7 @@
 
 Every rank exchanges one message with its neighbour, then the last rank raises while the
 others wait for a message it will never send. It goes the runtime's way out
-(``ppswap.actors.distributed.abort_job``: a line on stderr naming the rank, then
+(``ppswap.transports.distributed.abort_job``: a line on stderr naming the rank, then
 ``TorchDistTransport.abort``), which must end every process of the job. With
 ``--no-abort`` the exception is left uncaught instead (the process exits with a
 traceback, and torchrun has to end the rest).
@@ -16,9 +16,9 @@ import time
 import anyio
 import numpy as np
 
-from ppswap.actors.distributed import abort_job
 from ppswap.backends.torch.distributed import TorchDistTransport
 from ppswap.core.messages import MessageKey
+from ppswap.transports.distributed import abort_job
 
 
 class InjectedFailure(RuntimeError):

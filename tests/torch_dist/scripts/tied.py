@@ -104,7 +104,7 @@ async def main(transport: Any) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["mpi"]:
-        from ppswap.actors.mpi import MPITransport
+        from ppswap.transports.mpi import MPITransport
 
         transport: Any = MPITransport()
     else:

@@ -1,0 +1,1 @@
+"""Run planning: stages, options and data checked and a ``RunPlan`` built, before anything runs."""
