@@ -1,6 +1,11 @@
 """Swap's own Python per chunk on torch, with the compute made negligible.
 
     python benchmarks/bench_swap_overhead.py [--sessions 25] [--repeats 7] [--model tiny|small]
+    python benchmarks/bench_swap_overhead.py --sweep [--sizes 64K,160K,1M,8M,64M] [--pairs 5]
+
+``--sweep`` instead measures a whole pipeline step with swap over the same step without,
+on MindSpore and torch, by chunk size (``swap_sweep.py``: the model, the options and the
+method; swap and no-swap runs alternating, medians of pairs, the process's CPU time too).
 
 ``bench_swap_check.py`` times swap beside a real chunk's compute, where run-to-run noise
 on a shared 2-core machine is as large as a tenth of swap's cost, so a change that saves
@@ -54,6 +59,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -61,6 +67,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import swap_sweep
 import torch
 from torch_peer_model import MODELS, Model, build_modules
 
@@ -298,6 +305,9 @@ def _measure(sessions: int, repeats: int, model: Model) -> dict[str, Any]:
 
 
 def main() -> None:
+    if "--sweep" in sys.argv[1:]:  # the step sweep, its options its own (swap_sweep.py)
+        swap_sweep.main([a for a in sys.argv[1:] if a != "--sweep"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=25, help="sessions per round")
     parser.add_argument("--repeats", type=int, default=7, help="rounds per contender")
