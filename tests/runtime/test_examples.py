@@ -44,12 +44,47 @@ def test_example_runs_and_offloads(script: str) -> None:
         assert len(peaks) == len(offloaded) == 4  # one line per rank
 
 
+def _moe_example_output(launcher: list[str]) -> str:
+    pytest.importorskip("torch")
+    done = subprocess.run(
+        [*launcher, str(ROOT / "examples" / "moe_pipeline.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_the_moe_example_trains_pp4_ep2_with_swap_in_one_process() -> None:
+    out = _moe_example_output([sys.executable])
+    losses = [float(v) for v in re.findall(r"step \d: loss ([0-9.]+)", out)]
+    assert len(losses) == 3 and losses[2] < losses[0]
+    ranks = re.findall(r"rank (\d): peak saved (\d+) B, offloaded (\d+) B", out)
+    assert [int(r) for r, _, _ in ranks] == list(range(8))
+    assert all(int(peak) > 0 for _, peak, _ in ranks)
+    assert sum(int(moved) for _, _, moved in ranks) > 0
+
+
+def test_the_moe_example_under_torchrun_gives_the_same_losses() -> None:
+    """Eight processes over gloo train to the one-process run's losses (to print rounding)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed here")
+    alone = _moe_example_output([sys.executable])
+    spread = _moe_example_output([str(torchrun), "--standalone", "--nproc-per-node", "8"])
+    assert re.findall(r"step \d: loss .*", spread) == re.findall(r"step \d: loss .*", alone)
+    assert len(re.findall(r"rank \d: peak saved", spread)) == 8
+
+
 EXAMPLE_FRAMEWORKS = {
     "module_swap.py": ("mindspore", "MindSpore"),
     "tensor_swap.py": ("mindspore", "MindSpore"),
     "async_service.py": ("mindspore", "MindSpore"),
     "torch_pipeline.py": ("torch", "torch"),
     "torchrun_pipeline.py": ("torch", "torch"),
+    "moe_pipeline.py": ("torch", "torch"),
 }
 
 
