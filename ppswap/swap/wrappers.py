@@ -85,8 +85,8 @@ def capture_scope(collection: Collection) -> Iterator[Collection]:
 
     The outer pack counts every saved tensor in the ledger and captures the ones
     registered with ``swap_tensor_wrapper``; inside a ``swap_wrapper`` region it also
-    captures as the region says (``Collection.region``: no hooks of the region's own,
-    which would cost the framework more per region than the region's capture itself).
+    captures as the region says (``Collection.region``: one pair of hooks per forward,
+    none of the region's own).
     """
 
     hook = collection.hook()
