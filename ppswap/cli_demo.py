@@ -21,6 +21,7 @@ __all__ = [
     "DEMO_BACKENDS",
     "DEMO_DEFAULTS",
     "DEMO_FSDP_DP",
+    "DEMO_MOE_DP",
     "DEMO_TRANSPORTS",
     "add_demo_parser",
     "demo_backend",
@@ -30,6 +31,9 @@ __all__ = [
 
 DEMO_FSDP_DP = 2
 """The data-parallel degree of ``ppswap demo --fsdp``."""
+DEMO_MOE_DP = 2
+"""The data-parallel degree of ``ppswap demo --moe`` (one EP group of 2 replicas; a test
+checks it against ``ppswap.demo.moe_demo.MOE_DP``)."""
 DEMO_DEFAULTS: Mapping[str, int | str] = {
     "schedule": "gpipe",
     "pp": 4,
@@ -58,6 +62,8 @@ DEMO_MODULE = "ppswap.demo.run"
 """The demo's module, imported by name when a demo runs."""
 FSDP_DEMO_MODULE = "ppswap.demo.fsdp_demo"
 """The FSDP demo's module (``--fsdp``), imported by name when it runs."""
+MOE_DEMO_MODULE = "ppswap.demo.moe_demo"
+"""The MoE demo's module (``--moe``), imported by name when it runs."""
 
 
 def _make_out_dir(out: str) -> None:
@@ -78,10 +84,13 @@ def _check_count(name: str, value: object) -> None:
 
 
 def demo_backend(args: argparse.Namespace) -> str:
-    """``--backend``, or its default: torch with ``--transport torch``, else mindspore."""
+    """``--backend``, or its default: torch with ``--transport torch`` or ``--moe``, else
+    mindspore."""
     if args.backend is not None:
         return str(args.backend)
-    return "torch" if args.transport == "torch" else str(DEMO_DEFAULTS["backend"])
+    if args.transport == "torch" or args.moe:
+        return "torch"
+    return str(DEMO_DEFAULTS["backend"])
 
 
 def demo_config(args: argparse.Namespace) -> ScheduleConfig:
@@ -94,7 +103,8 @@ def demo_config(args: argparse.Namespace) -> ScheduleConfig:
     interleaved_1f1b), ``batch`` and ``steps`` >= 1, ``batch`` divisible by ``micro`` (by
     ``micro * 2`` with ``--fsdp``, whose batch is split over dp=2 replicas), ``--fsdp``
     only in one process and with the mindspore backend, ``--transport torch`` only with the
-    torch backend, ``--out`` a folder.
+    torch backend, ``--moe`` only in one process, on torch, without ``--fsdp`` and with
+    ``batch`` divisible by ``micro * 2``, ``--out`` a folder.
     """
     backend = demo_backend(args)
     if backend not in DEMO_BACKENDS:
@@ -109,7 +119,9 @@ def demo_config(args: argparse.Namespace) -> ScheduleConfig:
     )
     _check_count("batch", args.batch)
     _check_count("steps", args.steps)
-    if not args.fsdp and args.batch % config.micro:
+    if args.moe:
+        _check_moe(args, backend, config)
+    if not args.fsdp and not args.moe and args.batch % config.micro:
         raise ValueError(f"batch must be divisible by micro={config.micro}, got batch={args.batch}")
     if args.fsdp and args.batch % (config.micro * DEMO_FSDP_DP):
         raise ValueError(
@@ -124,6 +136,27 @@ def demo_config(args: argparse.Namespace) -> ScheduleConfig:
         )
     _make_out_dir(args.out)
     return config
+
+
+def _check_moe(args: argparse.Namespace, backend: str, config: ScheduleConfig) -> None:
+    """``--moe``'s own checks (``demo_config``)."""
+    if backend != "torch":
+        raise ValueError(
+            f"backend must be 'torch' with --moe (the MoE demo runs every rank in one "
+            f"process; MindSpore's expert parallelism runs one process per rank, under "
+            f"mpiexec), got {backend!r}"
+        )
+    if args.fsdp or args.transport != "inprocess":
+        raise ValueError(
+            "moe takes neither --fsdp nor another transport (it runs every rank in one "
+            f"process, FSDP included), got fsdp={args.fsdp}, transport={args.transport!r}"
+        )
+    if args.batch % (config.micro * DEMO_MOE_DP):
+        raise ValueError(
+            f"batch must be divisible by micro * dp = {config.micro * DEMO_MOE_DP} with "
+            f"--moe (dp={DEMO_MOE_DP} replicas, each split into micro-batches), "
+            f"got batch={args.batch}"
+        )
 
 
 def _missing_framework(exc: ModuleNotFoundError, backend: str) -> str | None:
@@ -147,6 +180,7 @@ def _run_demo(args: argparse.Namespace, config: ScheduleConfig) -> int:
         demo = importlib.import_module(DEMO_MODULE)
         demo.load_demo_model(backend)  # imports the framework: missing is one line
         fsdp_demo = importlib.import_module(FSDP_DEMO_MODULE) if args.fsdp else None
+        moe_demo = importlib.import_module(MOE_DEMO_MODULE) if args.moe else None
     except ModuleNotFoundError as exc:
         message = _missing_framework(exc, backend)
         if message is None:
@@ -166,6 +200,9 @@ def _run_demo(args: argparse.Namespace, config: ScheduleConfig) -> int:
         backend=backend,
     )
     status: int
+    if moe_demo is not None:
+        status = moe_demo.main_moe_demo(options)
+        return status
     if fsdp_demo is not None:
         status = fsdp_demo.main_fsdp_demo(options, dp=DEMO_FSDP_DP)
         return status
@@ -237,6 +274,12 @@ def add_demo_parser(subparsers: Any) -> None:
         help=f"FSDP over dp={DEMO_FSDP_DP} replicas, in one process (default: off)",
     )
     demo.add_argument(
+        "--moe",
+        action="store_true",
+        help=f"a MoE block per stage, its experts split over ep=2 of dp={DEMO_MOE_DP} "
+        "replicas (torch, every rank in one process; default: off)",
+    )
+    demo.add_argument(
         "--transport",
         choices=tuple(DEMO_TRANSPORTS),
         default=defaults["transport"],
@@ -247,6 +290,6 @@ def add_demo_parser(subparsers: Any) -> None:
         "--backend",
         default=None,
         help=f"tensor framework of the LM: {' or '.join(DEMO_BACKENDS)} "
-        f"(default {defaults['backend']}; torch with --transport torch)",
+        f"(default {defaults['backend']}; torch with --transport torch or --moe)",
     )
     demo.set_defaults(handler=run_demo_command)

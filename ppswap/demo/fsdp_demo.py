@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ppswap.core.messages import HostArray
@@ -42,7 +43,14 @@ from ppswap.results import RunResult
 from ppswap.stage import PipelineStage
 from ppswap.swap import EmulatedDevice, swap_wrapper
 
-__all__ = ["FsdpDemoReport", "format_fsdp_report", "main_fsdp_demo", "run_fsdp_demo"]
+__all__ = [
+    "FsdpDemoReport",
+    "StageSplitter",
+    "format_fsdp_report",
+    "main_fsdp_demo",
+    "run_fsdp_demo",
+    "train_replicas",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,17 +80,26 @@ def _sharded_lm(
     return stages
 
 
-def _train(
+StageSplitter = Callable[[DemoModel, LMShape, int, DeviceMesh], list[PipelineStage]]
+"""Builds every (stage, dp replica) of the LM over a mesh: ``(model, cfg, stage_num,
+mesh)``."""
+
+
+def train_replicas(
     opts: DemoOptions,
     model: DemoModel,
     cfg: LMShape,
     mesh: DeviceMesh,
     data: list[tuple[HostArray, HostArray]],
+    *,
+    split: StageSplitter = _sharded_lm,
+    name: str = "fsdp",
 ) -> tuple[TrainingPass, TrainingPass]:
-    """Both trainings, step by step in turn, as the main demo's (``train_in_turn``)."""
+    """Both trainings of the stages ``split`` builds, step by step in turn, as the main
+    demo's (``train_in_turn``); traces ``trace_{name}_{noswap,swap}.json``."""
     passes = []
     for swap in (False, True):
-        stages = _sharded_lm(model, cfg, opts.pp * opts.vpp, mesh)
+        stages = split(model, cfg, opts.pp * opts.vpp, mesh)
         schedule = SCHEDULE_CLASSES[opts.schedule](
             stages,
             opts.micro,
@@ -96,7 +113,7 @@ def _train(
     def sgd_on_shards(stage: PipelineStage) -> None:  # with the shard gradients
         model.sgd_step(stage.parameters, stage.grads, opts.lr)
 
-    progress = Progress(sys.stderr, len(data), label="fsdp step")
+    progress = Progress(sys.stderr, len(data), label=f"{name} step")
 
     def report(done: int) -> None:
         times = ", ".join(f"{run.label} {run.step_times[-1]:.2f}s" for run in passes)
@@ -105,7 +122,7 @@ def _train(
     train_in_turn(
         passes,
         data,
-        trace_of=lambda run: opts.out_dir / f"trace_fsdp_{'swap' if run.swap else 'noswap'}.json",
+        trace_of=lambda run: opts.out_dir / f"trace_{name}_{'swap' if run.swap else 'noswap'}.json",
         update=sgd_on_shards,
         report=report,
     )
@@ -139,7 +156,7 @@ def run_fsdp_demo(opts: DemoOptions, *, dp: int = 2) -> FsdpDemoReport:
         f"{opts.steps} steps",
         file=sys.stderr,
     )
-    off, on = _train(opts, model, cfg, mesh, data)
+    off, on = train_replicas(opts, model, cfg, mesh, data)
     assert off.result is not None and on.result is not None
     return FsdpDemoReport(
         dp, opts.pp, off.losses, on.losses, off.result, on.result, off.step_times, on.step_times

@@ -129,3 +129,42 @@ def test_progress_redraws_one_line_only_on_a_terminal(tmp_path: Path) -> None:
     assert (tmp_path / "demo.log").read_text() == (
         "  fsdp step 0/2 running...\n  fsdp step 1/2 loss 4.0\n"
     )
+
+
+def test_moe_demo_trains_pp4_ep2_in_one_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ppswap demo --moe`` (torch by default): eight ranks, losses bit-identical with
+    swap, each rank's peak of saved bytes lower with it."""
+    pytest.importorskip("torch")
+    from ppswap.cli_demo import DEMO_MOE_DP
+    from ppswap.demo.moe_demo import MOE_DP
+
+    assert DEMO_MOE_DP == MOE_DP
+    argv = ["demo", "--moe", "--pp", "4", "--micro", "4", "--batch", "8", "--steps", "2"]
+    assert main([*argv, "--no-plot", "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "pp=4 vpp=1 dp=2 ep=2 micro=4 (8 ranks), torch char LM with a 4-expert" in err
+    assert "bit-identical: yes" in out
+    rows = re.findall(r"^ +(\d) +\(\d,\d\) \|.*\| +([\d,]+) \| +([\d,]+) \| +[\d.]+%$", out, re.M)
+    assert [int(rank) for rank, _, _ in rows] == list(range(8))
+    for _, off, on in rows:
+        assert int(on.replace(",", "")) < int(off.replace(",", ""))
+    assert (tmp_path / "trace_moe_swap.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--backend", "mindspore"], "backend must be 'torch' with --moe (the MoE demo runs"),
+        (["--fsdp"], "moe takes neither --fsdp nor another transport"),
+        (["--transport", "mpi"], "moe takes neither --fsdp nor another transport"),
+        (["--batch", "8", "--micro", "8"], "batch must be divisible by micro * dp = 16 with --moe"),
+    ],
+)
+def test_cli_refuses_bad_moe_demo_options(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--moe", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

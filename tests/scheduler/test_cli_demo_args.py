@@ -199,7 +199,7 @@ def test_demo_help_gives_every_default(capsys: pytest.CaptureFixture[str]) -> No
         "skip the diagram (default: draw it)",
         "(default: off)",
         "(default inprocess)",
-        "mindspore or torch (default mindspore; torch with --transport torch)",
+        "mindspore or torch (default mindspore; torch with --transport torch or --moe)",
         "torch: one process per rank over torch.distributed (gloo), under torchrun",
     ):
         assert expected in text
@@ -213,6 +213,6 @@ def test_every_demo_option_has_help_with_its_default() -> None:
     )
     demo = subparsers.choices["demo"]
     options = [action for action in demo._actions if action.option_strings != ["-h", "--help"]]
-    assert len(options) == 11
+    assert len(options) == 12
     for action in options:
         assert action.help and "default" in action.help, action.option_strings
