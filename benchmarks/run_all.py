@@ -298,6 +298,20 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         limit_s=300.0,
     ),
     Benchmark(
+        "moe",
+        "bench_moe.py",
+        "Expert parallelism: exposed all-to-all with and without overlap_b_f",
+        "A MoE stage per rank (width 64, 4 experts, top-2), pp2 x dp2 with the experts "
+        "split over ep=2, one process per rank under torchrun (gloo), 1F1B m8. A fixed "
+        "delay is injected before every all-to-all so that the exchange's latency shows on "
+        "a CPU host; the exposed all-to-all time is the step with the delay minus the step "
+        "without it, as a share of the step, without and with overlap_b_f (the goal: under "
+        "10% with it, 30% or more without). The last row is EP=1: every expert on every "
+        "rank, no all-to-all.",
+        args=("--rounds", "3"),
+        limit_s=600.0,
+    ),
+    Benchmark(
         "serve",
         "bench_serve.py",
         "ppswap serve under load while training",
