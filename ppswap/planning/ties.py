@@ -318,9 +318,16 @@ async def resolve_ties(
     PipelineHangError where a rank does not take part within ``timeout_s``."""
     if ties.groups is not None:
         return ties.groups
-    if not is_distributed(transport):
-        raise TypeError(f"transport must be a distributed one, got {type(transport).__name__}")
     mine = ties.records(declared=True)
+    if not is_distributed(transport):
+        # A multi-process transport without collectives cannot exchange declarations:
+        # nothing to exchange is fine, a declared tie is refused.
+        if mine:
+            raise TypeError(
+                "tied parameters across processes need a transport with collectives "
+                f"(MPITransport, TorchDistTransport), got {type(transport).__name__}"
+            )
+        return _groups_of(ties.records(declared=False), config, mesh)
     body = json.dumps([[key, *_fields(copy)] for key, copy in mine]).encode()
     everyone = tuple(range(transport.world_size))
     try:
