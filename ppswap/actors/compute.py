@@ -151,11 +151,14 @@ class ComputeActor:
         self._mail = RankMail(
             p2p, self._errors.failure, arrivals=True, rank=rank, handoff=mode.handoff
         )
+        # The hooks refer to the errors, not to the actor: the actor holds them (through
+        # LocalSteps), and a cycle back would leave every run's actor to the collector.
+        errors = self._errors
         hooks = BatchHooks(
-            fsdp_job=None if fsdp is None else partial(self._fsdp_job, fsdp),
-            install=None if fsdp is None else partial(self._install_job, fsdp),
+            fsdp_job=None if fsdp is None else partial(_fsdp_job, errors, fsdp),
+            install=None if fsdp is None else partial(_install_job, errors, fsdp),
             stops=None if self._faults is None else self._faults.stops,
-            tie_jobs=None if ties is None else partial(self._tie_jobs, ties),
+            tie_jobs=None if ties is None else partial(_tie_jobs, errors, ties),
         )
         self._local = LocalSteps(
             stages, data, self._mail, bodies, bodies.session, self._errors.failure, hooks
@@ -307,22 +310,6 @@ class ComputeActor:
             self._experts.close()
 
     # -- FSDP (``BatchHooks``) -----------------------------------------------------------
-    def _fsdp_job(self, fsdp: FsdpRankDriver, step: MetaStep) -> StepJob:
-        try:
-            made = fsdp.job(step)
-        except Exception as exc:
-            raise self._errors.named(step, exc) from exc
-        return StepJob(made.step, _FSDP_STEP, made.run, arrival=made.arrival)
-
-    def _install_job(self, fsdp: FsdpRankDriver, leaf: MetaStep) -> StepJob | None:
-        try:
-            made = fsdp.install_before(leaf)
-        except Exception as exc:
-            raise self._errors.named(leaf, exc) from exc
-        if made is None:
-            return None
-        return StepJob(made.step, _FSDP_INSTALL, made.run, arrival=made.arrival)
-
     async def _finish_fsdp(self, fsdp: FsdpRankDriver) -> None:
         """After the order: the gradient reduce-scatters (errors named like a step's)."""
         label = "fsdp finish"
@@ -330,12 +317,6 @@ class ComputeActor:
         self._fsdp_finished = True
         with self._errors.naming(label):
             self._batches += await fsdp.finish()
-
-    def _tie_jobs(self, ties: TieRankDriver, step: MetaStep) -> Sequence[StepJob]:
-        try:
-            return ties.jobs(step)
-        except Exception as exc:
-            raise self._errors.named(step, exc) from exc
 
     # -- one batch ------------------------------------------------------------------------
     async def _execute(
@@ -518,3 +499,29 @@ class ComputeActor:
                 )
         else:
             self._mail.keep(step, result)
+
+
+# -- the batch hooks (``BatchHooks``): FSDP's and the tie sum's jobs, errors named -------
+def _fsdp_job(errors: StepFailures, fsdp: FsdpRankDriver, step: MetaStep) -> StepJob:
+    try:
+        made = fsdp.job(step)
+    except Exception as exc:
+        raise errors.named(step, exc) from exc
+    return StepJob(made.step, _FSDP_STEP, made.run, arrival=made.arrival)
+
+
+def _install_job(errors: StepFailures, fsdp: FsdpRankDriver, leaf: MetaStep) -> StepJob | None:
+    try:
+        made = fsdp.install_before(leaf)
+    except Exception as exc:
+        raise errors.named(leaf, exc) from exc
+    if made is None:
+        return None
+    return StepJob(made.step, _FSDP_INSTALL, made.run, arrival=made.arrival)
+
+
+def _tie_jobs(errors: StepFailures, ties: TieRankDriver, step: MetaStep) -> Sequence[StepJob]:
+    try:
+        return ties.jobs(step)
+    except Exception as exc:
+        raise errors.named(step, exc) from exc
