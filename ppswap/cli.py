@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ppswap.cli_args import EXIT_USAGE, PROG, VPP_HELP, fail, install_hint, vpp_of
+from ppswap.cli_budget import budget_plan, budget_text
 from ppswap.cli_demo import add_demo_parser
 from ppswap.scheduler.config import (
     DEFAULT_MIN_SWAP_GAP,
@@ -62,7 +63,6 @@ from ppswap.scheduler.cost import (
     build_orders,
 )
 from ppswap.scheduler.diagram import load_plotter
-from ppswap.cli_budget import budget_plan, budget_text
 from ppswap.scheduler.recompute_plan import inject_recompute_steps, recomputed_chunks
 from ppswap.scheduler.render import format_grid, step_legend
 from ppswap.scheduler.schedules import compute_order
@@ -71,6 +71,7 @@ from ppswap.scheduler.steps import Order
 from ppswap.scheduler.ties import check_tie_groups, with_tie_steps
 from ppswap.scheduler.user_orders import csv_text
 from ppswap.scheduler.validate import validate_all, validate_order
+from ppswap.serve.command import add_serve_parser
 
 __all__ = [
     "CLI_COPY_LEAVES",
@@ -480,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(subparsers)
     _add_plot_parser(subparsers)
     add_demo_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 
