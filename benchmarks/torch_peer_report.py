@@ -34,7 +34,15 @@ TARGETS = {"ppswap": 1.10, "ppswap+swap": 1.15}
 LOSS_RTOL = 1e-6
 
 
-THREAD_PARTS = ("forward", "backward", "swap_prepare", "swap_finish", "copy", "exposed_wait")
+THREAD_PARTS = (
+    "forward",
+    "backward",
+    "recompute",
+    "swap_prepare",
+    "swap_finish",
+    "copy",
+    "exposed_wait",
+)
 """What ``thread_seconds`` splits a ppswap step into: compute-thread time by job kind
 (``backward`` includes ``backward_input`` and ``backward_weight``), the copy threads'
 busy time and the compute threads' time blocked in a SWAP_WAIT_* for a copy not done."""

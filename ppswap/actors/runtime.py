@@ -210,36 +210,53 @@ async def _run(
     if events is not None:
         events.emit(_started(plan, generation))
     started = time.perf_counter()
-    async with compute:
-        batches, runs = await compute.run(_begin_stages, plan)
-        # Ranks that share this process's compute thread and one event loop hand their
-        # payloads over on the thread as well (``ThreadHandoff``), unless a fault plan
-        # wraps the transport: then every message takes the path its rules wrap.
-        shared = is_immediate(transport) and len(plan.local_ranks) > 1
-        wrapped = plan.faults is not None and plan.faults.covers(FaultSite.P2P)
-        handoff = ThreadHandoff() if shared and not wrapped else None
-        ties = None
-        if tie_groups:
-            layout = (plan.backend, plan.config, plan.mesh, runs)
-            ties = TieSums(plan.ties, tie_groups, *layout, distributed=is_distributed(transport))
-        wiring = _Wiring(
-            compute, transport, engine, recorder, batches, runs, log_steps, handoff, events, ties
-        )
-        ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
-        try:
-            await _run_ranks(compute, ranks)
-            stats = await compute.run(_closed_stats, plan, ranks, runs)
-        except BaseException as exc:
+    try:
+        async with compute:
+            batches, runs = await compute.run(_begin_stages, plan)
+            # Ranks that share this process's compute thread and one event loop hand their
+            # payloads over on the thread as well (``ThreadHandoff``), unless a fault plan
+            # wraps the transport: then every message takes the path its rules wrap.
+            shared = is_immediate(transport) and len(plan.local_ranks) > 1
+            wrapped = plan.faults is not None and plan.faults.covers(FaultSite.P2P)
+            handoff = ThreadHandoff() if shared and not wrapped else None
+            ties = None
+            if tie_groups:
+                layout = (plan.backend, plan.config, plan.mesh, runs)
+                ties = TieSums(
+                    plan.ties, tie_groups, *layout, distributed=is_distributed(transport)
+                )
+            wiring = _Wiring(
+                compute,
+                transport,
+                engine,
+                recorder,
+                batches,
+                runs,
+                log_steps,
+                handoff,
+                events,
+                ties,
+            )
+            ranks = [wiring.rank(rank, plan, generation) for rank in plan.local_ranks]
+            try:
+                await _run_ranks(compute, ranks)
+                stats = await compute.run(_closed_stats, plan, ranks, runs)
+            except BaseException as exc:
+                error = first_pipeline_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+                if isinstance(error, Exception):  # a failure, not a cancellation
+                    abort_job(transport, error)
+                await _teardown(compute, plan, ranks, transport)
+                if error is exc:
+                    raise
+                # Keep the failure's own cause (the PipelineError contract), not the group.
+                raise error from error.__cause__
+    except BaseException as exc:
+        # From RunStarted on, every way out but success tells the stream how the run
+        # ended (a cancellation while the stages begin too, not only in the ranks).
+        if events is not None:
             error = first_pipeline_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
-            if isinstance(error, Exception):  # a failure, not a cancellation
-                abort_job(transport, error)
-            await _teardown(compute, plan, ranks, transport)
-            if events is not None:
-                events.emit(_ended(generation, error))
-            if error is exc:
-                raise
-            # Keep the failure's own cause (the PipelineError contract), not the group.
-            raise error from error.__cause__
+            events.emit(_ended(generation, error))
+        raise
     elapsed = time.perf_counter() - started
     for run in runs.values():  # the stages' results; a failed run never gets here
         run.publish(generation)
