@@ -200,3 +200,21 @@ async def test_a_fault_and_a_cancellation_at_a_recompute_step_then_the_same_stag
 async def test_recompute_without_a_wrapped_block_is_refused() -> None:
     with pytest.raises(ValueError, match="recompute=True needs a stage with a recompute_wrapper"):
         await run(stages_of(Case(), plain, plain), Case(), recompute=True)
+
+
+class _DropoutBlock(nn.Cell):  # type: ignore[misc]
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Dense(4, 4), nn.Dropout(p=p)
+
+    def construct(self, x: Any) -> Any:
+        return self.drop(self.fc(x))
+
+
+def test_a_block_whose_dropout_masks_cannot_be_replayed_is_refused() -> None:
+    """MindSpore's nn.Dropout keeps per-operator states no generator state restores: a
+    recomputed block would train on other masks than its forward's, so wrapping one is
+    refused in one line naming it; a dropout that drops nothing is fine."""
+    with pytest.raises(ValueError, match=r"nn\.Dropout 'drop' with p=0\.1.*cannot replay"):
+        recompute_wrapper(_DropoutBlock(0.1))
+    recompute_wrapper(_DropoutBlock(0.0))

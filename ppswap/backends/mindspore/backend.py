@@ -136,6 +136,20 @@ class RecomputeWrapperCell(nn.Cell):  # type: ignore[misc]
         return self.recompute_region(self.module, args, kwargs)
 
 
+def _refuse_unreplayable_dropout(module: nn.Cell) -> None:
+    """``nn.Dropout`` draws its masks from per-operator states that no generator state
+    restores, so a recomputed block would train on other masks than its forward's: refused
+    (``mint.nn.Dropout`` draws from the default generator, which the re-run restores)."""
+    for name, cell in module.cells_and_names():
+        if type(cell) is nn.Dropout and float(cell.p) > 0.0:
+            raise ValueError(
+                f"recompute_wrapper: {type(module).__name__} holds nn.Dropout "
+                f"{name or '(the block)'!r} with p={float(cell.p):g}, whose masks a re-run "
+                "cannot replay on MindSpore; use mindspore.mint.nn.Dropout, or leave the "
+                "block out of recompute_wrapper"
+            )
+
+
 def _set_synchronous(enabled: bool) -> None:
     # ms.set_context(pynative_synchronize=...) logs a deprecation warning on every call;
     # ms.runtime.launch_blocking() cannot be turned off again. This is the setting both
@@ -189,6 +203,7 @@ class MindSporeBackend:
     def wrap_for_recompute(
         self, module: Module, region: Callable[[Module, tuple[Any, ...], dict[str, Any]], Any]
     ) -> Module:
+        _refuse_unreplayable_dropout(module)
         return RecomputeWrapperCell(module, region)
 
     def parameter_name(self, param: Tensor) -> str:
