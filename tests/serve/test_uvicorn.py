@@ -45,9 +45,14 @@ async def test_a_uvicorn_server_trains_streams_cancels_and_survives_a_crash(
                             assert answer.status_code == 202
             # the stream went on as the job happened, and ended with it
             assert kinds[:4] == ["JobState", "JobState", "SavedBytesWithoutSwap", "RunStarted"]
-            assert kinds[-2:] == ["RunCancelled", "JobState"] and "StepFinished" not in kinds
+            # the cancel landed inside a step: the stream's last run started and was
+            # cancelled, with no step finished after it (the cancel is sent at the first
+            # offload; on a loaded host an earlier step may finish before it arrives)
+            assert kinds[-2:] == ["RunCancelled", "JobState"]
+            last_start = len(kinds) - 1 - kinds[::-1].index("RunStarted")
+            assert "StepFinished" not in kinds[last_start:]
             cancelled = await wait_state(client, long_job, "cancelled")
-            assert cancelled["steps_done"] == 0
+            assert cancelled["steps_done"] == kinds.count("StepFinished")
             next_job = (await client.post("/runs", json=TINY | {"steps": 2})).json()["id"]
             finished = await wait_state(client, next_job, "finished")
             metrics = (await client.get("/metrics")).text
