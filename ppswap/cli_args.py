@@ -43,5 +43,8 @@ def install_hint(extra: str) -> str:
 
 def fail(message: str) -> int:
     """Print ``ppswap: error: <message>`` on stderr; return the usage exit status."""
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    # One write of the whole line: under torchrun every rank writes it to the same stream,
+    # and print's separate write of the newline let two ranks' lines run together.
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    sys.stderr.flush()
     return EXIT_USAGE
