@@ -104,6 +104,21 @@ def test_step_time_line_leaves_out_the_warm_up_step() -> None:
     )
 
 
+def read_until_closed(controller: int) -> str:
+    """Everything the terminal's other end wrote: one read returns one write's worth."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the terminal side is closed and drained
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(controller)
+    return b"".join(chunks).decode()
+
+
 def test_progress_redraws_one_line_only_on_a_terminal(tmp_path: Path) -> None:
     controller, terminal_fd = os.openpty()
     with os.fdopen(terminal_fd, "w") as terminal:
@@ -113,8 +128,7 @@ def test_progress_redraws_one_line_only_on_a_terminal(tmp_path: Path) -> None:
         bar.show(1, "loss 4.0")
         bar.show(2, "loss 3.0")
         bar.close()
-    written = os.read(controller, 4096).decode()
-    os.close(controller)
+    written = read_until_closed(controller)
     assert written.replace("\r\n", "\n") == (
         "\r  [                    ] step 0/2 running..."
         "\r  [##########          ] step 1/2 loss 4.0"
