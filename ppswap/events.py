@@ -44,6 +44,7 @@ import anyio
 from ppswap.results import RunResult
 
 __all__ = [
+    "ChunkEvent",
     "ChunkLoaded",
     "ChunkOffloaded",
     "EventsDropped",
@@ -73,9 +74,10 @@ class RunStarted:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkOffloaded:
-    """Chunk (``stage``, ``micro``) of ``rank`` is on the host: its SWAP_WAIT_OFFLOAD
-    ended. ``bytes``: what moved; ``waited_s``: how long compute waited for the copy."""
+class ChunkEvent:
+    """A chunk's copy was waited for: chunk (``stage``, ``micro``) of ``rank``.
+    ``bytes``: what moved; ``waited_s``: how long compute waited for the copy. Emitted as
+    one of its two kinds, ``ChunkOffloaded`` or ``ChunkLoaded``."""
 
     generation: int
     rank: int
@@ -87,17 +89,13 @@ class ChunkOffloaded:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkLoaded:
-    """Chunk (``stage``, ``micro``) of ``rank`` is back on the device (SWAP_WAIT_LOAD
-    ended); fields as ``ChunkOffloaded``'s."""
+class ChunkOffloaded(ChunkEvent):
+    """The chunk is on the host: its SWAP_WAIT_OFFLOAD ended (fields: ``ChunkEvent``)."""
 
-    generation: int
-    rank: int
-    stage: int
-    micro: int
-    bytes: int
-    waited_s: float
-    time_s: float = field(default_factory=time.time)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkLoaded(ChunkEvent):
+    """The chunk is back on the device: its SWAP_WAIT_LOAD ended (fields: ``ChunkEvent``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
