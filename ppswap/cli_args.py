@@ -1,5 +1,5 @@
 """What every ``ppswap`` subcommand shares: the error line and exit status, and ``--vpp``
-with its default (``ppswap.cli`` for plan and plot, ``ppswap.cli_demo`` for the demo)."""
+with its default (``ppswap.cli_schedule`` for plan and plot, ``ppswap.cli_demo`` for the demo)."""
 
 from __future__ import annotations
 

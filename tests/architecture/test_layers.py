@@ -28,8 +28,8 @@ LAYERS = [
     {"planning"},
     {"actors"},
     {"pipeline"},
-    {"cli_args", "cli_budget"},
-    {"cli_demo"},
+    {"cli_args", "cli_budget", "cli_schedule"},
+    {"cli_demo", "cli_plan", "cli_plot"},
     {"__init__", "demo", "cli", "__main__", "serve"},
 ]
 

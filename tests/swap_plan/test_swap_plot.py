@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ppswap import cli
+from ppswap import cli, cli_plot
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.plot import cell_label, pack_windows, plot_schedule, schedule_figure
 from ppswap.scheduler.simulate import CopyWindow
@@ -136,7 +136,7 @@ def test_cli_plot_swap_flag_reaches_the_diagram(
         drawn.append(config)
         return Path(path)
 
-    monkeypatch.setattr(cli, "load_plotter", lambda: fake_plot)
+    monkeypatch.setattr(cli_plot, "load_plotter", lambda: fake_plot)
     argv = [
         "plot",
         "--schedule",
