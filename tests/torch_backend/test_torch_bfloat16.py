@@ -35,7 +35,7 @@ from torch_support import (
     unsplit_loss_and_grads,
 )
 
-import ppswap.backends.torch.backend as torch_backend_module
+import ppswap.backends.torch.host_arrays as host_arrays_module
 from ppswap import PipelineStage, RunResult
 from ppswap.backends.torch import BACKEND
 from ppswap.core.dtypes import BFLOAT16, is_bfloat16, is_floating
@@ -246,14 +246,14 @@ async def test_autocast_to_bfloat16_swaps_bit_identically() -> None:
 async def test_without_ml_dtypes_a_bfloat16_batch_is_refused_naming_the_package(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(torch_backend_module, "BFLOAT16", None)
-    torch_backend_module._numpy_dtype_of.cache_clear()
+    monkeypatch.setattr(host_arrays_module, "BFLOAT16", None)
+    host_arrays_module.numpy_dtype_of.cache_clear()
     try:
         x, y = bf16_data(8)
         with pytest.raises(TypeError, match=r"torch\.bfloat16 .*ml_dtypes.*pip install ml_dtypes"):
             await run_case(bf16_stages(2), CASES[0], swap=False, inputs=x, targets=y)
     finally:
-        torch_backend_module._numpy_dtype_of.cache_clear()
+        host_arrays_module.numpy_dtype_of.cache_clear()
 
 
 @pytest.mark.asyncio

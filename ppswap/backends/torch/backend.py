@@ -5,11 +5,9 @@ Facts this relies on (torch 2.11-2.14):
 - ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor the graph saves;
   parameters arrive as plain tensors sharing the parameter's storage (``t is w`` is
   False): identity is by storage (``untyped_storage().data_ptr()``), as on MindSpore.
-- Saved tensors can be views sharing one storage (q, k and v of an ``unbind``, ``k``
-  transposed, a 4-D ``matmul``'s operand as it is and reshaped), at offsets and with any
-  strides. The swap layer moves a storage's used bytes once
-  (:meth:`TorchBackend.storage_bytes`) and rebuilds every view on the restored span with
-  ``set_`` (:meth:`TorchBackend.views_of`): the views share one storage again.
+- Saved tensors can be views sharing one storage, at offsets and with any strides: the
+  swap layer moves a storage's used bytes once and rebuilds every view on the restored
+  span with ``set_`` (``ppswap.backends.torch.storage_spans``).
 - ``_version`` counts in-place modifications of a tensor and every view of its storage:
   the swap layer compares it before the copy and before the device tensor is dropped, so
   no content digest is needed.
@@ -17,16 +15,14 @@ Facts this relies on (torch 2.11-2.14):
   unpack, and every pipeline forward runs under the swap layer's hooks: so
   :meth:`TorchBackend.saved_tensors_hooks` makes that check itself
   (``ppswap.backends.torch.hooks``).
-- A CPU tensor's ``numpy()`` is a view of its memory (any strides) and ``from_numpy``
-  shares memory the other way: the CPU copy engine serves CPU tensors. CUDA tensors go
-  through the CUDA engine (``ppswap.backends.torch.cuda_engine``). numpy has no
-  bfloat16, and neither call takes one: a bfloat16 tensor's host array is the tensor
-  viewed as ``int16`` (the same 2-byte elements, any strides), then as ``ml_dtypes``'
-  bfloat16 (``ppswap.core.dtypes``), and back the same way; no copy either way.
+- A CPU tensor's ``numpy()`` is a view of its memory and ``from_numpy`` shares memory
+  the other way (bfloat16 through ``int16``): the CPU copy engine serves CPU tensors
+  (``ppswap.backends.torch.host_arrays``). CUDA tensors go through the CUDA engine
+  (``ppswap.backends.torch.cuda_engine``).
 - A graph keeps views of the tensors it saved, parameters' included, whatever later
   becomes of ``param.data``: :meth:`TorchBackend.set_parameter_data` (FSDP's unshard /
   reshard) therefore refills one kept storage per unsharded shape and frees it by
-  resizing it to 0 bytes, so resharding really frees the full parameters.
+  resizing it to 0 bytes (``ppswap.backends.torch.modules``).
 - Autograd is thread-safe, but the runtime still runs every stage on its one compute
   thread (one order of work per process, as on MindSpore). Autocast and the current
   CUDA device are per thread: the caller's are carried to the forwards there
@@ -38,8 +34,6 @@ Facts this relies on (torch 2.11-2.14):
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -58,128 +52,26 @@ from ppswap.backends.base import (
     StorageRef,
     ViewKey,
 )
-from ppswap.backends.cpu_engine import EmulatedDevice, contiguous_strides
-from ppswap.backends.torch import recompute
+from ppswap.backends.cpu_engine import EmulatedDevice
+from ppswap.backends.torch import recompute, storage_spans
 from ppswap.backends.torch.autograd import TorchAutograd
 from ppswap.backends.torch.caller import forward_scope
 from ppswap.backends.torch.cuda_engine import CudaCopyEngine
 from ppswap.backends.torch.hooks import CheckedHooks, top_saved_tensors_hooks
+from ppswap.backends.torch.host_arrays import numpy_dtype_of, numpy_of, tensor_of, upload
+from ppswap.backends.torch.modules import (
+    RecomputeWrapperModule,
+    SwapWrapperModule,
+    install_parameter_data,
+)
 from ppswap.backends.torch.rng import rng_scope, run_seed
 from ppswap.backends.types import HostArray, Module, PackHook, UnpackHook
-from ppswap.core.dtypes import BFLOAT16, BFLOAT16_MISSING, is_bfloat16
 from ppswap.scheduler.config import SavedUntil
 
 __all__ = ["SwapWrapperModule", "TorchBackend"]
 
-_SLOTS_ATTR = "_ppswap_data_slots"
 _VIEW_DTYPES: dict[torch.dtype, tuple[str, int]] = {}
 """dtype -> (its name, its element size): what a ViewKey records."""
-
-
-class SwapWrapperModule(nn.Module):
-    """``swap_wrapper(module)``: a module whose forward runs the wrapped module's through
-    ``run`` (the swap layer's capture). Its parameters are the wrapped module's, in the
-    same order; their names gain the ``module.`` prefix."""
-
-    def __init__(self, module: nn.Module, run: Callable[[Callable[[], Any]], Any]) -> None:
-        super().__init__()
-        self.module = module
-        self.swap_run = run
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.swap_run(lambda: self.module(*args, **kwargs))
-
-
-class RecomputeWrapperModule(nn.Module):
-    """``recompute_wrapper(module)``: a module whose forward hands the wrapped module and
-    its arguments to ``region`` (``ppswap.swap.recompute``). Its parameters are the
-    wrapped module's, in the same order; their names gain the ``module.`` prefix."""
-
-    def __init__(
-        self, module: nn.Module, region: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
-    ) -> None:
-        super().__init__()
-        self.module = module
-        self.recompute_region = region
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.recompute_region(self.module, args, kwargs)
-
-
-@functools.lru_cache(maxsize=64)
-def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
-    """The host array dtype of ``dtype`` (bfloat16: ``ml_dtypes``'; None where numpy
-    has none), found once per dtype."""
-    if dtype is torch.bfloat16:
-        return BFLOAT16
-    try:
-        found: np.dtype[Any] = torch.empty(0, dtype=dtype).numpy().dtype
-    except TypeError:  # dtypes numpy lacks (the float8 ones, ...)
-        return None
-    return found
-
-
-_DTYPES_NAMED: dict[str, torch.dtype] = {}
-
-
-@functools.lru_cache(maxsize=1024)
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """``contiguous_strides(shape)``, made once per shape."""
-    return contiguous_strides(shape)
-
-
-def _dtype_named(name: str) -> torch.dtype:
-    """The torch dtype ``str(dtype)`` names (``"torch.float32"``)."""
-    dtype = _DTYPES_NAMED.get(name)
-    if dtype is None:
-        dtype = getattr(torch, name.removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{name!r} names no torch dtype")
-        _DTYPES_NAMED[name] = dtype
-    return dtype
-
-
-def _numpy_of(tensor: torch.Tensor, *, detach: bool = False) -> HostArray:
-    """A CPU tensor's numpy view (bfloat16: through ``int16``, module docstring); a
-    TypeError naming the dtype where numpy has none. ``detach``: of a tensor that may
-    require grad (``numpy(force=True)``: one call instead of ``detach()`` and ``numpy()``;
-    a view, for a CPU tensor that is not a lazily conjugated or negated view)."""
-    if tensor.dtype is torch.bfloat16:
-        if BFLOAT16 is None:
-            raise TypeError(
-                f"a torch.bfloat16 tensor cannot be read as a numpy array: {BFLOAT16_MISSING}"
-            )
-        bits: HostArray = tensor.view(torch.int16).numpy(force=detach)
-        return bits.view(BFLOAT16)
-    try:
-        array: HostArray = tensor.numpy(force=detach)
-    except TypeError as exc:
-        raise TypeError(
-            f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)} cannot be read as a "
-            "numpy array (numpy has no such dtype): the torch backend moves micro-batches, "
-            "losses, P2P messages between processes and swapped CPU activations through "
-            "numpy arrays, so it runs float32, float16, bfloat16 and float64 models, not "
-            f"{tensor.dtype} ones"
-        ) from exc
-    return array
-
-
-def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without the host waiting for the device: staged in
-    page-locked memory and copied with ``non_blocking=True`` on the current stream (a
-    pageable copy would make the host wait for the stream to drain first). The caching
-    host allocator keeps the staging buffer until the copy is done."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def _tensor_of(array: HostArray) -> torch.Tensor:
-    """The tensor sharing ``array``'s memory (a numpy bfloat16 array, ``ml_dtypes``' or
-    MindSpore's: a ``torch.bfloat16`` one, through ``int16``)."""
-    if is_bfloat16(array.dtype):
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
 
 
 class TorchBackend:
@@ -232,48 +124,9 @@ class TorchBackend:
         return f"{type(param).__name__}{tuple(param.shape)}"
 
     def set_parameter_data(self, param: torch.Tensor, data: HostArray) -> None:
-        """Replace ``param``'s data with a copy of ``data``; an install that grows the
-        parameter (FSDP's unshard) goes into a storage ``param`` keeps for that shape,
-        whose bytes the next shrinking install (the reshard) frees.
-
-        The graph of a recorded forward keeps views of the full tensor (``nn.Linear``
-        saves ``weight.t()``), so with a fresh full storage per unshard that storage would
-        stay alive, whole, until every backward of that unshard ran: resharding would
-        free nothing and each unshard would add a full copy. With the kept storage,
-        resharding resizes it to 0 bytes (the saved views then hold a 0-byte storage) and
-        the next unshard refills that same storage before any backward reads it (what
-        torch's own FSDP does). A storage torch will not resize (a numpy array was made
-        from it) is left to the graph as before, never an error.
-        """
-        source = _tensor_of(data if data.flags.writeable else data.copy())
-        slots: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] | None = getattr(
-            param, _SLOTS_ATTR, None
-        )
-        if slots is None:
-            slots = {}
-            setattr(param, _SLOTS_ATTR, slots)
-        if source.numel() > param.data.numel():
-            key = (tuple(source.shape), source.dtype)
-            slot = slots.get(key)
-            if slot is None:
-                slot = torch.empty(key[0], dtype=source.dtype, device=param.device)
-                slots[key] = slot
-            else:
-                slot.untyped_storage().resize_(slot.numel() * slot.element_size())
-            with torch.no_grad():
-                slot.copy_(source)
-            installed = slot
-        else:
-            installed = source.to(param.device, copy=True)
-        param.data = installed
-        for key, other in list(slots.items()):
-            if other is installed:
-                continue
-            storage = other.untyped_storage()
-            if storage.resizable():
-                storage.resize_(0)
-            else:
-                del slots[key]
+        """Replace ``param``'s data with a copy of ``data``, in a storage ``param`` keeps
+        per grown shape (``modules.install_parameter_data``)."""
+        install_parameter_data(param, data)
 
     # -- tensors ----------------------------------------------------------------------
     def is_tensor(self, obj: object) -> bool:
@@ -306,66 +159,20 @@ class TorchBackend:
         return tensor.is_conj() or tensor.is_neg()
 
     def storage_bytes(self, tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
-        span = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-        return span.set_(tensor.untyped_storage(), start, (nbytes,), (1,))
+        return storage_spans.storage_bytes(tensor, start, nbytes)
 
     def host_bytes(self, tensor: torch.Tensor, start: int, nbytes: int) -> HostArray | None:
-        if not tensor.is_cpu:
-            return None
-        # Once per span when a forward ends. A C-contiguous tensor whose bytes are the span
-        # (the common case: one saved view per storage) is read through its own numpy
-        # view, which keeps the tensor alive; any other span through a uint8 tensor set_
-        # onto the storage. numpy() refuses a lazily conjugated or negated view (the swap
-        # layer never captures one, is_lazy_view; its raw bytes are still readable here).
-        itemsize = tensor.element_size()
-        if (
-            tensor.storage_offset() * itemsize == start
-            and tensor.numel() * itemsize == nbytes
-            and _numpy_dtype_of(tensor.dtype) is not None
-            and not self.is_lazy_view(tensor)
-        ):
-            elements = _numpy_of(tensor, detach=True)
-            if elements.flags.c_contiguous:  # so reshape(-1) is a view, never a copy
-                dense: HostArray = elements.reshape(-1).view(np.uint8)
-                return dense
-        return _numpy_of(self.storage_bytes(tensor, start, nbytes))
+        return storage_spans.host_bytes(tensor, start, nbytes)
 
     def host_views(
         self, block: HostArray, places: Sequence[tuple[int, ViewKey]]
     ) -> list[torch.Tensor]:
-        if len(places) == 1:
-            # One C-contiguous view filling the block from its first byte (the common
-            # case, and the span is then exactly its bytes): the block's memory as that
-            # view, through numpy, without a torch op per view.
-            ((offset, key),) = places
-            dtype = _numpy_dtype_of(_dtype_named(key.dtype))
-            if (
-                offset == 0
-                and dtype is not None
-                and math.prod(key.shape) * key.itemsize == block.nbytes
-                and _c_strides(key.shape) == key.strides
-            ):
-                return [_tensor_of(block.view(dtype).reshape(key.shape))]
-        return self.views_of(torch.from_numpy(block), places)
+        return storage_spans.host_views(block, places)
 
     def views_of(
         self, block: torch.Tensor, places: Sequence[tuple[int, ViewKey]]
     ) -> list[torch.Tensor]:
-        # set_ onto the block's storage: every view shares that one storage (and its
-        # allocation), as the saved views shared theirs before the offload.
-        storage, base, device = block.untyped_storage(), block.storage_offset(), block.device
-        views = []
-        for offset, key in places:
-            first = base + offset
-            itemsize = key.itemsize
-            if first % itemsize:
-                raise ValueError(
-                    f"a {key.dtype} view cannot start at byte {first} of a restored span "
-                    f"(not a multiple of its {itemsize}-byte elements)"
-                )
-            view = torch.empty(0, dtype=_dtype_named(key.dtype), device=device)
-            views.append(view.set_(storage, first // itemsize, key.shape, key.strides))
-        return views
+        return storage_spans.views_of(block, places)
 
     def data_nbytes(self, tensor: torch.Tensor) -> int:
         return int(tensor.numel() * tensor.element_size())
@@ -383,13 +190,13 @@ class TorchBackend:
         # parameter never pins its storage's size (set_parameter_data frees by resizing).
         data = tensor.detach()
         if data.device.type != "cpu":
-            return _numpy_of(data.cpu())
-        return _numpy_of(data.clone() if copy else data)
+            return numpy_of(data.cpu())
+        return numpy_of(data.clone() if copy else data)
 
     def from_host(self, array: HostArray, like: torch.Tensor | None = None) -> torch.Tensor:
-        tensor = _tensor_of(array)
+        tensor = tensor_of(array)
         if like is not None and like.device.type != "cpu":
-            return _upload(tensor, like.device)
+            return upload(tensor, like.device)
         return tensor
 
     def to_payload(self, tensor: torch.Tensor, *, copy: bool, host: bool) -> Any:
@@ -403,7 +210,7 @@ class TorchBackend:
             if like is None or payload.device == like.device:
                 return payload
             if payload.device.type == "cpu":
-                return _upload(payload, like.device)
+                return upload(payload, like.device)
             return payload.to(like.device)
         return self.from_host(payload, like)
 
@@ -463,7 +270,7 @@ class TorchBackend:
             array_dtype: np.dtype[Any] = obj.dtype
             return array_dtype
         if isinstance(obj, torch.Tensor):
-            return _numpy_dtype_of(obj.dtype)
+            return numpy_dtype_of(obj.dtype)
         return None
 
     def device_of(self, module: Module) -> str:
