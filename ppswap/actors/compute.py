@@ -68,6 +68,7 @@ from ppswap.actors.batch import (
     StepJob,
     SwapDriver,
 )
+from ppswap.actors.batch_jobs import NOT_STEPS, fsdp_job, install_job, steps_ran, tie_jobs
 from ppswap.actors.batch_trace import BatchTrace
 from ppswap.actors.context import RunContext
 from ppswap.actors.failures import StepFailures
@@ -76,7 +77,7 @@ from ppswap.actors.local_steps import BatchHooks, LocalSteps, RankInputs
 from ppswap.actors.mail import RankMail
 from ppswap.actors.p2p import P2PChannel
 from ppswap.actors.step_waits import StepWaits
-from ppswap.actors.tie_sum import TIE_GATHER_JOB, TieRankDriver
+from ppswap.actors.tie_sum import TieRankDriver
 from ppswap.core.arrival import ArrivalTimeoutError
 from ppswap.core.executor import DedicatedThread, loop_caller
 from ppswap.core.faults import ComputeFaults
@@ -91,10 +92,6 @@ from ppswap.scheduler.steps import MetaStep, Order, StepKind
 from ppswap.stage_run import StageRun
 
 __all__ = ["JOB_KINDS", "BatchMode", "ComputeActor", "RankInputs", "SwapDriver"]
-
-_FSDP_STEP = "fsdp_step"  # an FSDP_UNSHARD / FSDP_RESHARD job
-_FSDP_INSTALL = "fsdp_install"  # the install of gathered parameters: not a step
-_NOT_STEPS = frozenset({_FSDP_INSTALL, TIE_GATHER_JOB})  # jobs that serve the step after
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +152,10 @@ class ComputeActor:
         # LocalSteps), and a cycle back would leave every run's actor to the collector.
         errors = self._errors
         hooks = BatchHooks(
-            fsdp_job=None if fsdp is None else partial(_fsdp_job, errors, fsdp),
-            install=None if fsdp is None else partial(_install_job, errors, fsdp),
+            fsdp_job=None if fsdp is None else partial(fsdp_job, errors, fsdp),
+            install=None if fsdp is None else partial(install_job, errors, fsdp),
             stops=None if self._faults is None else self._faults.stops,
-            tie_jobs=None if ties is None else partial(_tie_jobs, errors, ties),
+            tie_jobs=None if ties is None else partial(tie_jobs, errors, ties),
         )
         self._local = LocalSteps(
             stages, data, self._mail, bodies, bodies.session, self._errors.failure, hooks
@@ -281,7 +278,7 @@ class ComputeActor:
 
     @staticmethod
     def _faulted(faults: ComputeFaults, job: StepJob) -> StepJob:
-        if job.kind in _NOT_STEPS:  # a rule for the step wraps the step's own job
+        if job.kind in NOT_STEPS:  # a rule for the step wraps the step's own job
             return job
         run = faults.wrap(job.step, job.run)
         if run is job.run:
@@ -380,7 +377,7 @@ class ComputeActor:
             if kind == "swap_finish" and job.arrival is not None:
                 self._waits.exposed_copy_s += waited  # waited on the thread
                 self._waited_s[job.step] = waited
-            if kind in _NOT_STEPS:
+            if kind in NOT_STEPS:
                 continue
             if index not in early.applied:
                 self._apply(job.step, result)
@@ -418,26 +415,8 @@ class ComputeActor:
         outcome: BatchOutcome,
         posted: Sequence[tuple[int, MetaStep]],
     ) -> None:
-        """The spans of the steps a batch ran: an FSDP install is no step of the order,
-        and is drawn as part of the gap before the leaf it serves; a TIED_GRAD_SUM's
-        gather job as part of the step's span (from the gather to the sum's end)."""
-        kept = [n for n, index in enumerate(ran_indices) if jobs[index].kind not in _NOT_STEPS]
-        if len(kept) < len(ran_indices):
-            before = [0] * (len(ran_indices) + 1)  # jobs not steps among the first n that ran
-            for n, index in enumerate(ran_indices):
-                before[n + 1] = before[n] + (jobs[index].kind in _NOT_STEPS)
-            posted = [(n - before[n], step) for n, step in posted]
-            started = [outcome.started[n] for n in kept]
-            seconds = [outcome.seconds[n] for n in kept]
-            for position, n in enumerate(kept):
-                if n and jobs[ran_indices[n - 1]].kind == TIE_GATHER_JOB:
-                    begin = outcome.started[n - 1]
-                    seconds[position] += started[position] - begin
-                    started[position] = begin
-            outcome = BatchOutcome(
-                [outcome.results[n] for n in kept], started, seconds, outcome.error
-            )
-        steps = [jobs[ran_indices[n]].step for n in kept]
+        """The spans of the steps a batch ran (``batch_jobs.steps_ran``)."""
+        steps, outcome, posted = steps_ran(jobs, ran_indices, outcome, posted)
         self._trace.batch(steps, outcome, posted)
 
     def _send_early(self, early: EarlySends, index: int, result: Any) -> None:
@@ -499,29 +478,3 @@ class ComputeActor:
                 )
         else:
             self._mail.keep(step, result)
-
-
-# -- the batch hooks (``BatchHooks``): FSDP's and the tie sum's jobs, errors named -------
-def _fsdp_job(errors: StepFailures, fsdp: FsdpRankDriver, step: MetaStep) -> StepJob:
-    try:
-        made = fsdp.job(step)
-    except Exception as exc:
-        raise errors.named(step, exc) from exc
-    return StepJob(made.step, _FSDP_STEP, made.run, arrival=made.arrival)
-
-
-def _install_job(errors: StepFailures, fsdp: FsdpRankDriver, leaf: MetaStep) -> StepJob | None:
-    try:
-        made = fsdp.install_before(leaf)
-    except Exception as exc:
-        raise errors.named(leaf, exc) from exc
-    if made is None:
-        return None
-    return StepJob(made.step, _FSDP_INSTALL, made.run, arrival=made.arrival)
-
-
-def _tie_jobs(errors: StepFailures, ties: TieRankDriver, step: MetaStep) -> Sequence[StepJob]:
-    try:
-        return ties.jobs(step)
-    except Exception as exc:
-        raise errors.named(step, exc) from exc
