@@ -21,16 +21,24 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
-from ppswap.backends.base import Backend, CopyEngine, StorageRef
+from ppswap.backends.base import Backend, CopyEngine
 from ppswap.backends.types import Module, Tensor
 from ppswap.swap.accounting import SwapAccounting
 from ppswap.swap.errors import SwapError
 from ppswap.swap.group import MAX_BUCKET_BYTES, SwapGroup
-from ppswap.swap.tensor import CheckMode
+from ppswap.swap.packing import (
+    OUTSIDE,
+    PolicyFn,
+    Region,
+    Registration,
+    ResidentTensor,
+    SavedTensorSink,
+    make_pack,
+)
+from ppswap.swap.tensor import CheckMode, SwapTensor
 from ppswap.swap.validation import check_int
 
 __all__ = [
@@ -45,27 +53,11 @@ __all__ = [
     "tensors_in",
 ]
 
-PolicyFn = Callable[[Tensor], bool]
-
 SWAP_MIN_BYTES = 0
 """The default ``min_bytes``: every saved tensor the user marked may move, whatever its
 size. Raising it (4096 is a good value) keeps small storages on device: moving one costs
 the compute thread on the order of a hundred microseconds of bookkeeping whatever its
 size (docs/swap.md), and a storage under a page frees next to nothing."""
-
-
-class ResidentTensor:
-    """A saved tensor that stays on device, packed as a handle instead of as itself.
-
-    MindSpore keeps what the pack hook returned for a forward that raised part-way, and no
-    backward will ever unpack it. As a handle, the collection can empty it when that
-    forward fails (:meth:`Collection.abandon`), so only this small object stays behind.
-    """
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor: Tensor | None = tensor
 
 
 _CURRENT: ContextVar[Collection | None] = ContextVar("ppswap_swap_collection", default=None)
@@ -112,21 +104,6 @@ def _sequence(tensors: Iterable[Tensor]) -> tuple[Tensor, ...] | list[Tensor]:
     return tensors if isinstance(tensors, tuple | list) else list(tensors)
 
 
-class SavedTensorSink(Protocol):
-    """Where a collection reports saved tensors it does not capture (the chunk ledger)."""
-
-    def must_stay_resident(self, storage: StorageRef) -> bool:
-        """True if this storage is already held on device outside the chunk's group."""
-        ...
-
-    def record_resident(self, tensor: Tensor, storage: StorageRef) -> None:
-        """A saved tensor stays on device (counted, never moved)."""
-        ...
-
-
-_Region = tuple[bool, PolicyFn | None, bool | None, str | None]
-"""A capture region's pack arguments: capture, policy_fn, group_swap, label."""
-_OUTSIDE: _Region = (False, None, None, "registered")
 _NO_STATE = nullcontext()
 """The block of a ``module_state`` that added nothing (a nullcontext can be re-entered)."""
 
@@ -137,10 +114,10 @@ class _RegionScope:
 
     __slots__ = ("_collection", "_previous", "_region")
 
-    def __init__(self, collection: Collection, region: _Region) -> None:
+    def __init__(self, collection: Collection, region: Region) -> None:
         self._collection = collection
         self._region = region
-        self._previous: _Region = _OUTSIDE
+        self._previous: Region = OUTSIDE
 
     def __enter__(self) -> None:
         collection = self._collection
@@ -149,13 +126,6 @@ class _RegionScope:
 
     def __exit__(self, *exc: object) -> None:
         self._collection._region = self._previous
-
-
-@dataclass(frozen=True)
-class _Registration:
-    tensor: Tensor
-    tag: str | None
-    group_swap: bool
 
 
 class Collection:
@@ -187,8 +157,10 @@ class Collection:
         self._module_states = module_states
         self._parameters: dict[int, list[Tensor]] = {}
         self._protected: dict[int, Tensor] = {}
-        self._registered: dict[int, _Registration] = {}
+        self._registered: dict[int, Registration] = {}
         self._resident: list[ResidentTensor] = []  # handles packed during this forward
+        # Each tensor object packed during this forward with its handle (packing.py)
+        self._packed: dict[int, tuple[Tensor, ResidentTensor | SwapTensor]] = {}
         storage_of, by_storage = backend.storage_of, self._parameters
         # The same objects a swap_wrapper's module state lists again (the stage passes its
         # whole module state): ``module_state`` skips them without reading their storage.
@@ -210,7 +182,7 @@ class Collection:
         # The arguments of the capture region the forward is in now (``region``): what
         # the collection's own hook (``hook``) packs with. Outside any region: nothing is
         # captured unless registered.
-        self._region: _Region = _OUTSIDE
+        self._region: Region = OUTSIDE
         self.hooks_active = False
 
     def tensors_in(self, obj: object) -> Iterator[Tensor]:
@@ -274,7 +246,7 @@ class Collection:
         info = self.backend.storage_of(tensor)
         if info.nbytes == 0:
             return
-        self._registered[info.ptr] = _Registration(tensor, tag, group_swap)
+        self._registered[info.ptr] = (tensor, tag, group_swap)
         if self.group is not None:
             self.group.select_storage(info.ptr, group_swap=group_swap)
 
@@ -334,68 +306,17 @@ class Collection:
 
     def _make_pack(self) -> Callable[..., Any]:
         """The collection's pack function (:meth:`pack_hook`), region arguments first."""
-        backend = self.backend
-        is_tensor, storage_of, is_lazy_view = (
-            backend.is_tensor,
-            backend.storage_of,
-            backend.is_lazy_view,
+        return make_pack(
+            self,
+            self.backend,
+            parameters=self._parameters,
+            parameter_ids=self._parameter_ids,
+            protected=self._protected,
+            registered=self._registered,
+            resident=self._resident,
+            packed=self._packed,
+            min_bytes=self.min_bytes,
         )
-        parameters, protected, registered = self._parameters, self._protected, self._registered
-        resident = self._resident
-        min_bytes = self.min_bytes
-
-        def pack(
-            capture: bool,
-            policy_fn: PolicyFn | None,
-            group_swap: bool | None,
-            label: str | None,
-            tensor: Any,
-        ) -> Any:
-            if not is_tensor(tensor):
-                return tensor
-            info = storage_of(tensor)
-            ptr, nbytes = info
-            if ptr in parameters or nbytes == 0:
-                return tensor
-            group, sink = self.group, self.sink
-            if (
-                group is None
-                or nbytes < min_bytes
-                or ptr in protected
-                or is_lazy_view(tensor)
-                or (sink is not None and sink.must_stay_resident(info))
-            ):
-                if sink is not None:
-                    sink.record_resident(tensor, info)
-                handle = ResidentTensor(tensor)
-                resident.append(handle)
-                return handle
-            registration = registered.get(ptr)
-            if registration is not None:
-                return group.register(
-                    tensor,
-                    tag=registration.tag or label,
-                    group_swap=registration.group_swap,
-                    storage=info,
-                )
-            selected = capture and (policy_fn is None or self._policy_allows(policy_fn, tensor))
-            return group.register(
-                tensor, tag=label, group_swap=group_swap, selected=selected, storage=info
-            )
-
-        return pack
-
-    @staticmethod
-    def _policy_allows(policy_fn: PolicyFn | None, tensor: Tensor) -> bool:
-        if policy_fn is None:
-            return True
-        verdict = policy_fn(tensor)
-        if not isinstance(verdict, bool):
-            raise TypeError(
-                f"policy_fn must return a bool for each saved tensor, got {verdict!r} "
-                f"for a tensor of shape {tuple(getattr(tensor, 'shape', ()))}"
-            )
-        return verdict
 
     def abandon(self) -> None:
         """The forward raised: empty the handles it packed (no backward will unpack them)."""
@@ -411,7 +332,8 @@ class Collection:
         self._parameters.clear()
         self._parameter_ids.clear()
         self._resident.clear()
-        self._region = _OUTSIDE
+        self._packed.clear()
+        self._region = OUTSIDE
         self.hooks_active = False
         self.group = None
         self.sink = None
