@@ -53,6 +53,9 @@ class RankStats:
     (:class:`ChunkBytes`; empty where nothing is counted). ``predicted_peak_saved_bytes``
     / ``predicted_step_s``: under ``memory_budget``, the planner's prediction of
     ``peak_saved_bytes`` and of the step time (``ppswap.scheduler.budget``), else 0.
+    ``aux_loss``: the load-balancing loss of the rank's MoE blocks (``aux_loss_coef``):
+    each block's term, mean over the micro-batches, summed over the blocks (not scaled
+    by ``loss_scale``, like the losses); 0.0 without such a block.
     """
 
     rank: int
@@ -76,6 +79,7 @@ class RankStats:
     chunk_bytes: Mapping[tuple[int, int], ChunkBytes] = field(default_factory=dict)
     predicted_peak_saved_bytes: int = 0
     predicted_step_s: float = 0.0
+    aux_loss: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

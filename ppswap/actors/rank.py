@@ -126,13 +126,16 @@ class RankRuntime:
         else:
             mode = BatchMode(arrival_waits=ARRIVAL_WAITS_PER_BATCH)
         self.experts: ExpertRunner | None = None
-        if plan.mesh is not None and plan.mesh.ep > 1:
+        # A MoE block's load-balancing term is seeded like the loss (StageRun).
+        aux_grad_scale = 0.0 if config.forward_only else plan.options.loss_scale / config.micro
+        if ExpertRunner.needed(plan.mesh, self.stages):
             self.experts = ExpertRunner(
                 rank=rank,
                 mesh=plan.mesh,
                 stages=by_index,
                 sink=p2p_tx,
                 shared=mode.parks,
+                aux_grad_scale=aux_grad_scale,
                 timeout_s=run.step_timeout_s,
                 dump=recorder.dump,
             )
@@ -222,6 +225,7 @@ class RankRuntime:
             chunk_bytes=self.meter.chunk_bytes,
             predicted_peak_saved_bytes=0 if self._budget is None else self._budget.peak_bytes,
             predicted_step_s=self._predicted_step_s,
+            aux_loss=0.0 if self.experts is None else self.experts.aux_loss(),
         )
 
 

@@ -10,7 +10,7 @@ protocol only. ``ExpertBlock`` is what such a block offers expert parallelism
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
@@ -52,9 +52,10 @@ class LocalExchange:
 class ExpertBlock(Protocol):
     """What a MoE block offers expert parallelism: its expert count, the experts it keeps
     (``first``, ``count``), the stacked expert parameters (framework tensors), the
-    all-to-all it routes tokens over (None: every expert is local), and whether its
+    all-to-all it routes tokens over (None: every expert is local), whether its
     forward and backward may run on a thread of their own, interleaved with other
-    forwards and backwards of the process (``runs_in_fibers``, ``ppswap.core.fiber``)."""
+    forwards and backwards of the process (``runs_in_fibers``, ``ppswap.core.fiber``),
+    and its optional load-balancing loss (``aux_loss_coef``, ``bind_aux``)."""
 
     @property
     def num_experts(self) -> int: ...
@@ -70,6 +71,16 @@ class ExpertBlock(Protocol):
     def expert_parameters(self) -> tuple[Any, ...]: ...
 
     def bind_exchange(self, exchange: AllToAll | None, key: str = "moe") -> None: ...
+
+    @property
+    def aux_loss_coef(self) -> float:
+        """The load-balancing loss's coefficient (0: the block has none)."""
+        ...
+
+    def bind_aux(self, grad_scale: float, record: Callable[[Any], None] | None = None) -> None:
+        """The load-balancing term's gradient scale in the block's backward (0: none),
+        and ``record``, given each forward's term (a detached framework scalar)."""
+        ...
 
 
 def is_expert_block(value: object) -> TypeGuard[ExpertBlock]:

@@ -16,14 +16,23 @@ A stage whose blocks cannot run in fibers (``ExpertBlock.runs_in_fibers``: MindS
 blocks its compute thread in its exchanges; it runs with one rank per process only, and
 its composites run their leaves in order (``batch_pairs``): EP peers that ran one in
 opposite orders (each the leaf whose input came first) would wait on each other.
+
+The load-balancing loss (a block's ``aux_loss_coef > 0``) needs a runner whether or not
+the run splits experts (``mesh`` None, or ``ep`` 1: no exchange, no fiber): ``bind``
+gives each such block the run's gradient scale (``aux_grad_scale``, the backward seed
+``loss_scale / micro_batch_num``; 0 in a forward-only run) and a record of its term per
+micro-batch (a recomputed forward's term replaces the first's: the same value);
+``aux_loss`` is their mean over the micro-batches, summed over the blocks.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, Protocol
 
+from ppswap.backends import backend_for
 from ppswap.core.arrival import Arrival
 from ppswap.core.executor import loop_caller
 from ppswap.core.fiber import Fiber
@@ -45,38 +54,54 @@ class StepJobLike(Protocol):
 
 
 class ExpertRunner:
-    """World rank ``rank``'s MoE blocks during a run (module docstring). ``shared``: the
-    compute thread is shared by the ranks of this process (every stage must run its
-    bodies as fibers)."""
+    """World rank ``rank``'s MoE blocks during a run (module docstring). ``mesh``: the
+    run's, None without one (the experts are split where ``mesh.ep > 1``). ``shared``:
+    the compute thread is shared by the ranks of this process (every stage whose experts
+    are split must run its bodies as fibers)."""
 
     def __init__(
         self,
         *,
         rank: int,
-        mesh: DeviceMesh,
+        mesh: DeviceMesh | None,
         stages: Mapping[int, PipelineStage],
         sink: RequestSink,
         shared: bool,
+        aux_grad_scale: float = 0.0,
         timeout_s: float = math.inf,
         dump: Callable[[], str] | None = None,
     ) -> None:
         self.rank = rank
-        self._group = mesh.ep_group(rank)
+        self._group = None if mesh is None or mesh.ep == 1 else mesh.ep_group(rank)
         self._blocks = {
             index: expert_blocks(stage.module)
             for index, stage in stages.items()
             if expert_blocks(stage.module)
         }
-        self._fibers = {
-            index: all(block.runs_in_fibers for block in blocks)
+        self._fibers = (
+            {}
+            if self._group is None
+            else {
+                index: all(block.runs_in_fibers for block in blocks)
+                for index, blocks in self._blocks.items()
+            }
+        )
+        self._aux_grad_scale = aux_grad_scale
+        self._aux_terms: dict[tuple[int, int, int], Any] = {}  # (stage, block, micro)
+        self._aux_stages = frozenset(
+            index
             for index, blocks in self._blocks.items()
-        }
+            if any(block.aux_loss_coef for block in blocks)
+        )
         if shared and not all(self._fibers.values()):
             blocked = sorted(index for index, fibers in self._fibers.items() if not fibers)
             raise ValueError(
                 f"rank {rank}: the MoE blocks of stages {blocked} cannot run in fibers, so "
                 "their ranks cannot share a process's compute thread"
             )
+        if not self._blocks:
+            raise ValueError(f"rank {rank}: none of stages {sorted(stages)} holds a MoE block")
+        self._backend = backend_for(stages[min(self._blocks)].module)
         self._sink = sink
         self._timeout_s = timeout_s
         self._dump = dump
@@ -85,32 +110,46 @@ class ExpertRunner:
         self._live: dict[Fiber, None] = {}  # started and not finished (suspended)
         self.exchange: ExpertExchange | None = None
 
+    @staticmethod
+    def needed(mesh: DeviceMesh | None, stages: Sequence[PipelineStage]) -> bool:
+        """Whether a rank with ``stages`` needs a runner: a stage holds MoE blocks and the
+        mesh splits experts, or a block has a load-balancing loss."""
+        blocks = [block for stage in stages for block in expert_blocks(stage.module)]
+        split = mesh is not None and mesh.ep > 1
+        return bool(blocks) and (split or any(block.aux_loss_coef for block in blocks))
+
     @property
     def stages(self) -> frozenset[int]:
         """The stage indices that hold MoE blocks."""
         return frozenset(self._blocks)
 
     def bind(self) -> None:
-        """Event loop, before the order: route every block over this rank's EP group."""
-        self.exchange = ExpertExchange(
-            rank=self.rank,
-            group=self._group,
-            post=loop_caller(),
-            sink=self._sink,
-            where=self._where,
-            timeout_s=self._timeout_s,
-            suspend=self._suspend,
-            dump=self._dump,
-        )
+        """Event loop, before the order: route every block over this rank's EP group (if
+        the experts are split) and bind the load-balancing terms (module docstring)."""
+        if self._group is not None:
+            self.exchange = ExpertExchange(
+                rank=self.rank,
+                group=self._group,
+                post=loop_caller(),
+                sink=self._sink,
+                where=self._where,
+                timeout_s=self._timeout_s,
+                suspend=self._suspend,
+                dump=self._dump,
+            )
         for stage, blocks in self._blocks.items():
             for number, block in enumerate(blocks):
-                block.bind_exchange(self.exchange, f"s{stage}.b{number}")
+                if self.exchange is not None:
+                    block.bind_exchange(self.exchange, f"s{stage}.b{number}")
+                if block.aux_loss_coef:
+                    block.bind_aux(self._aux_grad_scale, partial(self._record_aux, stage, number))
 
     def close(self) -> None:
         """After the order (or a failure): unbind the blocks; abandon a suspended body."""
         for blocks in self._blocks.values():
             for block in blocks:
                 block.bind_exchange(None)
+                block.bind_aux(0.0, None)
         for fiber in self._live:
             fiber.abandon()
         self._live.clear()
@@ -119,11 +158,27 @@ class ExpertRunner:
     def wrap(self, step: MetaStep, run: Callable[[], Any]) -> Callable[[], Any]:
         """The body of compute leaf ``step`` as the batch runs it (module docstring);
         ``run`` itself for a stage without MoE blocks."""
-        if step.stage not in self._blocks:
-            return run
+        if step.stage not in self._fibers:
+            return _Stepped(self, step, run) if step.stage in self._aux_stages else run
         if not self._fibers[step.stage]:
             return _Stepped(self, step, run)
         return _FiberBody(self, step, run)
+
+    def aux_loss(self) -> float:
+        """After the run: each block's load-balancing term, mean over the micro-batches
+        it ran, summed over the blocks (0.0 without such a block)."""
+        if not self._aux_terms:
+            return 0.0
+        keys = sorted(self._aux_terms)
+        values = self._backend.host_floats([self._aux_terms[key] for key in keys])
+        by_block: dict[tuple[int, int], list[float]] = {}
+        for (stage, number, _), value in zip(keys, values, strict=True):
+            by_block.setdefault((stage, number), []).append(value)
+        return sum(sum(terms) / len(terms) for terms in by_block.values())
+
+    def _record_aux(self, stage: int, number: int, term: Any) -> None:
+        """Compute thread: block ``number`` of ``stage``'s term in the step running now."""
+        self._aux_terms[(stage, number, self._step.micro)] = self._backend.keep_scalar(term)
 
     def batch_pairs(
         self,
@@ -138,6 +193,8 @@ class ExpertRunner:
         composite of MoE leaves that block in their exchanges (not in fibers) is none on
         a rank alone in its process (``parks`` False): it runs in its order (module
         docstring)."""
+        if self._group is None:
+            return pairs
         fibers = {index for index, runs in self._fibers.items() if runs}
         blocking = set(self._fibers) - fibers
         leaves = {composite.sub_steps for composite in composites}

@@ -3,7 +3,7 @@ its EP x FSDP replicas, the unsplit reference and the per-rank gradient check.""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +27,9 @@ ATOL = 1e-6
 class MoEResidual(nn.Module):
     """``x + moe(x)``."""
 
-    def __init__(self, top_k: int) -> None:
+    def __init__(self, top_k: int, aux_loss_coef: float = 0.0) -> None:
         super().__init__()
-        self.moe = MoE(DIM, 2 * DIM, EXPERTS, top_k=top_k)
+        self.moe = MoE(DIM, 2 * DIM, EXPERTS, top_k=top_k, aux_loss_coef=aux_loss_coef)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = x + self.moe(x)
@@ -49,24 +49,38 @@ class DenseBlock(nn.Module):
         return out
 
 
-def build_modules(stage_num: int, top_k: int, *, seed: int = 0) -> list[nn.Module]:
-    """Stage modules (a dense block, then a MoE block, each swap-wrapped) from ``seed``."""
+def build_modules(
+    stage_num: int,
+    top_k: int,
+    *,
+    seed: int = 0,
+    aux_loss_coef: float = 0.0,
+    wrap: Callable[[nn.Module], nn.Module] = swap_wrapper,
+) -> list[nn.Module]:
+    """Stage modules (a dense block, then a MoE block, each ``wrap``-ped) from ``seed``."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return [
-            nn.Sequential(swap_wrapper(DenseBlock()), swap_wrapper(MoEResidual(top_k)))
+            nn.Sequential(wrap(DenseBlock()), wrap(MoEResidual(top_k, aux_loss_coef)))
             for _ in range(stage_num)
         ]
 
 
 def ep_stages(
-    stage_num: int, mesh: DeviceMesh, top_k: int, *, shard_first: bool = False
+    stage_num: int,
+    mesh: DeviceMesh,
+    top_k: int,
+    *,
+    shard_first: bool = False,
+    aux_loss_coef: float = 0.0,
+    wrap: Callable[[nn.Module], nn.Module] = swap_wrapper,
 ) -> list[PipelineStage]:
     """Every (stage, dp replica): the experts split by ``expert_parallel``, the dense
     parameters by ``fully_shard`` (in either order)."""
     stages: list[PipelineStage] = []
     for dp_rank in range(mesh.dp):
-        for index, module in enumerate(build_modules(stage_num, top_k)):
+        modules = build_modules(stage_num, top_k, aux_loss_coef=aux_loss_coef, wrap=wrap)
+        for index, module in enumerate(modules):
             if shard_first:
                 fully_shard(module, mesh=mesh, dp_rank=dp_rank)
                 expert_parallel(module, mesh=mesh, dp_rank=dp_rank)
@@ -175,3 +189,37 @@ def check_process_run(
             np.testing.assert_array_equal(on[name], grad, err_msg=name)
         compared += check_grads(off, expected_grads(stage, ref_grads))
     assert compared == mesh.world_size * 7
+
+
+def chunked_reference(
+    stage_num: int,
+    top_k: int,
+    x: np.ndarray,
+    y: np.ndarray,
+    chunks: int,
+    aux_loss_coef: float,
+    *,
+    wrap: Callable[[nn.Module], nn.Module] = swap_wrapper,
+) -> tuple[float, list[dict[str, torch.Tensor]]]:
+    """The unsplit model chunk by chunk (``chunks`` equal contiguous parts of the batch:
+    a run's (replica, micro) chunks in order), each chunk's loss its mean squared error
+    plus every MoE block's load-balancing term on the chunk's tokens, the whole loss their
+    mean. Returns the mean of the chunks' summed terms and each stage's gradients."""
+    modules = build_modules(stage_num, top_k, aux_loss_coef=aux_loss_coef, wrap=wrap)
+    blocks = [sub for module in modules for sub in module.modules() if isinstance(sub, MoE)]
+    aux_total = 0.0
+    for xc, yc in zip(np.split(x, chunks), np.split(y, chunks), strict=True):
+        out = torch.from_numpy(xc)
+        for module in modules:
+            out = module(out)
+        loss = mse_loss(out, torch.from_numpy(yc))
+        if aux_loss_coef:
+            aux = sum(block.aux_loss for block in blocks if block.aux_loss is not None)
+            assert isinstance(aux, torch.Tensor)
+            aux_total += float(aux.detach()) / chunks
+            loss = loss + aux
+        (loss / chunks).backward()
+    return aux_total, [
+        {name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None}
+        for m in modules
+    ]

@@ -37,27 +37,29 @@ class DenseBlock(nn.Cell):  # type: ignore[misc]
 
 
 class MoEResidual(nn.Cell):  # type: ignore[misc]
-    def __init__(self, top_k: int) -> None:
+    def __init__(self, top_k: int, aux_loss_coef: float = 0.0) -> None:
         super().__init__()
-        self.moe = MoE(DIM, 2 * DIM, EXPERTS, top_k=top_k)
+        self.moe = MoE(DIM, 2 * DIM, EXPERTS, top_k=top_k, aux_loss_coef=aux_loss_coef)
 
     def construct(self, x: Tensor) -> Tensor:
         return x + self.moe(x)
 
 
 class Stage(nn.Cell):  # type: ignore[misc]
-    def __init__(self, top_k: int) -> None:
+    def __init__(self, top_k: int, aux_loss_coef: float = 0.0) -> None:
         super().__init__()
         self.dense = swap_wrapper(DenseBlock())
-        self.experts = swap_wrapper(MoEResidual(top_k))
+        self.experts = swap_wrapper(MoEResidual(top_k, aux_loss_coef))
 
     def construct(self, x: Tensor) -> Tensor:
         return self.experts(self.dense(x))
 
 
-def build_modules(stage_num: int, top_k: int, *, seed: int = 0) -> list[Stage]:
+def build_modules(
+    stage_num: int, top_k: int, *, seed: int = 0, aux_loss_coef: float = 0.0
+) -> list[Stage]:
     ms.set_seed(seed)
-    return [Stage(top_k) for _ in range(stage_num)]
+    return [Stage(top_k, aux_loss_coef) for _ in range(stage_num)]
 
 
 def split_stage(
@@ -108,3 +110,43 @@ def expected_grads(stage: PipelineStage, ref: list[list[np.ndarray]]) -> list[np
         else:
             out.append(fsdp.spec_of(param).split(full, fsdp.mesh.dp)[fsdp.dp_rank])
     return out
+
+
+def chunked_reference(
+    stage_num: int, top_k: int, x: np.ndarray, y: np.ndarray, chunks: int, aux_loss_coef: float
+) -> tuple[float, list[list[np.ndarray]]]:
+    """The unsplit model chunk by chunk (a run's (replica, micro) chunks in order), each
+    chunk's loss its mean squared error plus every MoE block's load-balancing term, the
+    whole loss their mean: the mean of the chunks' summed terms and each stage's
+    gradients, aligned with its trainable parameters."""
+    modules = build_modules(stage_num, top_k, aux_loss_coef=aux_loss_coef)
+    blocks = [m.experts.module.moe for m in modules]
+    params = [m.trainable_params() for m in modules]
+    flat = [p for group in params for p in group]
+    aux_values: list[float] = []
+
+    def loss_of(xc: Tensor, yc: Tensor) -> Tensor:
+        out = xc
+        for module in modules:
+            out = module(out)
+        loss = mse_loss(out, yc)
+        if aux_loss_coef:
+            aux = blocks[0].aux_loss
+            for block in blocks[1:]:
+                aux = aux + block.aux_loss
+            aux_values.append(float(aux.asnumpy()))
+            loss = loss + aux
+        return loss / chunks
+
+    grad_fn = ms.value_and_grad(loss_of, grad_position=None, weights=flat)
+    total: list[np.ndarray] | None = None
+    for xc, yc in zip(np.split(x, chunks), np.split(y, chunks), strict=True):
+        _, grads = grad_fn(Tensor(xc), Tensor(yc))
+        arrays = [g.asnumpy() for g in grads]
+        total = arrays if total is None else [a + b for a, b in zip(total, arrays, strict=True)]
+    assert total is not None
+    by_stage, start = [], 0
+    for group in params:
+        by_stage.append(total[start : start + len(group)])
+        start += len(group)
+    return sum(aux_values) / chunks, by_stage

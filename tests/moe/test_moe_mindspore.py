@@ -19,6 +19,7 @@ ms = pytest.importorskip("mindspore")
 from moe_support_ms import (  # noqa: E402
     DIM,
     build_modules,
+    chunked_reference,
     expected_grads,
     make_data,
     mse_loss,
@@ -33,7 +34,7 @@ from ppswap.fsdp import DeviceMesh  # noqa: E402
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi"))
 sys.path.insert(0, str(SCRIPTS))
-from moe_run_ms import MESH, MICRO, TOP_K  # noqa: E402
+from moe_run_ms import AUX_LOSS_COEF, MESH, MICRO, TOP_K  # noqa: E402
 from test_mpi_transport import MPIEXEC, launch  # noqa: E402
 
 
@@ -104,3 +105,13 @@ def test_pp2_ep2_over_mpi_equals_the_unsplit_model(tmp_path: Path) -> None:
             np.testing.assert_array_equal(on, off)
             assert off.shape == want.shape
             np.testing.assert_allclose(off, want, rtol=1e-5, atol=1e-6, err_msg=f"{rank}:{k}")
+    aux_ref, aux_grads = chunked_reference(MESH.pp, TOP_K, x, y, MESH.dp * MICRO, AUX_LOSS_COEF)
+    for rank in range(MESH.world_size):
+        coords = MESH.coords(rank)
+        module = build_modules(MESH.pp, TOP_K, aux_loss_coef=AUX_LOSS_COEF)[coords.pp]
+        layout = split_stage(module, coords.pp, MESH.pp, MESH, coords.dp)
+        run = np.load(tmp_path / f"aux-rank{rank}.npz")
+        assert run["aux_loss"].sum() / MESH.dp == pytest.approx(aux_ref, rel=1e-5)
+        for k, want in enumerate(expected_grads(layout, aux_grads)):
+            got = run[f"grad:{k}"]
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"aux {rank}:{k}")

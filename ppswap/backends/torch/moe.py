@@ -1,26 +1,40 @@
 """``MoE``: a mixture-of-experts block for torch stages, dropless, with expert parallelism.
 
-``MoE(dim, ffn_dim, num_experts, top_k=2)`` maps ``(..., dim)`` to ``(..., dim)``: a
-softmax router picks each token's ``top_k`` experts (ties go to the lower expert index:
-a stable sort), the picked probabilities renormalized to sum to one weigh the experts'
-outputs, summed in pick order. Experts are MLPs ``silu(x @ w_in[e]) @ w_out[e]`` held as
-stacked weights (``w_in``: ``(num_experts, dim, ffn_dim)``, ``w_out``:
-``(num_experts, ffn_dim, dim)``). No token is dropped, so a split block computes what
-the unsplit one does.
+``MoE(dim, ffn_dim, num_experts, top_k=2, aux_loss_coef=0.0)`` maps ``(..., dim)`` to
+``(..., dim)``: a softmax router picks each token's ``top_k`` experts (ties go to the
+lower expert index: a stable sort), the picked probabilities renormalized to sum to one
+weigh the experts' outputs, summed in pick order. Experts are MLPs
+``silu(x @ w_in[e]) @ w_out[e]`` held as stacked weights (``w_in``:
+``(num_experts, dim, ffn_dim)``, ``w_out``: ``(num_experts, ffn_dim, dim)``). No token
+is dropped, so a split block computes what the unsplit one does.
 
 ``ppswap.moe.expert_parallel`` keeps one EP rank's experts (``keep_experts``); the run
 binds an all-to-all (``bind_exchange``, ``ppswap.moe.AllToAll``). A forward then sends
 each (token, pick) row to the EP member that holds its expert (the *dispatch*, with a
 first all-to-all of the per-expert row counts: the splits vary per call, zero
 included), runs its own experts on the rows it received, and sends the results back
-(the *combine*). ``all_to_all_rows`` is the autograd function of both: the backward of
-a dispatch is a combine-shaped all-to-all of the gradients, and the other way round.
+(the *combine*); the host side of this is ``ppswap.core.expert_routing``, shared with
+the MindSpore block. ``all_to_all_rows`` is the autograd function of both: the backward
+of a dispatch is a combine-shaped all-to-all of the gradients, and the other way round.
 Unbound and unsplit, the block computes every expert itself.
+
+The load-balancing loss (``aux_loss_coef > 0``, Switch Transformer / GShard form):
+``aux_loss_coef * num_experts * sum_e f_e * P_e`` over the tokens of one forward (with
+expert parallelism, this rank's own tokens: the counts of the other members are not
+used), ``f_e`` the share of the (token, pick) slots routed to expert ``e``, ``P_e`` the
+mean router probability of ``e``; only ``P_e`` carries a gradient. After each forward it
+is ``aux_loss`` (a scalar in the graph), for a caller to add to its loss. In a pipeline
+run the last stage alone has the loss, so the run binds a gradient scale
+(``bind_aux``: the backward seed, ``loss_scale / micro_batch_num``) and the block's
+backward adds the term's gradient times that scale itself, as if each micro-batch's
+term were added to its loss; FSDP's mean over the dp replicas then applies to it as to
+the loss. ``aux_loss_coef=0`` adds no operation.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,27 +44,22 @@ from torch import nn
 from torch.nn import functional
 
 from ppswap.core.all_to_all import AllToAll, LocalExchange
+from ppswap.core.expert_routing import (
+    Dispatch,
+    check_block_args,
+    exchange_rows,
+    load_fractions,
+    plan_dispatch,
+)
 
 __all__ = ["MoE", "all_to_all_rows"]
 
 Counts = npt.NDArray[np.int64]
 
 
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
-    return value
-
-
 def _exchange_rows(exchange: AllToAll, key: str, rows: torch.Tensor, send: Counts) -> torch.Tensor:
-    """Send ``rows`` split by ``send`` (rows per member) and concatenate what came back."""
     host = rows.detach().to("cpu").contiguous().numpy()
-    bounds = np.cumsum(send)[:-1]
-    parts = [part.copy() for part in np.split(host, bounds)]
-    received = exchange.all_to_all(key, parts)
-    return torch.from_numpy(np.concatenate(received)).to(rows.device)
+    return torch.from_numpy(exchange_rows(exchange, key, host, send)).to(rows.device)
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -77,15 +86,33 @@ def all_to_all_rows(
     return out
 
 
+class _AuxGrad(torch.autograd.Function):
+    """``out`` unchanged; its backward also gives ``aux`` the gradient ``scale``: the
+    load-balancing term's share of a loss seeded with ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad, torch.full((), ctx.scale, dtype=grad.dtype, device=grad.device), None
+
+
 class MoE(nn.Module):
     """A dropless top-k MoE block (module docstring)."""
 
-    def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int = 2) -> None:
+    def __init__(
+        self,
+        dim: int,
+        ffn_dim: int,
+        num_experts: int,
+        top_k: int = 2,
+        aux_loss_coef: float = 0.0,
+    ) -> None:
         super().__init__()
-        _check_int("dim", dim, 1)
-        _check_int("ffn_dim", ffn_dim, 1)
-        _check_int("num_experts", num_experts, 1)
-        _check_int("top_k", top_k, 1, num_experts)
+        self._aux_loss_coef = check_block_args(dim, ffn_dim, num_experts, top_k, aux_loss_coef)
         self.dim, self.ffn_dim, self.top_k = dim, ffn_dim, top_k
         self._num_experts = num_experts
         self._kept = (0, num_experts)
@@ -94,8 +121,11 @@ class MoE(nn.Module):
         self.w_out = nn.Parameter(torch.randn(num_experts, ffn_dim, dim) / math.sqrt(ffn_dim))
         self._exchange: AllToAll = LocalExchange()
         self._key = "moe"
+        self._aux_grad_scale = 0.0
+        self._aux_record: Callable[[Any], None] | None = None
+        self.aux_loss: torch.Tensor | None = None  # the last forward's (module docstring)
 
-    # -- ppswap.moe.ExpertBlock -------------------------------------------------------------
+    # -- ppswap.core.all_to_all.ExpertBlock -------------------------------------------------
     @property
     def num_experts(self) -> int:
         return self._num_experts
@@ -108,6 +138,10 @@ class MoE(nn.Module):
     def runs_in_fibers(self) -> bool:
         """torch's autograd accepts calls from any thread, interleaved."""
         return True
+
+    @property
+    def aux_loss_coef(self) -> float:
+        return self._aux_loss_coef
 
     def keep_experts(self, first: int, count: int) -> None:
         """Keep experts ``first .. first + count - 1`` (the parameters stay the same
@@ -129,10 +163,17 @@ class MoE(nn.Module):
         self._exchange = LocalExchange() if exchange is None else exchange
         self._key = key
 
+    def bind_aux(self, grad_scale: float, record: Callable[[Any], None] | None = None) -> None:
+        """The load-balancing term's gradient scale in this block's backward (0: none)
+        and where each forward's term goes, detached (module docstring)."""
+        self._aux_grad_scale, self._aux_record = grad_scale, record
+
     # -- compute ----------------------------------------------------------------------------
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts ``(T, k)`` and their renormalized weights."""
-        probs = functional.softmax(self.router(tokens), dim=-1)
+        return self._pick(functional.softmax(self.router(tokens), dim=-1))
+
+    def _pick(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         order = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices
         picked = order[:, : self.top_k]
         weights = probs.gather(1, picked)
@@ -142,57 +183,52 @@ class MoE(nn.Module):
         if x.shape[-1] != self.dim:
             raise ValueError(f"MoE input must end in dim={self.dim}, got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.dim)
-        picked, weights = self.route(tokens)
+        probs = functional.softmax(self.router(tokens), dim=-1)
+        picked, weights = self._pick(probs)
         exchange, key, k = self._exchange, self._key, self.top_k
-        first, local = self._kept
-        members = exchange.size
-        if local * members != self._num_experts or first != exchange.index * local:
-            raise RuntimeError(
-                f"this MoE block keeps experts {first}..{first + local - 1} of "
-                f"{self._num_experts}, which does not fit EP member {exchange.index} of "
-                f"{members}: a block split by ppswap.moe.expert_parallel computes inside "
-                "a pipeline run over its mesh, whose EP group holds the other experts"
-            )
-        experts = picked.reshape(-1).to("cpu").numpy()
-        by_expert = np.argsort(experts, kind="stable")
-        counts = np.bincount(experts, minlength=self._num_experts).astype(np.int64)
-        send_counts = counts.reshape(members, local)
-        recv_counts = np.stack(exchange.all_to_all(f"{key}.counts", list(send_counts))).reshape(
-            members, local
+        route = plan_dispatch(
+            picked.to("cpu").numpy(),
+            num_experts=self._num_experts,
+            kept=self._kept,
+            exchange=exchange,
+            key=key,
         )
-        send, recv = send_counts.sum(axis=1), recv_counts.sum(axis=1)
-        rows = tokens.index_select(0, torch.from_numpy(by_expert // k).to(x.device))
-        received = all_to_all_rows(rows, exchange, f"{key}.dispatch", send, recv)
-        done = self._run_experts(received, recv_counts)
-        back = all_to_all_rows(done, exchange, f"{key}.combine", recv, send)
-        unsort = np.empty_like(by_expert)
-        unsort[by_expert] = np.arange(by_expert.size)
-        per_pick = back.index_select(0, torch.from_numpy(unsort).to(x.device))
+        device = x.device
+        rows = tokens.index_select(0, torch.from_numpy(route.token_of_row).to(device))
+        received = all_to_all_rows(rows, exchange, f"{key}.dispatch", route.send, route.recv)
+        done = self._run_experts(received, route)
+        back = all_to_all_rows(done, exchange, f"{key}.combine", route.recv, route.send)
+        per_pick = back.index_select(0, torch.from_numpy(route.restore).to(device))
         per_pick = per_pick.reshape(-1, k, self.dim) * weights.unsqueeze(-1)
         out = per_pick[:, 0]
         for slot in range(1, k):
             out = out + per_pick[:, slot]
+        if self._aux_loss_coef:
+            out = self._with_aux_loss(out, probs, route)
         return out.reshape(x.shape)
 
-    def _run_experts(self, rows: torch.Tensor, counts: Counts) -> torch.Tensor:
-        """The kept experts on ``rows`` (from each member, its rows of each kept expert in
-        turn, ``counts[member, expert]``), in the same order."""
-        starts = np.concatenate([[0], np.cumsum(counts.reshape(-1))[:-1]]).reshape(counts.shape)
-        by_expert = np.concatenate(
-            [
-                np.arange(starts[m, e], starts[m, e] + counts[m, e])
-                for e in range(counts.shape[1])
-                for m in range(counts.shape[0])
-            ]
-            + [np.zeros(0, dtype=np.int64)]
-        ).astype(np.int64)
-        grouped = rows.index_select(0, torch.from_numpy(by_expert).to(rows.device))
-        sizes = counts.sum(axis=0).tolist()
+    def _run_experts(self, rows: torch.Tensor, route: Dispatch) -> torch.Tensor:
+        """The kept experts on the received ``rows``, in the same order."""
+        device = rows.device
+        grouped = rows.index_select(0, torch.from_numpy(route.expert_order).to(device))
         outputs = [
             functional.silu(part @ self.w_in[e]) @ self.w_out[e]
-            for e, part in enumerate(torch.split(grouped, sizes))
+            for e, part in enumerate(torch.split(grouped, route.expert_sizes))
         ]
         done = torch.cat(outputs) if outputs else grouped
-        unsort = np.empty_like(by_expert)
-        unsort[by_expert] = np.arange(by_expert.size)
-        return done.index_select(0, torch.from_numpy(unsort).to(rows.device))
+        return done.index_select(0, torch.from_numpy(route.expert_restore).to(device))
+
+    def _with_aux_loss(
+        self, out: torch.Tensor, probs: torch.Tensor, route: Dispatch
+    ) -> torch.Tensor:
+        """Record this forward's load-balancing term; ``out`` carrying its gradient where
+        a run bound a scale (module docstring)."""
+        fractions = torch.from_numpy(load_fractions(route.counts)).to(probs.device, probs.dtype)
+        aux = self._aux_loss_coef * self._num_experts * (fractions * probs.mean(dim=0)).sum()
+        self.aux_loss = aux
+        if self._aux_record is not None:
+            self._aux_record(aux.detach())
+        if not self._aux_grad_scale:
+            return out
+        result: torch.Tensor = _AuxGrad.apply(out, aux, self._aux_grad_scale)
+        return result

@@ -4,7 +4,9 @@
 
 As ``moe_run.py`` with MindSpore stages (``tests/moe/moe_support_ms.py``): 1F1B with
 overlap_b_f, swap off then on; OUT_DIR/swap{0,1}-rank{w}.npz holds the loss and the
-stage's gradients by position (``grad:{k}``). A failure aborts the job (``MPI_Abort``).
+stage's gradients by position (``grad:{k}``). Then the same with the MoE blocks'
+load-balancing loss (``AUX_LOSS_COEF``, swap on): OUT_DIR/aux-rank{w}.npz, with every
+rank's reported term (``aux_loss``). A failure aborts the job (``MPI_Abort``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ppswap.transports.mpi import MPITransport
 MESH = DeviceMesh(pp=2, dp=2, ep=2)
 MICRO = 4
 TOP_K = 2
+AUX_LOSS_COEF = 0.5
 
 
 async def main(transport: MPITransport, out_dir: Path) -> None:
@@ -56,6 +59,26 @@ async def main(transport: MPITransport, out_dir: Path) -> None:
             offloaded=np.array(sum(r.offloaded_bytes for r in result.ranks)),
             **{f"grad:{k}": g.asnumpy() for k, g in enumerate(stage.grads)},
         )
+    module = build_modules(MESH.pp, TOP_K, aux_loss_coef=AUX_LOSS_COEF)[coords.pp]
+    stage = split_stage(module, coords.pp, MESH.pp, MESH, coords.dp)
+    result = await run_schedule(
+        [stage],
+        "1f1b",
+        overlap_b_f=True,
+        micro_batch_num=MICRO,
+        inputs=x,
+        targets=y,
+        loss_fn=mse_loss,
+        swap=True,
+        min_swap_gap=2,
+        transport=transport,
+        step_timeout=120.0,
+    )
+    np.savez(
+        out_dir / f"aux-rank{rank}.npz",
+        aux_loss=np.array([r.aux_loss for r in result.ranks]),
+        **{f"grad:{k}": g.asnumpy() for k, g in enumerate(stage.grads)},
+    )
     print(f"rank {rank} OK", flush=True)
 
 
