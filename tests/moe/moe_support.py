@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ppswap import PipelineStage
+from ppswap import PipelineStage, recompute_wrapper
 from ppswap.backends.torch.moe import MoE
 from ppswap.fsdp import DeviceMesh, fsdp_state_of, fully_shard
 from ppswap.moe import expert_parallel, expert_state_of
@@ -102,12 +102,23 @@ def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((output - target) ** 2).mean()
 
 
+def recompute_and_swap(module: nn.Module) -> nn.Module:
+    """``module`` wrapped by ``recompute_wrapper`` and ``swap_wrapper`` (the plan picks)."""
+    wrapped: nn.Module = recompute_wrapper(swap_wrapper(module))
+    return wrapped
+
+
 def reference(
-    stage_num: int, top_k: int, x: np.ndarray, y: np.ndarray
+    stage_num: int,
+    top_k: int,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    wrap: Callable[[nn.Module], nn.Module] = swap_wrapper,
 ) -> tuple[float, list[dict[str, torch.Tensor]]]:
     """The unsplit model (every expert local, the same routing) on the whole batch: the
     mean loss and each stage's gradients by parameter name."""
-    modules = build_modules(stage_num, top_k)
+    modules = build_modules(stage_num, top_k, wrap=wrap)
     out = torch.from_numpy(x)
     for module in modules:
         out = module(out)
@@ -168,25 +179,28 @@ def check_process_run(
     out_dir: Path, mesh: DeviceMesh, micro: int, top_k: int, *, stage_num: int
 ) -> None:
     """What ``scripts/moe_run.py`` wrote, rank by rank: the loss and local gradients equal
-    the unsplit model's (rtol 1e-5), swap on equals swap off bit for bit and moved
-    chunks."""
+    the unsplit model's (rtol 1e-5), swap on and recompute equal swap off bit for bit,
+    and swap moved chunks."""
     x, y = make_data(mesh.dp * micro * 2)
-    ref_loss, ref_grads = reference(stage_num, top_k, x, y)
-    layout = ep_stages(stage_num, mesh, top_k)  # the same splits, for the expected slices
+    ref_loss, ref_grads = reference(stage_num, top_k, x, y, wrap=recompute_and_swap)
+    # the same splits, for the expected slices
+    layout = ep_stages(stage_num, mesh, top_k, wrap=recompute_and_swap)
     compared = 0
     for rank in range(mesh.world_size):
         coords = mesh.coords(rank)
         (stage,) = [s for s in layout if s.stage_index == coords.pp][coords.dp : coords.dp + 1]
-        runs = [np.load(out_dir / f"swap{swap}-rank{rank}.npz") for swap in (0, 1)]
-        off, on = (
+        runs = [np.load(out_dir / f"{n}-rank{rank}.npz") for n in ("swap0", "swap1", "recompute")]
+        off, on, recomputed = (
             {k.removeprefix("grad:"): run[k] for k in run.files if k.startswith("grad:")}
             for run in runs
         )
         assert float(runs[0]["loss"]) == pytest.approx(ref_loss, rel=1e-5)
         np.testing.assert_array_equal(runs[1]["losses"], runs[0]["losses"])
+        np.testing.assert_array_equal(runs[2]["losses"], runs[0]["losses"])
         assert int(runs[1]["offloaded"]) > 0  # swap moved chunks
         for name, grad in off.items():
             np.testing.assert_array_equal(on[name], grad, err_msg=name)
+            np.testing.assert_array_equal(recomputed[name], grad, err_msg=name)
         compared += check_grads(off, expected_grads(stage, ref_grads))
     assert compared == mesh.world_size * 7
 

@@ -6,8 +6,10 @@
 World rank ``w`` is pipeline rank ``w % 2`` of dp replica ``w // 2`` (EP rank ``w //
 2``): it builds every stage module from the same seed, keeps its pipeline rank's, splits
 its experts (``expert_parallel``), shards its dense parameters (``fully_shard``) and
-runs 1F1B with overlap_b_f, swap off and then on. It writes
-OUT_DIR/swap{0,1}-rank{w}.npz: the loss and its stage's gradients by parameter name. A
+runs 1F1B with overlap_b_f, swap off, swap on, then recomputing every chunk (the blocks
+are wrapped by ``recompute_wrapper`` and ``swap_wrapper``: a recomputed MoE forward
+makes its all-to-alls again). It writes OUT_DIR/swap{0,1}-rank{w}.npz and
+OUT_DIR/recompute-rank{w}.npz: the loss and its stage's gradients by parameter name. A
 failure aborts the job.
 """
 
@@ -22,7 +24,7 @@ import anyio
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_support import build_modules, local_grads, make_data, mse_loss
+from moe_support import build_modules, local_grads, make_data, mse_loss, recompute_and_swap
 
 from ppswap import PipelineStage, expert_parallel, fully_shard, run_schedule
 from ppswap.fsdp import DeviceMesh
@@ -36,11 +38,15 @@ async def main(transport: Any, out_dir: Path) -> None:
     rank = transport.rank
     coords = MESH.coords(rank)
     x, y = make_data(MESH.dp * MICRO * 2)
-    module = build_modules(MESH.pp, TOP_K)[coords.pp]
+    module = build_modules(MESH.pp, TOP_K, wrap=recompute_and_swap)[coords.pp]
     expert_parallel(module, mesh=MESH, dp_rank=coords.dp)
     fully_shard(module, mesh=MESH, dp_rank=coords.dp)
     stage = PipelineStage(module, coords.pp, MESH.pp)
-    for swap in (False, True):
+    for name, swap, recompute in (
+        ("swap0", False, False),
+        ("swap1", True, False),
+        ("recompute", False, True),
+    ):
         result = await run_schedule(
             [stage],
             "1f1b",
@@ -50,13 +56,14 @@ async def main(transport: Any, out_dir: Path) -> None:
             targets=y,
             loss_fn=mse_loss,
             swap=swap,
+            recompute=recompute,
             min_swap_gap=2,
             transport=transport,
             step_timeout=60.0,
         )
         grads = {f"grad:{name}": grad for name, grad in local_grads(stage).items()}
         np.savez(
-            out_dir / f"swap{int(swap)}-rank{rank}.npz",
+            out_dir / f"{name}-rank{rank}.npz",
             loss=np.array(result.loss),
             losses=np.array(result.losses),
             offloaded=np.array(sum(r.offloaded_bytes for r in result.ranks)),
