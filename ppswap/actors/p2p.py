@@ -36,7 +36,8 @@ waited for it.
 Collectives (FSDP): ``CollectiveTransport`` is the transport's collective side
 (``all_gather(rank, group, key, array)``, ``reduce_scatter_sum(rank, group, key,
 arrays)``; ``rank`` is the caller, as ``send``'s ``src``), a separate protocol so that a
-P2P-only transport still satisfies ``Transport``; a run with FSDP requires it. A
+P2P-only transport still satisfies ``Transport``; a run with FSDP requires it, and
+expert parallelism ``AllToAllTransport`` (both refused before the run, ``fsdp.plan``). A
 ``CollectiveRequest`` gets its own task and a span named ``"{op} {key}"``.
 
 ``InProcessTransport`` lives in ``ppswap.transports.inprocess`` and is exported here too.
@@ -70,8 +71,8 @@ from ppswap.core.transport import (
     CollectiveTransport,
     ImmediateTransport,
     LandingTransport,
+    PointToPoint,
     Started,
-    Transport,
     is_all_to_all,
     is_callback,
     is_immediate,
@@ -161,7 +162,7 @@ class P2PActor:
     def __init__(
         self,
         rank: int,
-        transport: Transport,
+        transport: PointToPoint,
         requests: MemoryObjectReceiveStream[P2PRequest],
         recorder: FlightRecorder,
         *,

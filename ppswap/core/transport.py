@@ -1,19 +1,35 @@
 """The transport protocols: how a rank's messages and collectives reach other ranks.
 
-``Transport`` moves host arrays between ranks (``send`` / ``recv``, awaited concurrently);
-``CollectiveTransport`` is the collective side FSDP needs (``all_gather``,
-``reduce_scatter_sum``); ``AllToAllTransport`` adds the all-to-all with variable splits
-expert parallelism needs; ``ImmediateTransport`` matches messages on the spot (every rank in
-this event loop); ``CallbackTransport`` starts a send or a receive and calls back on the
-event loop when it completes (the multi-process transports: the P2P actor serves them
-without a task per message); ``LandingTransport`` also hands a received payload over on
-its own thread (to a compute thread waiting for it, ``core.arrival``);
-``MultiProcessTransport`` has one process per rank, and
-``DistributedTransport`` is one the runtime configures per run and gathers results
-over. Implementations: ``ppswap.actors.p2p.InProcessTransport`` (the default),
+Each protocol says what one kind of caller needs, and a caller types against the narrowest
+one (as anyio's memory streams, every method states when it blocks and what it raises):
+
+- ``PointToPoint``: ``send`` / ``recv`` of host arrays, awaited concurrently (the P2P
+  actor's task path: with a fault plan, or a transport with neither of the next two);
+  ``Transport`` adds ``stats`` and is what a run takes (``RunOptions.transport``).
+- ``ImmediateTransport``: matches messages on the spot (every rank in this event loop);
+  ``CallbackTransport``: starts a send or a receive and calls back on the loop when it
+  completes (the multi-process transports: the P2P actor serves them without a task per
+  message); ``LandingTransport`` also hands a received payload over on its own thread (to
+  a compute thread waiting for it, ``core.arrival``).
+- ``AllGatherTransport``: ``all_gather``, what every multi-process run uses (the results,
+  the tie declarations, ``gather_full_gradients``); ``CollectiveTransport`` adds
+  ``reduce_scatter_sum`` (FSDP); ``AllToAllTransport``: the all-to-all with variable
+  splits (expert parallelism).
+- ``MultiProcessTransport``: one process per rank (``rank``, ``world_size``);
+  ``RunConfigured``: ``configure`` before each run; ``DistributedTransport`` is the three
+  a run across processes needs together (multi-process, configured, all-gather).
+
+Where a run needs a part the transport lacks, it is refused before it starts, naming the
+part (``planning.prepare``: a run in one process takes the in-process transport or a
+multi-process one; ``fsdp.plan``: FSDP across processes needs collectives and
+``configure``, expert parallelism the all-to-all; ``planning.ties``: declared ties across
+processes need a ``DistributedTransport``). Implementations:
+``ppswap.transports.inprocess.InProcessTransport`` (the default),
 ``ppswap.transports.mpi.MPITransport``,
 ``ppswap.backends.torch.distributed.TorchDistTransport``.
-A message is identified by ``(src, dst, MessageKey)``, unique within a run.
+A message is identified by ``(src, dst, MessageKey)``, unique within a run. The protocols
+promise no deadline: the caller bounds every wait (the step deadline), whatever bound a
+transport has of its own (``TorchDistTransport``'s ``timeout_s``).
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ from ppswap.core.protocols import conforms
 
 __all__ = [
     "FINISHED",
+    "AllGatherTransport",
     "AllToAllTransport",
     "CallbackTransport",
     "CollectiveTransport",
@@ -37,7 +54,9 @@ __all__ = [
     "ImmediateTransport",
     "LandingTransport",
     "MultiProcessTransport",
+    "PointToPoint",
     "RecvDone",
+    "RunConfigured",
     "SendDone",
     "Started",
     "Transport",
@@ -45,6 +64,7 @@ __all__ = [
     "call_back",
     "check_all_to_all",
     "complete_all",
+    "is_all_gather",
     "is_all_to_all",
     "is_callback",
     "is_collective",
@@ -52,6 +72,7 @@ __all__ = [
     "is_immediate",
     "is_landing",
     "is_multi_process",
+    "is_run_configured",
     "is_transport",
     "sum_contributions",
 ]
@@ -64,6 +85,9 @@ RecvDone: TypeAlias = Callable[[HostArray | None, BaseException | None], None]
 
 @dataclass(frozen=True, slots=True)
 class TransportStats:
+    """Counts of one rank's P2P messages; ``undelivered``: sends not yet completed (or,
+    in one process, messages no receiver took)."""
+
     messages_sent: int
     messages_received: int
     bytes_sent: int
@@ -71,65 +95,113 @@ class TransportStats:
 
 
 @runtime_checkable
-class Transport(Protocol):
-    """Moves host arrays between ranks. Both calls may be awaited concurrently."""
+class PointToPoint(Protocol):
+    """Sends and receives of host arrays between ranks. A send and a receive may be
+    awaited concurrently, and never wait for each other."""
 
     async def send(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
-        """Deliver ``payload``; returns once the payload buffer may be reused."""
+        """Send ``payload`` as message ``key`` from this rank ``src`` to rank ``dst``.
+
+        Blocks until the payload's buffer may be reused, not until it is received (the
+        in-process transport buffers it: it never blocks). Raises TypeError or ValueError
+        naming the argument (``src`` not this process's rank, ``dst`` not a rank, a
+        payload the wire cannot carry) and RuntimeError when the transport is closed or
+        ``key`` was sent to ``dst`` already; a failed send raises the library's error.
+        """
         ...
 
     async def recv(self, dst: int, src: int, key: MessageKey) -> HostArray:
-        """Wait for the message ``key`` from ``src`` and return its payload."""
-        ...
+        """Wait for message ``key`` from rank ``src`` to this rank ``dst``; its payload.
 
-    def stats(self) -> TransportStats: ...
+        Blocks until the message is there (across processes the payload is a new array;
+        in one process the sender's own). Raises as ``send`` for bad arguments, and
+        RuntimeError when the transport is closed, ``key`` is received twice or the
+        message fails the wire's checks (another run's epoch, a corrupt header).
+        """
+        ...
 
 
 @runtime_checkable
-class CollectiveTransport(Protocol):
-    """Collectives over a group of ranks (FSDP), for the calling rank. Every member passes
-    the same ``group`` tuple and ``key``, and makes the same calls in the same order."""
+class Transport(PointToPoint, Protocol):
+    """What a run takes: point to point, and counts for its flight recorder."""
+
+    def stats(self) -> TransportStats:
+        """This rank's message counts so far. Never blocks, never raises."""
+        ...
+
+
+@runtime_checkable
+class AllGatherTransport(Protocol):
+    """The all-gather over a group of ranks, for the calling rank. Every member passes
+    the same ``group`` tuple and ``key`` and makes the same calls in the same order (the
+    n-th call with a ``(group, key)`` meets every member's n-th)."""
 
     async def all_gather(
         self, rank: int, group: tuple[int, ...], key: str, array: HostArray
     ) -> list[HostArray]:
-        """Every member's ``array``, in ``group`` order (``rank`` is the caller)."""
+        """Every member's ``array``, in ``group`` order (``rank`` is the caller, its entry
+        its own ``array``); arrays may differ in shape and dtype between members.
+
+        Blocks until every member made the call. Raises TypeError or ValueError naming
+        the argument (``rank`` not the caller, ``group`` not a tuple of distinct ranks
+        holding it, ``array`` not an array the wire carries) and RuntimeError when the
+        transport is closed or the members disagree on the group's order.
+        """
         ...
+
+
+@runtime_checkable
+class CollectiveTransport(AllGatherTransport, Protocol):
+    """FSDP's collectives: the all-gather of ``AllGatherTransport`` and a reduce-scatter."""
 
     async def reduce_scatter_sum(
         self, rank: int, group: tuple[int, ...], key: str, arrays: list[HostArray]
     ) -> HostArray:
         """The sum over members of what they sent to ``rank`` (``arrays[j]`` goes to
-        ``group[j]``), a left fold in ``group`` order."""
+        ``group[j]``), a left fold in ``group`` order in a new array, so every run gives
+        the same bits (``sum_contributions``).
+
+        Blocks as ``all_gather``. Raises as ``all_gather``, and ValueError when
+        ``arrays`` does not hold one array per member or a member's contribution differs
+        from the caller's own in shape or dtype (naming that member).
+        """
         ...
 
 
 @runtime_checkable
 class AllToAllTransport(Protocol):
-    """The all-to-all of expert parallelism, for the calling rank: ``arrays[j]`` goes to
-    ``group[j]``, any number of rows each (zero included; the splits vary per call);
-    returns what every member sent to ``rank``, in ``group`` order. Every member passes
-    the same ``group`` and ``key`` and makes the same calls in the same order; rows must
-    agree in trailing shape and dtype (``check_all_to_all``)."""
+    """The all-to-all of expert parallelism, for the calling rank; every member passes
+    the same ``group`` and ``key`` and makes the same calls in the same order."""
 
     async def all_to_all(
         self, rank: int, group: tuple[int, ...], key: str, arrays: list[HostArray]
-    ) -> list[HostArray]: ...
+    ) -> list[HostArray]:
+        """What every member sent to ``rank``, in ``group`` order: ``arrays[j]`` goes to
+        ``group[j]``, any number of rows each (zero included; the splits vary per call).
+
+        Blocks as ``all_gather``. Raises as ``all_gather``, and ValueError when ``arrays``
+        does not hold one array per member or a member's rows differ from the caller's
+        in trailing shape or dtype (naming that member, ``check_all_to_all``).
+        """
+        ...
 
 
 @runtime_checkable
 class ImmediateTransport(Protocol):
     """A transport that matches messages on the spot (all ranks in this event loop).
+    Both calls run on the loop's thread and never block."""
 
-    ``deliver`` hands ``payload`` over (it never blocks); ``expect`` calls ``on_arrival``
-    with the payload once it is there (at once if it already is). Both run on the loop.
-    """
-
-    def deliver(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None: ...
+    def deliver(self, src: int, dst: int, key: MessageKey, payload: HostArray) -> None:
+        """Hand ``payload`` over: to the ``on_arrival`` expecting it, at once, else it
+        waits for its receiver. RuntimeError when ``key`` was sent to ``dst`` already."""
+        ...
 
     def expect(
         self, dst: int, src: int, key: MessageKey, on_arrival: Callable[[HostArray], None]
-    ) -> None: ...
+    ) -> None:
+        """Call ``on_arrival(payload)`` on the loop once message ``key`` is there (at once
+        if it already is). RuntimeError when ``key`` is expected or received twice."""
+        ...
 
 
 class Started(Protocol):
@@ -138,7 +210,7 @@ class Started(Protocol):
     def cancel(self) -> None:
         """Stop it: its callback will not run. Withdraws the operation where the transport
         can (MPI cancels its requests; a posted gloo operation stays posted, as after a
-        cancelled ``recv``). Idempotent; does nothing once the callback ran."""
+        cancelled ``recv``). Idempotent; does nothing once the callback ran. Never blocks."""
         ...
 
 
@@ -159,34 +231,35 @@ class CallbackTransport(Protocol):
     """A transport that starts a send or a receive and calls back when it completes.
 
     The P2P actor serves such a transport without a task per message. ``start_send`` /
-    ``start_recv`` are called on the event loop's thread, as ``send`` / ``recv`` are
-    awaited there, and have their semantics (a send completes once its buffer may be
-    reused). A bad argument or a closed transport raises at once (nothing started);
-    otherwise ``on_done`` runs exactly once on the event loop's thread, with the result or
-    the error (``close()`` fails every started operation with ``RuntimeError``), unless
-    the returned handle was cancelled first. It may run before ``start_*`` returns (an
-    operation that completed at once). ``starts_messages`` is False where this instance
-    can only be awaited (``send`` / ``recv``).
+    ``start_recv`` are called on the event loop's thread, never block, and have the
+    semantics of ``PointToPoint``'s ``send`` / ``recv`` (a send completes once its buffer
+    may be reused). A bad argument or a closed transport raises at once, as ``send`` /
+    ``recv`` would (nothing started); otherwise ``on_done`` runs exactly once on the
+    event loop's thread, with the result or the error (``close()`` fails every started
+    operation with ``RuntimeError``), unless the returned handle was cancelled first. It
+    may run before ``start_*`` returns (an operation that completed at once).
     """
 
     @property
-    def starts_messages(self) -> bool: ...
+    def starts_messages(self) -> bool:
+        """False where this instance can only be awaited (``send`` / ``recv``)."""
+        ...
 
     def start_send(
         self, src: int, dst: int, key: MessageKey, payload: HostArray, on_done: SendDone
-    ) -> Started: ...
+    ) -> Started:
+        """Start ``send``; ``on_done(None)`` or ``on_done(error)`` when it completes."""
+        ...
 
-    def start_recv(self, dst: int, src: int, key: MessageKey, on_done: RecvDone) -> Started: ...
+    def start_recv(self, dst: int, src: int, key: MessageKey, on_done: RecvDone) -> Started:
+        """Start ``recv``; ``on_done(payload, None)`` or ``on_done(None, error)``."""
+        ...
 
 
 @runtime_checkable
 class LandingTransport(CallbackTransport, Protocol):
     """A ``CallbackTransport`` whose receives complete on threads of its own, which hand
-    the payload over right there: ``start_recv_landing`` is ``start_recv`` that also calls
-    ``on_landed(payload)`` on that thread the moment the payload is decoded, before
-    ``on_done`` runs on the loop with the same payload (not for a failure: that goes to
-    ``on_done`` only). ``on_landed`` must be thread-safe and must not block.
-    """
+    the payload over right there."""
 
     def start_recv_landing(
         self,
@@ -195,31 +268,46 @@ class LandingTransport(CallbackTransport, Protocol):
         key: MessageKey,
         on_done: RecvDone,
         on_landed: Callable[[HostArray], object],
-    ) -> Started: ...
+    ) -> Started:
+        """``start_recv`` that also calls ``on_landed(payload)`` on the transport's thread
+        the moment the payload is decoded, before ``on_done`` runs on the loop with the
+        same payload (a failure goes to ``on_done`` only). ``on_landed`` must be
+        thread-safe and must not block."""
+        ...
 
 
 @runtime_checkable
 class MultiProcessTransport(Protocol):
-    """A transport whose ranks are separate processes: this process is rank ``rank`` of
-    ``world_size``."""
+    """A transport whose ranks are separate processes. Neither property changes."""
 
     @property
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This process's rank."""
+        ...
 
     @property
-    def world_size(self) -> int: ...
+    def world_size(self) -> int:
+        """The number of ranks (processes)."""
+        ...
 
 
 @runtime_checkable
-class DistributedTransport(MultiProcessTransport, Protocol):
-    """A multi-process transport the runtime can configure per run and gather results
-    over (MPITransport)."""
+class RunConfigured(Protocol):
+    """A transport the runtime configures before each run."""
 
-    def configure(self, num_stages: int, micro_count: int) -> None: ...
+    def configure(self, num_stages: int, micro_count: int) -> None:
+        """The run's P2P tag layout and a new epoch (a message of an earlier run is then
+        an error, never a wrong tensor). Every rank calls it with the same values before
+        the run's first message. Never blocks; ValueError when the run needs more tags
+        than the library has."""
+        ...
 
-    async def all_gather(
-        self, rank: int, group: tuple[int, ...], key: str, array: HostArray
-    ) -> list[HostArray]: ...
+
+@runtime_checkable
+class DistributedTransport(MultiProcessTransport, RunConfigured, AllGatherTransport, Protocol):
+    """What a run across processes needs of its transport, together: one process per
+    rank, configured per run, and the all-gather its results and tie declarations go
+    through (``MPITransport``, ``TorchDistTransport``)."""
 
 
 def call_back(on_done: Callable[..., None], *result: object) -> None:
@@ -326,6 +414,10 @@ def is_transport(value: object) -> TypeGuard[Transport]:
     return conforms(value, Transport)
 
 
+def is_all_gather(value: object) -> TypeGuard[AllGatherTransport]:
+    return conforms(value, AllGatherTransport)
+
+
 def is_collective(value: object) -> TypeGuard[CollectiveTransport]:
     return conforms(value, CollectiveTransport)
 
@@ -348,6 +440,10 @@ def is_landing(value: object) -> TypeGuard[LandingTransport]:
 
 def is_multi_process(value: object) -> TypeGuard[MultiProcessTransport]:
     return conforms(value, MultiProcessTransport)
+
+
+def is_run_configured(value: object) -> TypeGuard[RunConfigured]:
+    return conforms(value, RunConfigured)
 
 
 def is_distributed(value: object) -> TypeGuard[DistributedTransport]:

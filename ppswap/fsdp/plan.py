@@ -24,6 +24,7 @@ from ppswap.core.transport import (
     DistributedTransport,
     MultiProcessTransport,
     Transport,
+    is_all_to_all,
     is_collective,
 )
 from ppswap.fsdp.mesh import DeviceMesh, order_for_world_rank
@@ -188,7 +189,8 @@ def _check_mesh(mesh: DeviceMesh, pp: int, transport: MultiProcessTransport | No
     """The mesh must match the run's ranks: ``mesh.pp == pp``. ``transport`` is the
     multi-process transport (None in one process): then every world rank is its own
     process, so its world size must be ``mesh.world_size``, and it must have the
-    collectives and be configured per run (``MPITransport``, ``TorchDistTransport``)."""
+    collectives and be configured per run (``MPITransport``, ``TorchDistTransport``),
+    and with ``mesh.ep > 1`` the all-to-all of expert parallelism."""
     if mesh.pp != pp:
         raise ValueError(
             f"mesh={mesh!r} does not match the run's ranks: mesh.pp * mesh.dp = "
@@ -203,6 +205,11 @@ def _check_mesh(mesh: DeviceMesh, pp: int, transport: MultiProcessTransport | No
             f"transport must have collectives (all_gather, reduce_scatter_sum) and configure "
             f"for fully_shard()-ed stages across processes (MPITransport, TorchDistTransport), "
             f"got {type(transport).__name__}"
+        )
+    if mesh.ep > 1 and not is_all_to_all(transport):
+        raise TypeError(
+            f"transport must have all_to_all for expert parallelism across processes "
+            f"(mesh={mesh!r}: MPITransport, TorchDistTransport), got {type(transport).__name__}"
         )
     if transport.world_size != mesh.world_size:
         raise ValueError(

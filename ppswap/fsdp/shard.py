@@ -51,7 +51,7 @@ from ppswap.backends import backend_for
 from ppswap.backends.base import Backend
 from ppswap.backends.types import Module, Tensor
 from ppswap.core.all_to_all import expert_parameter_ids
-from ppswap.core.transport import CollectiveTransport, MultiProcessTransport
+from ppswap.core.transport import AllGatherTransport, MultiProcessTransport
 from ppswap.fsdp.mesh import DeviceMesh
 from ppswap.stage import PipelineStage
 
@@ -441,7 +441,7 @@ async def gather_full_gradients(stage: PipelineStage, transport: object) -> list
             f"stage {stage.stage_index} must be fully_shard()-ed, got an unsharded one"
         )
     if not (
-        isinstance(transport, MultiProcessTransport) and isinstance(transport, CollectiveTransport)
+        isinstance(transport, MultiProcessTransport) and isinstance(transport, AllGatherTransport)
     ):
         raise TypeError(
             "transport must be a multi-process transport with collectives (MPITransport, "

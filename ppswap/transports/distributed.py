@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ppswap.core.transport import DistributedTransport, is_distributed
+from ppswap.core.transport import DistributedTransport, is_distributed, is_run_configured
 from ppswap.results import RankStats
 
 __all__ = [
@@ -41,8 +41,8 @@ _LOCAL_FIELDS = frozenset({"chunk_policy", "chunk_bytes"})
 
 
 def configure_transport(transport: object, num_stages: int, micro_count: int) -> None:
-    """Give a distributed transport the run's tag layout (and a new epoch)."""
-    if is_distributed(transport):
+    """Give a transport configured per run the run's tag layout (and a new epoch)."""
+    if is_run_configured(transport):
         transport.configure(num_stages, micro_count)
 
 

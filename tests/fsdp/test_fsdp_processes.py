@@ -136,6 +136,26 @@ async def test_bad_per_process_fsdp_input_is_refused_before_anything_runs(
 
 
 @pytest.mark.asyncio
+async def test_expert_parallelism_across_processes_needs_the_all_to_all() -> None:
+    """A transport with FSDP's collectives but no all_to_all is refused for a mesh with
+    ep > 1 before anything runs, naming the missing part (core/transport.py's protocols)."""
+    mesh = DeviceMesh(pp=2, dp=2, ep=2)
+    stages = _of(sharded_stages(2, mesh), (0, 0))
+    x, y = batch(8)
+    with pytest.raises(TypeError, match=r"transport must have all_to_all .*, got _Member"):
+        await run_schedule(
+            stages,
+            "gpipe",
+            micro_batch_num=2,
+            inputs=x,
+            targets=y,
+            loss_fn=mse_loss,
+            transport=_Member(0, 4),
+        )
+    assert all(s.generation == 0 for s in stages)
+
+
+@pytest.mark.asyncio
 async def test_gather_full_gradients_equals_full_gradients() -> None:
     stages = sharded_stages(2, MESH)
     x, y = batch(8)
