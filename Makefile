@@ -1,12 +1,14 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - set up, then run the main job (the training demo)
-#   make check  - set up, then lint, type-check and run every test (then the torch-only lane)
+#   make check  - set up, then lint, type-check and run every test once, in the lane that
+#                 gives it meaning (the main lane in .venv, the torch-only lane in .venv-torch)
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo check lint typecheck test test-torch test-torch-oldest test-fast bench plan clean
+.PHONY: demo check check-jobs lint typecheck test test-main test-torch test-torch-oldest \
+	test-fast bench plan clean
 
 # The editable install keeps setuptools' default (lenient) mode, so modules added to ppswap/
 # are importable without reinstalling; that mode always ends with an informational
@@ -34,7 +36,13 @@ $(TORCH_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/ppswap demo
 
-check: lint typecheck test test-torch
+# Two jobs at a time (CI has 2 cores): the two environments are set up side by side, then
+# the lint, the type check and the two lanes share the cores; each job's output is printed
+# whole when it ends.
+check:
+	@$(MAKE) --no-print-directory --jobs=2 --output-sync=target check-jobs
+
+check-jobs: lint typecheck test-main test-torch
 
 lint: $(STAMP)
 	$(BIN)/ruff check ppswap tests benchmarks examples
@@ -43,22 +51,28 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# pytest exits 5 when it collected no tests: a broken suite here, so say so and fail.
+# Every test in .venv. pytest exits 5 when it collected no tests: a broken suite here, so
+# say so and fail.
 test: $(STAMP)
 	@$(BIN)/pytest -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
-# The torch backend's tests, and those of the parts that need no tensor framework, where
-# MindSpore is not installed and NumPy is 2.x.
-TORCH_TESTS := tests/torch_backend tests/torch_dist tests/scheduler tests/docs \
-	tests/runtime/test_demo.py tests/runtime/test_examples.py
+# The lanes of make check (tests/conftest.py's --lane). The main lane: every test the torch
+# lane does not run.
+test-main: $(STAMP)
+	@$(BIN)/pytest -q -p no:cacheprovider --lane main; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+# The torch lane: the torch backend's tests, and those of the parts that need no tensor
+# framework (tests/conftest.py's TORCH_LANE), where MindSpore is not installed and NumPy
+# is 2.x.
 test-torch: $(TORCH_STAMP)
 	@$(TORCH_VENV)/bin/python -c "import importlib.util, numpy, sys; \
 	major = int(numpy.__version__.split('.')[0]); \
 	mindspore = importlib.util.find_spec('mindspore') is not None; \
 	sys.exit(None if major >= 2 and not mindspore else \
 	f'$(TORCH_VENV) must have numpy 2 and no MindSpore: numpy {numpy.__version__}, MindSpore {mindspore}')"
-	@$(TORCH_VENV)/bin/pytest -q -p no:cacheprovider $(TORCH_TESTS); rc=$$?; \
+	@$(TORCH_VENV)/bin/pytest -q -p no:cacheprovider --lane torch; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
 # The same lane on the oldest torch ppswap supports, the GPU machine's (2.11.0: from PyPI, a

@@ -122,11 +122,12 @@ def test_a_bfloat16_tensor_and_its_host_array_share_memory_and_bits(tensor: torc
     assert BACKEND.numpy_dtype(tensor) == BFLOAT16
 
 
+@pytest.mark.mindspore
 def test_mindspores_numpy_bfloat16_is_read_as_torch_bfloat16_and_sent_as_ml_dtypes() -> None:
     """MindSpore registers a numpy bfloat16 of its own: the torch backend reads it by
     name and size; the wire sends it as ml_dtypes' (the same bytes), which the header
     names."""
-    ms = pytest.importorskip("mindspore")  # make test-torch has none
+    ms = pytest.importorskip("mindspore")
     values = ms.ops.arange(0, 6, dtype=ms.float32).reshape(2, 3) / 4 - 0.5
     theirs = values.astype(ms.bfloat16).asnumpy()
     assert theirs.dtype != BFLOAT16 and is_bfloat16(theirs.dtype) and is_floating(theirs.dtype)

@@ -18,11 +18,12 @@ from ppswap import PipelineError, PipelineInputError, PipelineStage, run_schedul
 Array = npt.NDArray[np.float32]
 
 
+@pytest.mark.mindspore
 @pytest.mark.asyncio
 async def test_a_torch_stage_mixed_with_a_mindspore_stage_is_refused() -> None:
     """One run, one framework: a torch stage next to a MindSpore stage is a TypeError that
     names each stage's framework, raised before anything runs."""
-    ms = pytest.importorskip("mindspore")  # make test-torch has none
+    ms = pytest.importorskip("mindspore")
     torch_stage = build_stages(2)[0]
     mindspore_stage = PipelineStage(ms.nn.Dense(8, 8), 1, 2)
     x, y = make_data()
