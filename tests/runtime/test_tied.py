@@ -1,6 +1,7 @@
 """Tied parameters on MindSpore, in one process (``ppswap/planning/ties.py``, ``tie_sum.py``;
 the torch twin with more schedules, FSDP and the refusals:
-``tests/torch_backend/test_torch_tied.py``; across processes: ``tests/mpi/test_mpi_tied.py``).
+``tests/torch_backend/test_torch_tied.py``; across processes:
+``tests/across_processes/test_tied.py``).
 
 A GPT-2 style model (``tied_cells.py``): the first stage projects its input by ``wte``,
 the last multiplies its hidden state by ``wte``'s transpose (the head). Held as one
