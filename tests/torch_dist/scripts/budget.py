@@ -1,6 +1,7 @@
-"""Run under ``torchrun --nproc_per_node N``: memory_budget over TorchDistTransport.
+"""One rank of a torch pipeline under memory_budget over TorchDistTransport (``torchrun
+--nproc_per_node N``) or MPITransport (``mpiexec -n N``):
 
-    budget.py CASE [CASE ...]
+    budget.py torch|mpi CASE [CASE ...]
 
 A case is ``gpipe``, ``1f1b``, ``1f1b-overlap`` or ``interleaved`` (vpp 2): pp = N ranks,
 2 * N micro-batches. The stages' blocks (``x + fc2(dropout(tanh(fc1(x))))``, dropout 0.2)
@@ -98,7 +99,7 @@ def modules(stage_num: int) -> list[nn.Module]:
 
 
 async def run(
-    case: Case, world: int, transport: TorchDistTransport | None, **options: Any
+    case: Case, world: int, transport: Any, **options: Any
 ) -> tuple[RunResult, dict[int, list[Array]]]:
     """The case over ``transport`` (this rank's stages) or in this process (None)."""
     stage_num, micro = case.stage_num(world), case.micro(world)
@@ -175,7 +176,7 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-async def check_case(transport: TorchDistTransport, case: Case) -> bool:
+async def check_case(transport: Any, case: Case) -> bool:
     rank, world = transport.rank, transport.world_size
     model, budgets = await plan_inputs(case, world)
     keep, keep_grads = await run(case, world, None)
@@ -219,7 +220,7 @@ async def check_case(transport: TorchDistTransport, case: Case) -> bool:
     return failed
 
 
-async def main(transport: TorchDistTransport, names: list[str]) -> int:
+async def main(transport: Any, names: list[str]) -> int:
     rank, world = transport.rank, transport.world_size
     failed = np.zeros(len(names), dtype=np.bool_)
     for index, name in enumerate(names):
@@ -230,18 +231,25 @@ async def main(transport: TorchDistTransport, names: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    chosen = sys.argv[1:]
+    kind, chosen = sys.argv[1], sys.argv[2:]
     unknown = [name for name in chosen if name not in CASES]
-    if unknown or not chosen:
-        raise SystemExit(f"cases must be among {', '.join(CASES)}, got {chosen}")
+    if kind not in ("torch", "mpi") or unknown or not chosen:
+        raise SystemExit(f"usage: budget.py torch|mpi CASE [CASE ...], cases among {list(CASES)}")
     torch.set_num_threads(1)
-    with TorchDistTransport(timeout_s=120) as torch_transport:
+    transport: Any
+    if kind == "mpi":
+        from ppswap.transports.mpi import MPITransport
+
+        transport = MPITransport()
+    else:
+        transport = TorchDistTransport(timeout_s=120)
+    with transport:
         try:
-            failed = anyio.run(main, torch_transport, chosen)
+            failed = anyio.run(main, transport, chosen)
         except BaseException:
-            print(f"rank {torch_transport.rank} FAILED", file=sys.stderr, flush=True)
+            print(f"rank {transport.rank} FAILED", file=sys.stderr, flush=True)
             traceback.print_exc()
-            torch_transport.abort(1)
+            transport.abort(1)
     if failed:
-        say(f"rank {torch_transport.rank}: {failed} of {len(chosen)} cases failed")
+        say(f"rank {transport.rank}: {failed} of {len(chosen)} cases failed")
         sys.exit(1)
