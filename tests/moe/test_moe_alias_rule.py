@@ -7,11 +7,12 @@ entry, shares memory with an exchange's buffers, in flight or after.
 Checked on a real run (torch, pp2 x dp2 x ep2, every rank in this process, swap on):
 the transport keeps every array an all-to-all sends or delivers alive for the run (so
 no address is reused) and records which are in flight; the copy engine checks each
-offload's source bytes against all of them. A peer held back at its forwards keeps
-exchanges in flight while the copy thread offloads earlier chunks, so the check meets
-offloads made during exchanges. The negative control hands the engine a saved tensor
-that *is* an exchange's buffer (a block that would compute on the delivered rows in
-place), and the check catches it.
+offload's source bytes against all of them, and each exchange posted during an offload
+against the bytes being copied. A peer held back at its forwards keeps exchanges in
+flight, and the copy engine's bandwidth floor keeps offloads going, so the check meets
+offloads made during exchanges and exchanges posted during offloads. The negative
+control hands the engine a saved tensor that *is* an exchange's buffer (a block that
+would compute on the delivered rows in place), and the check catches it.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ class BufferLedger:
         self.kept: list[np.ndarray] = []
         self.spans: list[Span] = []
         self.in_flight: dict[int, list[Span]] = {}
+        self.copying: dict[int, list[Span]] = {}
         self.exchanges = 0
         self.offloads = 0
-        self.offloads_in_flight = 0
+        self.overlapped = 0  # an exchange and an offload were in progress together
         self.violations: list[str] = []
 
     def posted(self, call: int, arrays: Sequence[np.ndarray]) -> None:
@@ -67,6 +69,12 @@ class BufferLedger:
             spans = [_span(a) for a in arrays]
             self.spans.extend(spans)
             self.in_flight[call] = spans
+            copying = [span for spans in self.copying.values() for span in spans]
+            if copying:
+                self.overlapped += 1
+            for mine in spans:
+                if any(_overlaps(mine, span) for span in copying):
+                    self.violations.append(f"exchange of {mine} while it is offloaded")
 
     def delivered(self, call: int, arrays: Sequence[np.ndarray]) -> None:
         with self.lock:
@@ -74,17 +82,22 @@ class BufferLedger:
             self.kept.extend(arrays)
             self.spans.extend(_span(a) for a in arrays)
 
-    def offloading(self, sources: Sequence[np.ndarray]) -> None:
+    def offloading(self, copy: int, sources: Sequence[np.ndarray]) -> None:
         with self.lock:
             self.offloads += len(sources)
             flying = [span for spans in self.in_flight.values() for span in spans]
             if flying:
-                self.offloads_in_flight += len(sources)
-            for source in sources:
-                mine = _span(source)
+                self.overlapped += 1
+            spans = [_span(source) for source in sources]
+            self.copying[copy] = spans
+            for mine in spans:
                 if any(_overlaps(mine, span) for span in self.spans):
                     in_flight = any(_overlaps(mine, span) for span in flying)
                     self.violations.append(f"offload of {mine} (in flight: {in_flight})")
+
+    def offloaded(self, copy: int) -> None:
+        with self.lock:
+            self.copying.pop(copy, None)
 
 
 class LedgerTransport(InProcessTransport):
@@ -107,21 +120,27 @@ class LedgerTransport(InProcessTransport):
 
 
 class LedgerEngine(EmulatedDevice):
-    """The CPU copy engine, checking each offload's sources against ``ledger``."""
+    """The CPU copy engine, checking each offload's sources against ``ledger`` (and the
+    exchanges posted while it copies them), with a bandwidth floor that makes each
+    offload last a while."""
 
-    def __init__(self, ledger: BufferLedger) -> None:
-        super().__init__()
+    def __init__(self, ledger: BufferLedger, d2h_gbps: float | None = None) -> None:
+        super().__init__(d2h_gbps=d2h_gbps)
         self.ledger = ledger
 
     def d2h_many(self, sources: Sequence[Any], into: Any = None) -> list[Any]:
-        self.ledger.offloading(sources)
-        return super().d2h_many(sources, into)
+        copy = id(sources)
+        self.ledger.offloading(copy, sources)
+        try:
+            return super().d2h_many(sources, into)
+        finally:
+            self.ledger.offloaded(copy)
 
 
 @pytest.mark.asyncio
 async def test_no_offload_touches_a_buffer_an_all_to_all_owns() -> None:
     mesh = DeviceMesh(pp=2, dp=2, ep=2)
-    micro = 4
+    micro = 8
     stages = ep_stages(2, mesh, 2)
     ledger = BufferLedger()
     # Rank 2 (rank 0's EP peer) is late at each forward: rank 0's exchanges stay in
@@ -139,13 +158,13 @@ async def test_no_offload_touches_a_buffer_an_all_to_all_owns() -> None:
         loss_fn=mse_loss,
         swap=True,
         transport=LedgerTransport(ledger),
-        device=LedgerEngine(ledger),
+        device=LedgerEngine(ledger, d2h_gbps=1e-3),  # a chunk's KBs: milliseconds
         faults=plan,
         step_timeout=60.0,
     )
     assert sum(r.offloaded_bytes for r in result.ranks) > 0
     assert ledger.exchanges >= 2 * 2 * micro * 5  # per rank and chunk: 3 forward, 2 backward
-    assert ledger.offloads_in_flight > 0, (ledger.offloads, ledger.offloads_in_flight)
+    assert ledger.overlapped > 0, (ledger.offloads, ledger.overlapped)
     assert ledger.violations == []
 
 
@@ -158,6 +177,7 @@ def test_the_check_catches_an_offload_of_an_exchange_buffer() -> None:
     ledger.posted(1, sent)
     engine = LedgerEngine(ledger)
     engine.d2h_many([sent[0].view(np.uint8)[8:24]])
+    assert ledger.overlapped == 1
     delivered = [np.ones(6, dtype=np.float32)]
     ledger.delivered(1, delivered)
     saved = torch.from_numpy(delivered[0])  # the rows, not a copy of them
