@@ -33,6 +33,7 @@ TESTS = Path(__file__).resolve().parent
 # that need no tensor framework.
 TORCH_LANE = (
     "across_processes",
+    "both_backends",
     "torch_backend",
     "torch_dist",
     "scheduler",

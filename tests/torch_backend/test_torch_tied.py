@@ -1,13 +1,11 @@
 """Tied parameters on torch, in one process (``ppswap/planning/ties.py``): a GPT-2 style
-model whose head multiplies by the input embedding's weight (``tied_model.py``).
+model whose head multiplies by the input embedding's weight (``tests/tied_model.py``; the
+schedules, the dx/dw split and overlap on both backends:
+``tests/both_backends/test_tied_in_one_process.py``).
 
-Held as one object by the first and the last stage (found by identity) or as two copies
-declared ``tied`` (the same key on both): the loss and every gradient equal the unsplit
-model's, both holders' ``stage.grads`` entries are the whole gradient, bit for bit the
-same, and ``.grad`` gets it once. Swap on is bit-identical to swap off; the schedules
-(GPipe, 1F1B, Interleaved, ZBV, where both holders are virtual stages of one rank), the
-dx/dw split, overlap and FSDP (shards summed shard-wise) all sum alike. Bad declarations
-are refused before the run, naming the stages.
+With FSDP the shards are summed shard-wise; bad declarations are refused before the run,
+naming the stages; the sum is a step of the holder ranks, which a fault plan can fail,
+cancel or stall.
 """
 
 from __future__ import annotations
@@ -25,14 +23,6 @@ from ppswap.core.faults import FaultPlan, call_at, delay_compute, fail_compute
 from ppswap.fsdp import DeviceMesh, fully_shard
 from ppswap.fsdp.shard import full_gradients
 from ppswap.scheduler.steps import StepKind
-
-CASES = {
-    "gpipe-pp4": ("gpipe", 4, 4, {}),
-    "1f1b-pp2-split-dw": ("1f1b", 2, 2, {"split_dw": True}),
-    "interleaved-pp2": ("interleaved_1f1b", 2, 4, {}),
-    "interleaved-pp2-overlap": ("interleaved_1f1b", 2, 4, {"overlap_b_f": True}),
-    "zbv-pp2": ("zbv", 2, 4, {}),
-}
 
 
 def stages_of(stage_num: int, *, shared: bool, declare: bool) -> list[PipelineStage]:
@@ -65,40 +55,6 @@ async def train(
 
 def tied_index(stage: PipelineStage, weight: torch.Tensor) -> int:
     return next(i for i, p in enumerate(stage.parameters) if p is weight)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("how", ["shared", "declared"])
-async def test_a_tied_model_equals_the_unsplit_one(case: str, how: str) -> None:
-    schedule, pp, stage_num, options = CASES[case]
-    want_loss, want = unsplit(stage_num)
-    runs = []
-    for swap in (False, True):
-        stages = stages_of(stage_num, shared=how == "shared", declare=how == "declared")
-        loss = await train(stages, schedule, pp, swap, **options)
-        assert loss == pytest.approx(want_loss, rel=1e-6)
-        first, last = stages[0], stages[-1]
-        k_first = tied_index(first, first.module.wte.weight)
-        k_last = tied_index(last, last.module.head.weight)
-        # the whole gradient on both holders, the same bits
-        assert torch.equal(first.grads[k_first], last.grads[k_last])
-        torch.testing.assert_close(first.grads[k_first], want[0][0], rtol=1e-5, atol=1e-7)
-        for stage, reference in zip(stages, want, strict=True):
-            grads = [g for i, g in enumerate(stage.grads) if stage is not last or i != k_last]
-            reference = reference if stage is not last else reference[:-1]  # head: wte's
-            for grad, expected in zip(grads, reference, strict=True):
-                torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7)
-        # .grad: the sum once (not twice where the object is one)
-        for param, grad in zip(first.parameters, first.grads, strict=True):
-            assert param.grad is not None and torch.equal(param.grad, grad)
-        head = last.module.head.weight
-        assert head.grad is not None and torch.equal(head.grad, first.grads[k_first])
-        if how == "declared":  # two copies: each its own tensor
-            assert head.grad is not first.module.wte.weight.grad
-        runs.append([[g.clone() for g in s.grads] for s in stages])
-    for off, on in zip(*runs, strict=True):  # swap on bit-identical to swap off
-        assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
 
 
 @pytest.mark.asyncio

@@ -2,7 +2,7 @@
 ``mpiexec -n 2 python run_tied.py``.
 
 Stage 0 projects by ``wte`` and the last stage's head multiplies by a copy of it, both
-declared ``tied`` under one key (``tests/runtime/tied_cells.py``), on different ranks.
+declared ``tied`` under one key (``tests/tied_cells.py``), on different ranks.
 For each case of ``CASES`` (1F1B, Interleaved, 1F1B with the dx/dw split, Interleaved
 with overlap_b_f), swap off and on, each rank checks its loss and its stages' gradients
 against the unsplit model (rtol 1e-5) and prints ``rank R CASE-swap-on|off tied SHA``
@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: tied_cells
 from tied_cells import cells, data, declared, digest, tied_index, unsplit
 
 from ppswap import PipelineStage, run_schedule

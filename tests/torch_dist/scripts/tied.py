@@ -2,7 +2,7 @@
 MPITransport (``mpiexec``): ``python tied.py torch|mpi``.
 
 Stage 0 holds the embedding ``wte.weight`` and the last stage a copy of it as its head,
-both declared ``tied`` under one key (``tests/torch_backend/tied_model.py``), on
+both declared ``tied`` under one key (``tests/tied_model.py``), on
 different ranks. For 1F1B (a stage per rank) and Interleaved (two per rank), swap off and
 on, and with swap on 1F1B with the dx/dw split and Interleaved with overlap_b_f, each
 rank checks its loss and its stages' gradients against the unsplit model (rtol 1e-5)
@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch_backend"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: tied_model
 from tied_model import TIED, lm_loss, tied_modules, tokens, unsplit
 
 from ppswap import PipelineStage, run_schedule

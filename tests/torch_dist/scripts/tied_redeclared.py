@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch_backend"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: tied_model
 from tied_model import TIED, lm_loss, tied_modules, tokens, unsplit
 
 from ppswap import PipelineStage, run_schedule
