@@ -109,8 +109,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "budget",
         "bench_budget.py",
         "Memory budget: keep, swap or recompute per chunk",
-        "memory_budget on the torch peer model and the MindSpore demo MLP (pp2, every block "
-        "wrapped by recompute_wrapper and swap_wrapper), GPipe, 1F1B, Interleaved, 1F1B + "
+        "memory_budget on the demo LM (MindSpore and torch) and the torch peer model (pp2, "
+        "every block wrapped by recompute_wrapper and swap_wrapper, one process per workload, "
+        "one intra-op thread; policies interleaved, medians), GPipe, 1F1B, Interleaved, 1F1B + "
         "overlap, copies throttled fast (a tenth of a forward per chunk) and slow (two "
         "forwards); budgets of 75% and 50% of the keep-everything peak and "
         "recompute-everything's peak: violations, peak cut, share of chunks moved or "
