@@ -26,7 +26,9 @@ $(STAMP): pyproject.toml
 TORCH_VENV := .venv-torch
 TORCH_PIN := 2.13.0
 TORCH_STAMP := $(TORCH_VENV)/.installed
-$(TORCH_STAMP): pyproject.toml
+# After .venv's: both editable installs write ppswap.egg-info in the checkout, so under
+# make -j they must not run at once.
+$(TORCH_STAMP): pyproject.toml | $(STAMP)
 	$(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install --quiet --upgrade pip
 	PYTHONWARNINGS='ignore:Editable installation' $(TORCH_VENV)/bin/pip install --quiet \
@@ -36,13 +38,14 @@ $(TORCH_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/ppswap demo
 
-# Two jobs at a time (CI has 2 cores): the two environments are set up side by side, then
-# the lint, the type check and the two lanes share the cores; each job's output is printed
+# Two jobs at a time (CI has 2 cores): .venv-torch is set up while the lint, the type check
+# and the main lane run, then the two lanes share the cores; each job's output is printed
 # whole when it ends.
 check:
 	@$(MAKE) --no-print-directory --jobs=2 --output-sync=target check-jobs
 
-check-jobs: lint typecheck test-main test-torch
+# In this order, so that .venv-torch's set-up starts as soon as .venv is there.
+check-jobs: test-torch lint typecheck test-main
 
 lint: $(STAMP)
 	$(BIN)/ruff check ppswap tests benchmarks examples
