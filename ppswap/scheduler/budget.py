@@ -33,8 +33,16 @@ Selection, per rank (a rank's memory depends on its own order only):
    rank is stuck: the budget is impossible, and the least peak the greedy went through is
    the least budget it can meet (``BudgetError``, a ValueError naming ``memory_budget``).
 2. Local improvement: every chosen chunk, costliest first, goes back to keep where the
-   peak stays within the budget; then a recomputed chunk whose swap is cheaper is swapped
-   instead where the peak stays within the budget.
+   peak stays within the budget; then a chosen chunk whose other option (swap for a
+   recompute, recompute for a swap) is cheaper takes it where the peak stays within the
+   budget.
+3. Whole-step check: the per-chunk seconds above ignore the copy stream's queue (slow
+   copies back to back wait for each other) and what a stall costs the other ranks, so
+   the plan is compared by ``simulate_run`` with its chosen chunks all recomputed, all
+   swapped (where each fits), every chunk recomputed, every chunk swapped, and every
+   chunk kept, the same candidate on every rank where it fits that rank's budget (else
+   the rank's plan): the least predicted step wins. The simple policies are among the
+   candidates, so where one fits, the plan's predicted step is at most its.
 
 The chosen policies become orders through ``recompute_plan.orders_for_policies``, checked
 by ``validate_all``; the step is predicted by ``cost_model.simulate_run`` (RECOMPUTE takes
@@ -48,7 +56,7 @@ Nothing here imports a framework or anyio; every function is pure.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ppswap.scheduler.analysis import compute_slots
@@ -300,17 +308,36 @@ def _improve(models: Sequence[_ChunkModel], state: _RankState, budget: int) -> N
             state.apply(option.delta, -1)
             del state.chosen[chunk]
     for chunk, option in sorted(state.chosen.items()):
-        if option.policy != "recompute":
-            continue
-        swap = next((o for o in by_chunk[chunk].options if o.policy == "swap"), None)
-        if swap is None or swap.seconds >= option.seconds:
+        other = next((o for o in by_chunk[chunk].options if o.policy != option.policy), None)
+        if other is None or other.seconds >= option.seconds:
             continue
         state.apply(option.delta, -1)
-        if state.fits_with(swap.delta, 1, budget):
-            state.apply(swap.delta, 1)
-            state.chosen[chunk] = swap
+        if state.fits_with(other.delta, 1, budget):
+            state.apply(other.delta, 1)
+            state.chosen[chunk] = other
         else:
             state.apply(option.delta, 1)
+
+
+def _alternatives(
+    models: Sequence[_ChunkModel], values: Sequence[int], state: _RankState, budget: int
+) -> dict[str, _RankState]:
+    """Step 3's candidates for one rank (module docstring), each within ``budget``: the
+    chunks ``state`` chose, all recomputed or all swapped where they can be; every chunk
+    recomputed or swapped where it can be; every chunk kept."""
+    by_chunk = {model.chunk: model for model in models}
+    found: dict[str, _RankState] = {}
+    for prefer in ("recompute", "swap"):
+        chosen = _RankState(values)
+        for chunk, option in state.chosen.items():
+            options = sorted(by_chunk[chunk].options, key=lambda o: o.policy != prefer)
+            picked = options[0] if options[0].policy == prefer else option
+            chosen.chosen[chunk] = picked
+            chosen.apply(picked.delta, 1)
+        found[f"chosen as {prefer}"] = chosen
+        found[f"every {prefer}"] = _uniform(models, values, prefer)
+    found["keep"] = _RankState(values)
+    return {name: alt for name, alt in found.items() if alt.peak() <= budget}
 
 
 def _check_inputs(config: object, cost: object) -> tuple[ScheduleConfig, CostModel]:
@@ -339,37 +366,67 @@ def plan_memory_budget(
     budgets = _check_budgets(config, budgets)
     sizes = _stage_bytes(cost, config)
     plain = build_all_orders(replace(config, swap=False))
-    ranks: list[RankBudgetPlan] = []
+    planned: list[tuple[list[_ChunkModel], _RankState, dict[str, _RankState], int, int]] = []
     short: list[str] = []
     for rank, order in enumerate(plain):
         models, values = _chunk_models(config, rank, order, cost, sizes, recompute_stages)
-        keep_peak = max(values, default=0)
         state, least = _plan_rank(models, values, budgets[rank])
         if state is None:
             short.append(f"rank {rank} needs at least {least} bytes (budget {budgets[rank]})")
             continue
-        policies = tuple(
-            (
-                model.chunk,
-                state.chosen[model.chunk].policy if model.chunk in state.chosen else "keep",
-            )
-            for model in sorted(models, key=lambda m: m.chunk)
-        )
-        ranks.append(RankBudgetPlan(rank, budgets[rank], policies, state.peak(), keep_peak, least))
+        alternatives = _alternatives(models, values, state, budgets[rank])
+        planned.append((models, state, alternatives, max(values, default=0), least))
     if short:
         raise BudgetError(
             f"memory_budget is below what keep/swap/recompute can reach: {'; '.join(short)}"
         )
-    policies_all: Mapping[Chunk, ChunkPolicy] = {
-        chunk: policy for rank_plan in ranks for chunk, policy in rank_plan.policies
-    }
-    orders = orders_for_policies(config, {c: p for c, p in policies_all.items() if p != "keep"})
+    # Step 3: the candidate of least predicted step; each rank takes the candidate's
+    # state where it has one within its budget, else its own plan's.
+    names = ["plan", *dict.fromkeys(n for *_, alts, _, _ in planned for n in alts)]
+    best: tuple[float, tuple[Order, ...], list[_RankState]] | None = None
+    seen: set[frozenset[tuple[Chunk, ChunkPolicy]]] = set()
+    for name in names:
+        states = [alts.get(name, state) for _, state, alts, _, _ in planned]
+        policies = {
+            chunk: option.policy for state in states for chunk, option in state.chosen.items()
+        }
+        if frozenset(policies.items()) in seen:
+            continue
+        seen.add(frozenset(policies.items()))
+        orders = orders_for_policies(config, policies)
+        step_s = simulate_run(config, orders, cost).step_s
+        if best is None or step_s < best[0]:
+            best = (step_s, orders, states)
+    assert best is not None
+    step_s, orders, states = best
     validate_all(config, orders)
+    ranks = [
+        RankBudgetPlan(
+            rank,
+            budgets[rank],
+            _policies_of(models, state),
+            state.peak(),
+            keep_peak,
+            least,
+        )
+        for rank, ((models, _, _, keep_peak, least), state) in enumerate(
+            zip(planned, states, strict=True)
+        )
+    ]
     return BudgetPlan(
         ranks=tuple(ranks),
         orders=orders,
-        step_s=simulate_run(config, orders, cost).step_s,
+        step_s=step_s,
         keep_step_s=simulate_run(config, plain, cost).step_s,
+    )
+
+
+def _policies_of(
+    models: Sequence[_ChunkModel], state: _RankState
+) -> tuple[tuple[Chunk, ChunkPolicy], ...]:
+    return tuple(
+        (model.chunk, state.chosen[model.chunk].policy if model.chunk in state.chosen else "keep")
+        for model in sorted(models, key=lambda m: m.chunk)
     )
 
 
