@@ -365,22 +365,27 @@ def eligible_chunks(order: Order) -> frozenset[tuple[int, int]]:
     return frozenset(step.chunk for step in order if step.kind is SWAP_LAUNCH_OFFLOAD)
 
 
-def chunks_on_host_peak(order: Order) -> int:
-    """The most chunks of one rank whose host copies exist at once, from its final order.
+def chunks_on_host_peak(order: Order, *, split_directions: bool = True) -> int:
+    """The most chunks of one rank whose host copies exist at once, from its final order,
+    whatever the timing. Times the bytes of a chunk, this sizes the rank's host memory.
 
     A chunk's host buffers are taken by its offload copy and given back when its load copy
-    ends. The runtime runs a rank's copies one at a time in launch order (one FIFO copy
-    stream), so when a chunk's offload runs, every load launched before it has ended: the
-    chunks on host then are those offloaded and not yet loaded in launch order, whatever
-    the timing. Times the bytes of a chunk, this sizes the rank's host memory.
+    ends. A rank's offloads run one at a time in launch order, so when a chunk's offload
+    runs, no offload launched after it has run. With a copy thread per direction (the
+    runtime's ``CopyStream``, ``split_directions=True``) a load launched before it may
+    still be running; it has ended once the compute thread passed its SWAP_WAIT_LOAD: the
+    chunks on host are those offloaded and not yet waited for. With one thread for both
+    (``split_directions=False``) every load launched before it has ended: the chunks on
+    host are those offloaded and not yet loaded in launch order.
     """
     check_order(order)
+    given_back = SWAP_WAIT_LOAD if split_directions else SWAP_LAUNCH_LOAD
     on_host = peak = 0
     for step in iter_leaves(order):
         if step.kind is SWAP_LAUNCH_OFFLOAD:
             on_host += 1
             peak = max(peak, on_host)
-        elif step.kind is SWAP_LAUNCH_LOAD:
+        elif step.kind is given_back:
             on_host -= 1
     return peak
 

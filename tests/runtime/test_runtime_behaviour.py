@@ -18,7 +18,12 @@ import pytest
 from stage_runs import stage_runs_holding_chunks
 from structlog.testing import capture_logs
 
-from ppswap import PipelineStage, Schedule1F1B, ScheduleGPipe, run_schedule
+from ppswap import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    run_schedule,
+)
 from ppswap.actors.compute import JOB_KINDS
 from ppswap.core.faults import FaultPlan, delay_message
 from ppswap.demo.model import build_mlp_stages, mse_loss
@@ -98,11 +103,18 @@ async def test_ten_runs_in_a_row_leave_nothing_behind() -> None:
     task left behind. The host pool, shared by the ranks and kept across runs, holds at
     most what the plan's worst case needs at once and is reused, never regrown: how many
     buffers the ranks need *at the same time* depends on how their copies overlap (timing),
-    so the bound is computed from the plan, per rank, not taken from the first run."""
-    stages = _stages(2)
+    so the bound is computed from the plan, per rank, not taken from the first run.
+    Interleaved pp2 vpp2: a rank waits for a chunk's load before its last offloads, so the
+    bound is below one buffer per copy even with loads on a thread of their own (under
+    GPipe every chunk of a run may be on host at once)."""
+    stages = _stages(4)
     device = _RankPoolDevice()
-    schedule = ScheduleGPipe(stages, micro_batch_num=4, loss_fn=mse_loss, swap=True, device=device)
-    orders = build_all_orders(ScheduleConfig(schedule="gpipe", pp=2, micro=4, swap=True))
+    schedule = ScheduleInterleaved1F1B(
+        stages, micro_batch_num=4, loss_fn=mse_loss, swap=True, device=device, pp=2
+    )
+    orders = build_all_orders(
+        ScheduleConfig(schedule="interleaved_1f1b", pp=2, vpp=2, micro=4, swap=True)
+    )
     offloads = [sum(s.kind is StepKind.SWAP_LAUNCH_OFFLOAD for s in o) for o in orders]
     x, y = _data()
     tasks_before = _other_tasks()
@@ -133,7 +145,7 @@ async def test_ten_runs_in_a_row_leave_nothing_behind() -> None:
         taken = [device.taken[r] - taken_before.get(r, 0) for r in range(len(orders))]
         if not per_run:
             per_run = taken
-            # Every chunk of a rank is one stage on equal micro-batches: same buffers each.
+            # Every chunk of a rank is one equal stage on equal micro-batches: same buffers.
             assert all(t > 0 and t % n == 0 for t, n in zip(taken, offloads, strict=True))
             per_chunk = [t // n for t, n in zip(taken, offloads, strict=True)]
             bound = [chunks_on_host_peak(o) * k for o, k in zip(orders, per_chunk, strict=True)]

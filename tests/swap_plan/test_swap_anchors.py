@@ -318,10 +318,15 @@ def test_stage_zero_keeps_unified_bwd_as_consumer() -> None:
 
 
 def test_chunks_on_host_peak_counts_offloads_not_yet_loaded_in_launch_order() -> None:
-    # LO0 LO1 LO2 (3 on host) LL0 LO3 (3 again) LL1 LL2 LL3
-    assert chunks_on_host_peak(inject_swap_steps(GPIPE_PLAIN, PP2, 0)) == 3
-    assert chunks_on_host_peak(GPIPE_PLAIN) == 0
+    # One copy thread: LO0 LO1 LO2 (3 on host) LL0 LO3 (3 again) LL1 LL2 LL3
+    one_thread = {"split_directions": False}
+    assert chunks_on_host_peak(inject_swap_steps(GPIPE_PLAIN, PP2, 0), **one_thread) == 3
+    assert chunks_on_host_peak(GPIPE_PLAIN, **one_thread) == 0
     # chunks 0 and 2 only: LO2 is launched before LL0, so both are on host at once
     two = inject_swap_steps(GPIPE_PLAIN, PP2, 0, chunks={(0, 0), (0, 2)})
+    assert chunks_on_host_peak(two, **one_thread) == 2
+    one = inject_swap_steps(GPIPE_PLAIN, PP2, 0, chunks={(0, 1)})
+    assert chunks_on_host_peak(one, **one_thread) == 1
+    # A thread per direction: LL0 may still run when LO3 does; WL0 comes after it (4)
+    assert chunks_on_host_peak(inject_swap_steps(GPIPE_PLAIN, PP2, 0)) == 4
     assert chunks_on_host_peak(two) == 2
-    assert chunks_on_host_peak(inject_swap_steps(GPIPE_PLAIN, PP2, 0, chunks={(0, 1)})) == 1
