@@ -4,7 +4,7 @@ Both need ``vpp == 2`` and place the stages in a V (``families.v_rank_of``): ran
 holds ``first = r`` (the down leg) and ``second = 2 * pp - 1 - r`` (the way back up). Both
 give the same order, action for action, as torch.distributed.pipelining's
 ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``
-(``tests/torch_backend/test_torch_new_schedules.py`` compares them). Micro-batches count
+(``tests/torch_backend/test_torch_new_orders.py`` compares them). Micro-batches count
 up per stage and kind. ``m`` micro-batches, rank ``r``; ``F1`` is a forward of
 ``second``, ``I0`` a BWD_INPUT of ``first``, and so on.
 

@@ -3,7 +3,7 @@
 Both place stage ``s`` on rank ``s % pp`` (rank ``r`` holds stages ``r + c * pp`` for its
 chunks ``c = 0 .. vpp - 1``) and give the same order, action for action, as
 torch.distributed.pipelining's ``ScheduleLoopedBFS`` and ``ScheduleInterleavedZeroBubble``
-(``tests/torch_backend/test_torch_new_schedules.py`` compares them). ``m`` is the number of
+(``tests/torch_backend/test_torch_new_orders.py`` compares them). ``m`` is the number of
 micro-batches, ``r`` the rank.
 
 Looped BFS (breadth first, arXiv 2211.05953)

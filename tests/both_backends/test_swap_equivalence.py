@@ -1,17 +1,23 @@
 """Swap on is bit-identical to swap off, and both equal one unsplit model, on both
 backends: every schedule family (GPipe, 1F1B, Interleaved 1F1B at pp=2 vpp=2 and pp=4
-vpp=2) with and without the dx/dw split and real overlap, in every P2P mode, in process,
-CPU, float32, on swap-wrapped stages (torch: an attention block, which saves transposed
+vpp=2) with and without the dx/dw split and real overlap, in every P2P mode, and Looped
+BFS, Interleaved Zero Bubble, ZBV and DualPipeV (the V schedules place stage ``s`` on
+rank ``s`` and ``2 * pp - 1 - s``: rank 0 runs the first and the last stage, and the last
+rank hands its first-leg output to itself at the V's turn), in process, CPU, float32, on
+swap-wrapped stages (torch: an attention block, which saves transposed
 views at storage offsets, and an MLP block, ``tests/torch_backend/torch_support.py``;
 MindSpore: the demo's MLP, ``ppswap.demo.model``). Per rank, swap must have moved bytes
 exactly where the plan swaps, loaded them all back and lowered the measured peak where the
 plan predicts a cut (the torch twin's FSDP and repeated-run cases:
-``tests/torch_backend/test_torch_equivalence.py``).
+``tests/torch_backend/test_torch_equivalence.py``, ``test_torch_new_schedules.py``). A
+family's orders given as torch's CSV run as the family; a configuration a family cannot
+serve and a bad given order are refused before anything runs.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -28,8 +34,10 @@ from ppswap import PipelineStage, RunResult, run_schedule
 from ppswap.backends.torch.backend import TorchBackend
 from ppswap.scheduler.config import SavedUntil, ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
+from ppswap.scheduler.schedules import compute_order
 from ppswap.scheduler.simulate import memory_table
 from ppswap.scheduler.swap_plan import eligible_chunks
+from ppswap.scheduler.user_orders import write_csv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_backend"))
 import torch_support
@@ -86,6 +94,18 @@ CASES = [
     # ... and Interleaved at pp=4, the slowest, in two.
     INTERLEAVED_PP4,
     replace(INTERLEAVED_PP4, overlap_b_f=True, p2p="batch"),
+    # The zero-bubble, V and looped families, each P2P mode at least once.
+    Case("looped_bfs", pp=2, stage_num=4, micro=4),
+    Case("interleaved_zb", pp=2, stage_num=4, micro=4),
+    Case("interleaved_zb", pp=2, stage_num=4, micro=4, p2p="batch"),
+    Case("zbv", pp=2, stage_num=4, micro=4),
+    Case("zbv", pp=2, stage_num=4, micro=2, p2p="boundary"),  # micro < 2 * pp - 1
+    Case("zbv", pp=4, stage_num=8, micro=8, p2p="batch"),
+    Case("dualpipev", pp=2, stage_num=4, micro=4),
+    Case("dualpipev", pp=2, stage_num=4, micro=4, p2p="boundary"),
+    Case("dualpipev", pp=3, stage_num=6, micro=8, p2p="batch"),
+    Case("dualpipev", pp=4, stage_num=8, micro=8),
+    Case("dualpipev", pp=4, stage_num=8, micro=8, p2p="boundary"),
 ]
 
 
@@ -250,3 +270,98 @@ async def test_gpipe_with_overlap_is_refused_before_running(backend: str) -> Non
             overlap_b_f=True,
         )
     assert all(s.generation == 0 for s in stages)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("schedule", "pp", "stage_num", "micro", "message"),
+    [
+        ("zbv", 2, 6, 4, "vpp must be 2 for zbv (a V: two stages per rank), got 3"),
+        ("dualpipev", 4, 4, 8, "vpp must be 2 for dualpipev (a V: two stages per rank), got 1"),
+        (
+            "dualpipev",
+            4,
+            8,
+            4,
+            "micro must be >= 2 * pp = 8 for dualpipev (at least one micro-batch per stage), got 4",
+        ),
+        (
+            "interleaved_zb",
+            2,
+            4,
+            5,
+            "micro must be a multiple of its rounds max(1, micro // pp) = 2 for "
+            "interleaved_zb with pp=2, got 5",
+        ),
+    ],
+)
+async def test_a_configuration_the_family_cannot_serve_is_refused(
+    backend: str, schedule: str, pp: int, stage_num: int, micro: int, message: str
+) -> None:
+    runs = runs_of(backend)
+    stages = runs.stages(stage_num)
+    x, y = runs.data()
+    # refused by the schedule's rules, before the data (8 rows, not divisible by 5) is read
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        await run_schedule(
+            stages,
+            schedule,
+            micro_batch_num=micro,
+            inputs=x,
+            targets=y,
+            loss_fn=runs.loss_fn,
+            pp=pp,
+        )
+    assert all(s.generation == 0 for s in stages)
+    assert stage_runs_holding_chunks() == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("schedule", "pp", "stage_num", "micro"), [("zbv", 2, 4, 4), ("dualpipev", 2, 4, 4)]
+)
+async def test_a_given_order_runs_as_the_family_it_spells(
+    backend: str, schedule: str, pp: int, stage_num: int, micro: int, tmp_path: Path
+) -> None:
+    """The family's orders written as torch's CSV and given as ``order=``: with swap, the
+    same losses and gradients bit for bit as the family run by name (pp from the rows)."""
+    runs = runs_of(backend)
+    config = ScheduleConfig(schedule=schedule, pp=pp, vpp=stage_num // pp, micro=micro)
+    path = tmp_path / "order.csv"
+    write_csv([compute_order(config, rank) for rank in range(pp)], path)
+    x, y = runs.data()
+    grads = []
+    losses = []
+    for spec in ({"schedule": schedule, "pp": pp}, {"order": path}):
+        stages = runs.stages(stage_num)
+        result = await run_schedule(
+            stages,
+            micro_batch_num=micro,
+            inputs=x,
+            targets=y,
+            loss_fn=runs.loss_fn,
+            swap=True,
+            step_timeout=60,
+            **spec,
+        )
+        assert sum(r.offloaded_bytes for r in result.ranks) > 0
+        losses.append(result.losses)
+        grads.append(runs.grads(stages))
+    assert losses[0] == losses[1]
+    for stage_a, stage_b in zip(*grads, strict=True):
+        for g0, g1 in zip(stage_a, stage_b, strict=True):
+            np.testing.assert_array_equal(g0, g1)
+
+
+@pytest.mark.asyncio
+async def test_a_bad_given_order_is_refused_before_running(backend: str) -> None:
+    runs = runs_of(backend)
+    stages = runs.stages(2)
+    x, y = runs.data()
+    rows = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1", "1B1"]]
+    with pytest.raises(ValueError, match=r"^order rank 1 position 4 \(1B1\): repeated"):
+        await run_schedule(
+            stages, micro_batch_num=2, inputs=x, targets=y, loss_fn=runs.loss_fn, order=rows
+        )
+    assert all(s.generation == 0 for s in stages)
+    assert stage_runs_holding_chunks() == 0
