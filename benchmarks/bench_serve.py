@@ -12,13 +12,13 @@ or send back to back (each client's next request as soon as its answer came: alw
 ``clients`` requests in flight). Every request's response time is measured on the
 client (``time.perf_counter`` around the request); the table gives their percentiles,
 the failures (a status other than 200 or a transport error), and whether the loaded
-run's losses equal the quiet run's bit for bit. A control row runs the same polling load
-for ``--idle-s`` seconds against the server with no job training: what the machine
-allows (the client shares the cores with the server) without training. Only loopback
-is used.
+run's losses equal the quiet run's bit for bit. Two control rows run the same polling
+load, and the back-to-back load, for ``--idle-s`` seconds each against the server with
+no job training: what the machine allows (the client shares the cores with the server)
+without training. Only loopback is used.
 
     python benchmarks/bench_serve.py [--clients 100] [--interval-s 1] [--requests 3000]
-                                     [--limit-s 60] [--steps 8] [--quick] [--json out.json]
+                                     [--limit-s 60] [--steps 16] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -253,19 +253,20 @@ async def _bench(args: argparse.Namespace) -> list[LoadResult]:
                             training_s=time.perf_counter() - started,
                         )
                     )
-                times, failures = await _load(
-                    base,
-                    first_id,
-                    args.clients,
-                    args.interval_s,
-                    args.requests,
-                    args.idle_s,
-                    while_running=False,
-                )
-                load = f"each every {args.interval_s:g} s"
-                results.append(
-                    _result("none (control: the server idle)", load, args, times, failures)
-                )
+                for interval_s in (args.interval_s, 0.0):
+                    times, failures = await _load(
+                        base,
+                        first_id,
+                        args.clients,
+                        interval_s,
+                        args.requests,
+                        args.idle_s,
+                        while_running=False,
+                    )
+                    load = f"each every {interval_s:g} s" if interval_s else "back to back"
+                    results.append(
+                        _result("none (control: the server idle)", load, args, times, failures)
+                    )
     return results
 
 
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--requests", type=int, default=3000, help="requests per job at most")
     parser.add_argument("--limit-s", type=float, default=60.0, help="seconds of load per job")
-    parser.add_argument("--steps", type=int, default=8, help="training steps per job")
+    parser.add_argument("--steps", type=int, default=16, help="training steps per job")
     parser.add_argument(
         "--idle-s", type=float, default=8.0, help="seconds of the control load (no job)"
     )
