@@ -5,12 +5,13 @@ check`` runs each test once, in the lane that gives it meaning: ``--lane torch``
 test-torch``) collects only ``TORCH_LANE``'s paths, the torch backend's tests and the
 framework-free ones, in an environment without MindSpore and with NumPy 2, where a test
 marked ``mindspore`` (it runs MindSpore, in process or in a script) is skipped; ``--lane
-main`` (``make test``) runs the rest, and of ``TORCH_LANE``'s tests those the torch lane
-cannot run (marked ``mindspore``, or ``mpi``: that environment has no mpi4py). ``make
-test-fast`` runs ``pytest -m "not slow"`` (the development lane). A test is ``slow`` when
-it is marked so itself or marked ``mpi`` or ``soak``; a suite that launches processes
-(mpiexec, torchrun, the demo, the examples, a fresh interpreter) or searches many
-configurations (hypothesis) says ``pytestmark = pytest.mark.slow`` at its top.
+main`` (``make test-main``) runs the rest, and of ``TORCH_LANE``'s tests those the torch
+lane cannot run (marked ``mindspore``, or ``mpi``: that environment has no mpi4py). ``make
+test`` runs every test in ``.venv``; ``make test-fast`` runs ``pytest -m "not slow"`` (the
+development lane). A test is ``slow`` when it is marked so itself or marked ``mpi`` or
+``soak``; a suite that launches processes (mpiexec, torchrun, the demo, the examples, a
+fresh interpreter) or searches many configurations (hypothesis) says ``pytestmark =
+pytest.mark.slow`` at its top.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 SLOW_MARKERS = ("mpi", "soak")
 
 TESTS = Path(__file__).resolve().parent
-# The torch lane's paths, relative to tests/: the torch backend's tests and the parts
-# that need no tensor framework.
+# The torch lane's paths, relative to tests/: the torch backend's tests, the suites
+# parametrized by backend or launcher (their MindSpore and MPI runs are marked), and the
+# parts that need no tensor framework.
 TORCH_LANE = (
     "across_processes",
     "both_backends",
@@ -52,7 +54,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=LANES,
         default="all",
         help="all: every test; torch: TORCH_LANE's paths only (make test-torch); "
-        "main: every test the torch lane does not run (make test)",
+        "main: every test the torch lane does not run (make test-main)",
     )
 
 
