@@ -372,7 +372,7 @@ async def test_compute_jobs_are_counted_and_timed_per_kind() -> None:
             "backward_weight": leaves[StepKind.BWD_WEIGHT],
             "swap_prepare": launches,
             "swap_finish": launches,
-            "recompute": 0,  # nothing is recompute-wrapped here: test_torch_recompute counts it
+            "recompute": 0,  # nothing is recompute-wrapped here: test_recompute_wrapper counts it
         }
         assert dict(stats.compute_jobs) == expected
         kinds_seen.update(kind for kind, count in expected.items() if count)

@@ -31,8 +31,11 @@ def forward_context() -> object:
 
 def _saving(pack: Callable[[Tensor], None]) -> Callable[[Tensor], Tensor]:
     def hook(tensor: Tensor) -> Tensor:
-        pack(ops.stop_gradient(tensor))
-        return tensor
+        kept: Tensor = ops.stop_gradient(tensor)
+        pack(kept)
+        # Not ``tensor``: a saved output held as is keeps the re-run's graph alive in a
+        # cycle the garbage collector cannot see, with every tensor it saved.
+        return kept
 
     return hook
 

@@ -51,8 +51,12 @@ def forward_context() -> ForwardContext:
 
 def _saving(pack: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(tensor: torch.Tensor) -> torch.Tensor:
-        pack(tensor.detach())
-        return tensor
+        kept = tensor.detach()
+        pack(kept)
+        # Not ``tensor``: a saved output holds its own grad_fn, a cycle through the C++
+        # graph that the garbage collector cannot see; the re-run's graph (and every
+        # tensor it saved) would then outlive the step.
+        return kept
 
     return hook
 
