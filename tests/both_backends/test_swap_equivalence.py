@@ -16,10 +16,8 @@ serve and a bad given order are refused before anything runs.
 
 from __future__ import annotations
 
-import importlib
 import re
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,11 +25,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-import torch
+from backend_runs import BackendRuns, runs_of
 from stage_runs import stage_runs_holding_chunks
 
-from ppswap import PipelineStage, RunResult, run_schedule
-from ppswap.backends.torch.backend import TorchBackend
+from ppswap import RunResult, run_schedule
 from ppswap.scheduler.config import SavedUntil, ScheduleConfig
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.schedules import compute_order
@@ -40,7 +37,6 @@ from ppswap.scheduler.swap_plan import eligible_chunks
 from ppswap.scheduler.user_orders import write_csv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_backend"))
-import torch_support
 
 Array = npt.NDArray[Any]
 RTOL, ATOL = 1e-5, 1e-6
@@ -133,69 +129,7 @@ def predictions(case: Case, saved_until: SavedUntil) -> list[Prediction]:
     ]
 
 
-class TorchRuns:
-    saved_until: SavedUntil = TorchBackend.saved_until
-
-    def stages(self, stage_num: int) -> list[PipelineStage]:
-        return torch_support.build_stages(stage_num)
-
-    def data(self) -> tuple[Array, Array]:
-        return torch_support.make_data()
-
-    loss_fn = staticmethod(torch_support.mse_loss)
-
-    def grads(self, stages: Sequence[PipelineStage]) -> list[list[Array]]:
-        for stage in stages:
-            assert all(g.dtype == torch.float32 for g in stage.grads)
-        return [[g.detach().numpy().copy() for g in stage.grads] for stage in stages]
-
-    def unsplit(self, stages: Sequence[PipelineStage]) -> tuple[float, list[list[Array]]]:
-        x, y = self.data()
-        loss, grads = torch_support.unsplit_loss_and_grads([s.module for s in stages], x, y)
-        return loss, [[g.numpy() for g in row] for row in grads]
-
-
-class MindSporeRuns:
-    saved_until: SavedUntil = "input"
-
-    def __init__(self) -> None:
-        self.model = importlib.import_module("ppswap.demo.model")
-        self.swap_wrapper = importlib.import_module("ppswap.swap").swap_wrapper
-        backend = importlib.import_module("ppswap.backends.mindspore.backend")
-        assert backend.MindSporeBackend.saved_until == self.saved_until
-
-    def stages(self, stage_num: int) -> list[PipelineStage]:
-        modules = self.model.build_mlp_stages(stage_num, dim=8, wrap=self.swap_wrapper)
-        return [PipelineStage(m, i, stage_num) for i, m in enumerate(modules)]
-
-    def data(self) -> tuple[Array, Array]:
-        rng = np.random.default_rng(1)
-        x = rng.standard_normal((8, 8)).astype(np.float32)
-        y = rng.standard_normal((8, 8)).astype(np.float32)
-        return x, y
-
-    @property
-    def loss_fn(self) -> Any:
-        return self.model.mse_loss
-
-    def grads(self, stages: Sequence[PipelineStage]) -> list[list[Array]]:
-        grads = [[g.asnumpy() for g in stage.grads] for stage in stages]
-        assert all(g.dtype == np.float32 for row in grads for g in row)
-        return grads
-
-    def unsplit(self, stages: Sequence[PipelineStage]) -> tuple[float, list[list[Array]]]:
-        x, y = self.data()
-        loss, grads = self.model.unsplit_loss_and_grads(
-            [s.module for s in stages], x, y, self.model.mse_loss
-        )
-        return float(loss), grads
-
-
-def runs_of(backend: str) -> TorchRuns | MindSporeRuns:
-    return TorchRuns() if backend == "torch" else MindSporeRuns()
-
-
-async def run(runs: TorchRuns | MindSporeRuns, case: Case, swap: bool) -> Any:
+async def run(runs: BackendRuns, case: Case, swap: bool) -> Any:
     stages = runs.stages(case.stage_num)
     x, y = runs.data()
     result: RunResult = await run_schedule(
