@@ -198,7 +198,9 @@ def measure_model(
             "loaded_bytes": sum(r.loaded_bytes for r in result.ranks),
             "copy_busy_s": busy,
             "exposed_copy_wait_s": exposed,
-            "hidden_share_runtime": 1 - exposed / busy if busy > 0 else None,
+            # A wait longer than the copies ran is the waiter's wake-up, not copy time
+            # (as hidden_share caps the step-time difference at the copy time).
+            "hidden_share_runtime": 1 - min(exposed, busy) / busy if busy > 0 else None,
             "copy_time_source": "runtime copy_busy_s (no CUDA events on CPU)",
             "copy_s": busy,
             "d2h_s": None,
