@@ -14,9 +14,11 @@ The simulation
     compute thread every rank shares, which serves requests first come, first served
     (ties: lower rank): the in-process runtime. A leaf that needs another rank's result
     starts ``p2p_latency_s`` after it at the earliest; P2P and FSDP steps take no time.
-    SWAP_LAUNCH_* queues a copy of ``copy_s(kind, stage)`` on the rank's FIFO copy stream
-    (it starts when the stream is free and not before the launch); SWAP_WAIT_* blocks the
-    rank until its copy is done: that block is the *exposed* wait, as
+    SWAP_LAUNCH_* queues a copy of ``copy_s(kind, stage)`` on the rank's FIFO stream of its
+    direction, as the runtime's ``CopyStream`` runs offloads and loads on two threads (a
+    load never queues behind an offload; ``split_directions=False``: one FIFO for both);
+    it starts when the stream is free, not before the launch. SWAP_WAIT_* blocks the rank
+    until its copy is done: that block is the *exposed* wait, as
     ``RankStats.exposed_copy_wait_s`` measures it.
     With ``shared_compute`` each swap step also runs a job on the shared thread, as the
     runtime does (``prepare_*`` before the copy starts, ``finish_*`` after the wait): it
@@ -118,6 +120,8 @@ class CostModel:
     is one device per rank. ``swap_step_s``: with ``shared_compute``, the compute-thread
     time of each swap step's own job (preparing a copy, finishing one); 0 still queues the
     job behind the compute already requested, which is what delays a copy's start there.
+    ``split_directions``: offloads and loads run on separate copy streams (the runtime's
+    default, ``CopyStream(split_directions=True)``); False is one stream for both.
 
     Measure them on the target: ``leaf_s`` and ``backward_leaf_s`` from a swap run's
     ``RankStats.compute_job_s`` / ``compute_jobs`` (``"forward"``, ``"backward"``), or
@@ -146,6 +150,7 @@ class CostModel:
     p2p_latency_s: float = 0.0
     stage_bytes: tuple[StageBytes, ...] | None = None
     recompute_leaf_s: float | None = None
+    split_directions: bool = True
 
     @classmethod
     def from_result(
@@ -187,6 +192,8 @@ class CostModel:
         _check_number("copy_overhead_s", self.copy_overhead_s, allow_inf=False, allow_zero=True)
         if not isinstance(self.shared_compute, bool):
             raise TypeError(f"shared_compute must be a bool, got {self.shared_compute!r}")
+        if not isinstance(self.split_directions, bool):
+            raise TypeError(f"split_directions must be a bool, got {self.split_directions!r}")
         _check_number("swap_step_s", self.swap_step_s, allow_inf=False, allow_zero=True)
         headroom = _check_number("headroom", self.headroom, allow_inf=False, allow_zero=True)
         if headroom > 1:
@@ -400,7 +407,9 @@ class _RunState:
         self.finished = [-1.0] * len(simulator.slot_s)
         self.times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
         self.now = [0.0] * pp
-        self.stream = [0.0] * pp
+        # per rank: when its offload [0] and load [1] streams are free ([0] alone unsplit)
+        self.stream = [[0.0, 0.0] for _ in range(pp)]
+        self.split = simulator.cost.split_directions
         self.exposed = [0.0] * pp
         self.busy = [0.0] * pp
         self.copies: list[dict[object, float]] = [{} for _ in range(pp)]
@@ -482,9 +491,11 @@ class _RunState:
                 self.job_s[rank] = duration if op == _RECOMPUTE else self.swap_step_s
                 return
             if op == _LAUNCH:
-                self.stream[rank] = max(self.now[rank], self.stream[rank]) + duration
+                lanes = self.stream[rank]
+                lane = 1 if self.split and cast(tuple[bool, int, int], key)[0] else 0
+                lanes[lane] = max(self.now[rank], lanes[lane]) + duration
                 self.busy[rank] += duration
-                self.copies[rank][key] = self.stream[rank]
+                self.copies[rank][key] = lanes[lane]
             self.job_done[rank] = self.waited[rank] = False
             position += 1
         self.index[rank], self.request[rank] = position, _DONE

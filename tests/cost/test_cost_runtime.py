@@ -16,8 +16,11 @@ from ppswap.swap import swap_wrapper
 DIM = 8
 MICRO = 4
 # Planner inputs only (the run's copy engine is not throttled): copies of one compute leaf
-# on GPipe pp2 m4 leave room for two of the four chunks of each rank.
-TIGHT = CostModel(chunk_bytes=1000, d2h_gbps=1e-6, h2d_gbps=1e-6, leaf_s=1.0)
+# on one copy stream per rank on GPipe pp2 m4 leave room for two of the four chunks of
+# each rank.
+TIGHT = CostModel(
+    chunk_bytes=1000, d2h_gbps=1e-6, h2d_gbps=1e-6, leaf_s=1.0, split_directions=False
+)
 
 
 def _stages() -> list[PipelineStage]:

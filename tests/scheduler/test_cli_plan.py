@@ -227,8 +227,9 @@ def test_swap_policy_peak_prints_its_orders_and_memory(
 def test_swap_policy_cost_plans_with_the_cli_cost_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """GPipe pp4 m8: copies of one leaf fit the 2% budget on 6 chunks of each rank (the
-    peak policy's), copies of two leaves on none; the JSON is the API's with that model."""
+    """GPipe pp4 m8: copies of one leaf, offloads and loads on their own streams, hide
+    all 8 chunks of each rank within the 2% budget, copies of two leaves none; the JSON is
+    the API's with that model."""
     base = ("plan", "--schedule", "gpipe", "--pp", "4", "--micro", "8", "--swap")
     config = ScheduleConfig(schedule="gpipe", pp=4, micro=8, swap=True)
     status, out, err = run(capsys, *base, "--swap-policy", "cost", "--format", "json")
@@ -238,7 +239,7 @@ def test_swap_policy_cost_plans_with_the_cli_cost_model(
     assert document == plan_payload(
         config, swap_policy="cost", cost_model=cli_cost_model(CLI_COPY_LEAVES, 0.02)
     )
-    assert [r["eligible"] for r in document["memory"]] == [6, 6, 6, 6]
+    assert [r["eligible"] for r in document["memory"]] == [8, 8, 8, 8]
     status, out, _ = run(
         capsys, *base, "--swap-policy", "cost", "--copy-leaves", "2", "--format", "json"
     )
