@@ -36,6 +36,7 @@ from ppswap.events import EventsDropped, RunEvent, RunEvents, RunFinished
 from ppswap.metrics import LoopLagMonitor, RankMetrics, rank_metrics
 from ppswap.results import RunResult
 from ppswap.serve.checkpoint import Checkpoint, JobCheckpoints
+from ppswap.serve.heap import heap_frozen
 from ppswap.serve.store import ACTIVE_STATES, JobRecord, JobStore
 from ppswap.serve.training import (
     JobInputError,
@@ -268,27 +269,32 @@ class JobManager:
                             ]
                             job.post("SavedBytesWithoutSwap", ranks=rows)
                         training = await anyio.to_thread.run_sync(Training, job.spec)
-                        if job.resume_from is not None:
-                            start = job.resume_from
-                            await anyio.to_thread.run_sync(checkpoints.restore, training, start)
-                            losses, step_times = list(start.losses), list(start.step_times)
-                            await self.store.update(job.id, losses=losses, step_times=step_times)
-                            log.info("job_restored", steps_done=start.steps_done)
-                        while training.steps_done < job.spec.steps:
-                            step = training.steps_done
-                            self._lag.take_max_s()
-                            result = await training.step(events)
-                            metrics = rank_metrics(result, loop_lag_s=self._lag.take_max_s())
-                            losses.append(result.loss)
-                            step_times.append(result.step_time_s)
-                            with anyio.CancelScope(shield=True):  # a completed step is kept
-                                await anyio.to_thread.run_sync(
-                                    checkpoints.save, training, losses, step_times
+                        # the framework and the model are built: keep them out of the
+                        # full collections the steps would pay for (ppswap.serve.heap)
+                        with heap_frozen():
+                            if job.resume_from is not None:
+                                start = job.resume_from
+                                await anyio.to_thread.run_sync(checkpoints.restore, training, start)
+                                losses, step_times = list(start.losses), list(start.step_times)
+                                await self.store.update(
+                                    job.id, losses=losses, step_times=step_times
                                 )
-                                await self._record_step(
-                                    job, step, result, metrics, losses, step_times
-                                )
-                            log.info("step_finished", step=step, loss=result.loss)
+                                log.info("job_restored", steps_done=start.steps_done)
+                            while training.steps_done < job.spec.steps:
+                                step = training.steps_done
+                                self._lag.take_max_s()
+                                result = await training.step(events)
+                                metrics = rank_metrics(result, loop_lag_s=self._lag.take_max_s())
+                                losses.append(result.loss)
+                                step_times.append(result.step_time_s)
+                                with anyio.CancelScope(shield=True):  # a completed step is kept
+                                    await anyio.to_thread.run_sync(
+                                        checkpoints.save, training, losses, step_times
+                                    )
+                                    await self._record_step(
+                                        job, step, result, metrics, losses, step_times
+                                    )
+                                log.info("step_finished", step=step, loss=result.loss)
                 finally:
                     events.close()
         except Exception as exc:  # a failed run (PipelineError) or a failed build

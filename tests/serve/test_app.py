@@ -4,6 +4,7 @@ input, and a restarted service that finds its jobs."""
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -319,3 +320,46 @@ async def test_status_and_metrics_requests_while_training_leave_the_losses_uncha
     assert {status for status, _ in answers} == {200}
     assert sum(state == "running" for _, state in answers) > 20  # the load met the training
     assert shown["losses"] == quiet_losses and len(set(quiet_losses)) == 6
+
+
+@pytest.mark.asyncio
+async def test_a_job_steps_on_a_frozen_heap_handed_back_when_it_ends(tmp_path: Path) -> None:
+    """The objects alive when a job's steps begin stay out of the full collections
+    (ppswap.serve.heap) while they run, finished or cancelled, and are handed back after,
+    as in the server's process, where nothing else freezes (this session's freeze is
+    lifted for the test and made again after it)."""
+    gc.unfreeze()
+    try:
+        await _frozen_heap_per_job(tmp_path)
+    finally:
+        gc.collect()
+        gc.freeze()
+
+
+async def _frozen_heap_per_job(tmp_path: Path) -> None:
+    frozen_before = gc.get_freeze_count()
+    frozen_at_steps: list[int] = []
+    app = create_app(tmp_path / "jobs.db")
+    async with app.router.lifespan_context(app):
+        manager = app.state.manager
+        export = manager.on_step
+
+        def on_step(*args: Any) -> None:
+            frozen_at_steps.append(gc.get_freeze_count())
+            export(*args)
+
+        manager.on_step = on_step
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            done = (await client.post("/runs", json=TINY | {"steps": 2})).json()["id"]
+            await wait_state(client, done, {"finished"})
+            assert gc.get_freeze_count() == frozen_before
+            long = (await client.post("/runs", json=TINY | {"steps": 500})).json()["id"]
+            with anyio.fail_after(120):
+                while (await client.get(f"/runs/{long}")).json()["steps_done"] < 1:
+                    await anyio.sleep(0.02)
+            assert (await client.delete(f"/runs/{long}")).status_code == 202
+            await wait_state(client, long, {"cancelled"})
+            assert gc.get_freeze_count() == frozen_before
+    # the framework's modules and the model are many thousands of objects
+    assert len(frozen_at_steps) >= 3 and min(frozen_at_steps) > frozen_before + 10_000
