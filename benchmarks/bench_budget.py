@@ -50,7 +50,8 @@ from ppswap import PipelineStage, RunResult, recompute_wrapper, run_schedule
 from ppswap.backends.cpu_engine import EmulatedDevice
 from ppswap.scheduler.budget import least_budgets, plan_memory_budget
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.cost_model import CostModel, StageBytes, simulate_run
+from ppswap.scheduler.cost_model import CostModel, StageBytes
+from ppswap.scheduler.cost_simulation import simulate_run
 from ppswap.swap import swap_wrapper
 
 SCHEDULES: dict[str, dict[str, Any]] = {

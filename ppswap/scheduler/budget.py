@@ -45,7 +45,7 @@ Selection, per rank (a rank's memory depends on its own order only):
    candidates, so where one fits, the plan's predicted step is at most its.
 
 The chosen policies become orders through ``recompute_plan.orders_for_policies``, checked
-by ``validate_all``; the step is predicted by ``cost_model.simulate_run`` (RECOMPUTE takes
+by ``validate_all``; the step is predicted by ``cost_simulation.simulate_run`` (RECOMPUTE takes
 its time on the compute thread). Cost: one pass over the live chunks per choice, linear
 in the slots per improvement trial; Interleaved pp8 vpp2 m64 plans in well under a second
 (``benchmarks/bench_budget.py``).
@@ -63,7 +63,8 @@ from ppswap.scheduler.analysis import compute_slots
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost_calibration import StageBytes
 from ppswap.scheduler.cost_memory import candidates_of
-from ppswap.scheduler.cost_model import CostModel, simulate_run
+from ppswap.scheduler.cost_model import CostModel
+from ppswap.scheduler.cost_simulation import simulate_run
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.recompute_plan import ChunkPolicy, orders_for_policies
 from ppswap.scheduler.simulate import releases_chunk, split_release_kind
@@ -104,7 +105,7 @@ class RankBudgetPlan:
 @dataclass(frozen=True, slots=True)
 class BudgetPlan:
     """The plan of every rank, the finalized orders and the predicted step (seconds, of
-    ``cost_model.simulate_run``), with keeping everything's beside it."""
+    ``cost_simulation.simulate_run``), with keeping everything's beside it."""
 
     ranks: tuple[RankBudgetPlan, ...]
     orders: tuple[Order, ...]

@@ -10,7 +10,7 @@ as it can be. The chosen chunks are placed by the fixed rule's anchors
 (``swap_plan.inject_swap_steps`` with ``chunks=``): the two policies differ only in
 *which* chunks move.
 
-Prediction: ``cost_model.simulate_run`` simulates the step event by event from a
+Prediction: ``cost_simulation.simulate_run`` simulates the step event by event from a
 :class:`~ppswap.scheduler.cost_model.CostModel` (bytes per chunk, copy bandwidths,
 compute time per leaf, per-copy overhead, one device per rank or one shared compute
 thread). The step time is that of the orders without swap; each rank's budget is
@@ -80,14 +80,8 @@ from typing import Literal, get_args
 
 from ppswap.scheduler.config import ScheduleConfig
 from ppswap.scheduler.cost_memory import Candidate, RankMemory, candidates_of
-from ppswap.scheduler.cost_model import (
-    DEFAULT_COST_BUDGET,
-    CostModel,
-    Program,
-    RunEstimate,
-    Simulator,
-    simulate_run,
-)
+from ppswap.scheduler.cost_model import DEFAULT_COST_BUDGET, CostModel
+from ppswap.scheduler.cost_simulation import Program, RunEstimate, Simulator, simulate_run
 from ppswap.scheduler.lowering import build_all_orders
 from ppswap.scheduler.peak import build_peak_orders
 from ppswap.scheduler.steps import Order

@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.cost_model import CostModel, simulate_run
+from ppswap.scheduler.cost_model import CostModel
+from ppswap.scheduler.cost_simulation import simulate_run
 from ppswap.scheduler.lowering import build_all_orders
 
 

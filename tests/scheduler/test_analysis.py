@@ -19,7 +19,8 @@ from ppswap.scheduler.analysis import (
     slot_dependencies,
 )
 from ppswap.scheduler.config import ScheduleConfig
-from ppswap.scheduler.cost_model import CostModel, simulate_run
+from ppswap.scheduler.cost_model import CostModel
+from ppswap.scheduler.cost_simulation import simulate_run
 from ppswap.scheduler.lowering import build_all_orders, build_exec_order
 from ppswap.scheduler.simulate import build_timeline
 from ppswap.scheduler.steps import P2P_KINDS, MetaStep, Order, StepKind, iter_leaves
