@@ -129,14 +129,7 @@ class InProcessTransport:
     ) -> HostArray:
         """The sum over members of their ``arrays[i]`` (``group[i] == rank``), a left fold
         in group order (bit-identical from run to run), in a new array."""
-        if len(arrays) != len(group) or not all(isinstance(a, np.ndarray) for a in arrays):
-            raise ValueError(
-                f"arrays must hold {len(group)} numpy arrays, one per member of group "
-                f"{group}, got {len(arrays)} items"
-            )
-        found = await self._rendezvous_wait("reduce_scatter_sum", rank, group, key, tuple(arrays))
-        mine = group.index(rank)
-        parts = [found[index][mine] for index in range(len(group))]
+        parts = await self._per_member_exchange("reduce_scatter_sum", rank, group, key, arrays)
         return sum_contributions(key, group, rank, parts)
 
     async def all_to_all(
@@ -144,15 +137,22 @@ class InProcessTransport:
     ) -> list[HostArray]:
         """What every member sent to ``rank`` (its ``arrays[group.index(rank)]``), in group
         order: the arrays themselves, any number of rows each (``check_all_to_all``)."""
+        parts = await self._per_member_exchange("all_to_all", rank, group, key, arrays)
+        return check_all_to_all(key, group, rank, arrays[group.index(rank)], parts)
+
+    async def _per_member_exchange(
+        self, op: str, rank: int, group: tuple[int, ...], key: str, arrays: list[HostArray]
+    ) -> list[HostArray]:
+        """``arrays[j]`` goes to ``group[j]``: what every member gave ``rank``, in group
+        order (the arrays themselves)."""
         if len(arrays) != len(group) or not all(isinstance(a, np.ndarray) for a in arrays):
             raise ValueError(
                 f"arrays must hold {len(group)} numpy arrays, one per member of group "
                 f"{group}, got {len(arrays)} items"
             )
-        found = await self._rendezvous_wait("all_to_all", rank, group, key, tuple(arrays))
+        found = await self._rendezvous_wait(op, rank, group, key, tuple(arrays))
         mine = group.index(rank)
-        parts = [found[index][mine] for index in range(len(group))]
-        return check_all_to_all(key, group, rank, arrays[mine], parts)
+        return [found[index][mine] for index in range(len(group))]
 
     async def _rendezvous_wait(
         self,

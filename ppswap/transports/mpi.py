@@ -231,19 +231,7 @@ class MPITransport:
         a left fold in ``group`` order (``a_0 + a_1 + ...``), so it is bit-identical on
         every run; contributions must match this rank's ``arrays[i]`` in shape and dtype.
         """
-        index = self._check_collective(rank, group)
-        if not isinstance(arrays, Sequence):
-            raise TypeError(f"arrays must be a list of arrays, got {type(arrays).__name__}")
-        if len(arrays) != len(group):
-            raise ValueError(
-                f"arrays has {len(arrays)} entries; allowed: {len(group)}, one per member "
-                f"of group {group}"
-            )
-        bodies = [wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
-        tag, identity = self._collective_tag("reduce_scatter_sum", group, key)
-        outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
-        received = await self._exchange(group, tag, identity, key, outgoing)
-        parts = [bodies[j] if j == index else received[j] for j in range(len(group))]
+        _, parts = await self._per_member_exchange("reduce_scatter_sum", rank, group, key, arrays)
         return sum_contributions(key, group, self._rank, parts)
 
     async def all_to_all(
@@ -252,6 +240,14 @@ class MPITransport:
         """What every member sent to this rank (its ``arrays[i]``, ``group[i]`` being this
         rank), in ``group`` order: ``arrays[j]`` goes to ``group[j]``, any number of rows
         (zero included), each message self-describing (``check_all_to_all``)."""
+        mine, parts = await self._per_member_exchange("all_to_all", rank, group, key, arrays)
+        return check_all_to_all(key, group, self._rank, mine, parts)
+
+    async def _per_member_exchange(
+        self, op: str, rank: int, group: tuple[int, ...], key: str, arrays: list[Array]
+    ) -> tuple[Array, list[Array]]:
+        """Send ``arrays[j]`` to ``group[j]``; this rank's own array (as sent) and what
+        every member sent to it, in ``group`` order."""
         index = self._check_collective(rank, group)
         if not isinstance(arrays, Sequence):
             raise TypeError(f"arrays must be a list of arrays, got {type(arrays).__name__}")
@@ -261,11 +257,11 @@ class MPITransport:
                 f"of group {group}"
             )
         bodies = [wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
-        tag, identity = self._collective_tag("all_to_all", group, key)
+        tag, identity = self._collective_tag(op, group, key)
         outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
         received = await self._exchange(group, tag, identity, key, outgoing)
         parts = [bodies[j] if j == index else received[j] for j in range(len(group))]
-        return check_all_to_all(key, group, self._rank, bodies[index], parts)
+        return bodies[index], parts
 
     # -- failure and shutdown -----------------------------------------------------------------
 
