@@ -133,6 +133,17 @@ class _ChunkModel:
     options: tuple[_Option, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _RankPlanning:
+    """One rank's steps 1-2 result and step 3's candidates (``_alternatives``)."""
+
+    models: list[_ChunkModel]
+    state: _RankState
+    alternatives: dict[str, _RankState]
+    keep_peak: int
+    least: int
+
+
 class _RankState:
     """The bytes of one rank at each compute slot under the current policies."""
 
@@ -367,7 +378,7 @@ def plan_memory_budget(
     budgets = _check_budgets(config, budgets)
     sizes = _stage_bytes(cost, config)
     plain = build_all_orders(replace(config, swap=False))
-    planned: list[tuple[list[_ChunkModel], _RankState, dict[str, _RankState], int, int]] = []
+    planned: list[_RankPlanning] = []
     short: list[str] = []
     for rank, order in enumerate(plain):
         models, values = _chunk_models(config, rank, order, cost, sizes, recompute_stages)
@@ -376,18 +387,18 @@ def plan_memory_budget(
             short.append(f"rank {rank} needs at least {least} bytes (budget {budgets[rank]})")
             continue
         alternatives = _alternatives(models, values, state, budgets[rank])
-        planned.append((models, state, alternatives, max(values, default=0), least))
+        planned.append(_RankPlanning(models, state, alternatives, max(values, default=0), least))
     if short:
         raise BudgetError(
             f"memory_budget is below what keep/swap/recompute can reach: {'; '.join(short)}"
         )
     # Step 3: the candidate of least predicted step; each rank takes the candidate's
     # state where it has one within its budget, else its own plan's.
-    names = ["plan", *dict.fromkeys(n for *_, alts, _, _ in planned for n in alts)]
+    names = ["plan", *dict.fromkeys(n for rank in planned for n in rank.alternatives)]
     best: tuple[float, tuple[Order, ...], list[_RankState]] | None = None
     seen: set[frozenset[tuple[Chunk, ChunkPolicy]]] = set()
     for name in names:
-        states = [alts.get(name, state) for _, state, alts, _, _ in planned]
+        states = [rank.alternatives.get(name, rank.state) for rank in planned]
         policies = {
             chunk: option.policy for state in states for chunk, option in state.chosen.items()
         }
@@ -405,14 +416,12 @@ def plan_memory_budget(
         RankBudgetPlan(
             rank,
             budgets[rank],
-            _policies_of(models, state),
+            _policies_of(planning.models, state),
             state.peak(),
-            keep_peak,
-            least,
+            planning.keep_peak,
+            planning.least,
         )
-        for rank, ((models, _, _, keep_peak, least), state) in enumerate(
-            zip(planned, states, strict=True)
-        )
+        for rank, (planning, state) in enumerate(zip(planned, states, strict=True))
     ]
     return BudgetPlan(
         ranks=tuple(ranks),
