@@ -63,7 +63,8 @@ class CopyStats:
 
 class CopyCompletion(CopyEvent):
     """A launched copy's completion: set when it ran (``moved`` bytes) or failed
-    (``error``, a ``PipelineError`` naming the copy), or when it was cancelled unrun."""
+    (``error``, a ``PipelineError`` naming the copy), or when it was cancelled unrun
+    after another copy failed (``error`` is that copy's failure)."""
 
     __slots__ = ("error", "label", "moved")
 
@@ -322,7 +323,10 @@ class CopyStream:
                 if not isinstance(item, _Launch):
                     return
                 if self.failure is not None:
+                    # Cancelled unrun: a wait on it raises the copy failure that caused
+                    # this, not a consequence of the missing copy.
                     item.job.cancel()
+                    item.completion.error = self.failure
                     item.completion.set()
                     continue
                 self._run(lane, item)

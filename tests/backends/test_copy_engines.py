@@ -141,3 +141,45 @@ def test_the_copy_streams_benchmark_runs() -> None:
         if line.startswith("| 1 ") or line.startswith("| 2 ")
     ]
     assert len(rows) == 2, done.stdout
+
+
+@pytest.mark.asyncio
+async def test_a_copy_cancelled_unrun_after_a_failure_carries_that_failure() -> None:
+    """An offload queued behind a held one, when a load fails meanwhile, never runs; a wait
+    on it raises the load's failure (the root cause), not a consequence of the missing copy."""
+    gate, running = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def hold() -> None:
+        running.set()
+        if not gate.wait(10):
+            raise TimeoutError("the gate was never opened")
+        order.append("offload")
+
+    def fail() -> None:
+        raise OSError("host buffer gone")
+
+    held_job = CopyJob(kind=JobKind.OFFLOAD, group="a", nbytes=1, work=hold)
+    queued_job = CopyJob(kind=JobKind.OFFLOAD, group="c", nbytes=1, work=lambda: None)
+    failing_job = CopyJob(kind=JobKind.LOAD, group="b", nbytes=1, work=fail)
+    stream = CopyStream(3, FlightRecorder(), split_directions=True)
+    stream.start()
+    try:
+        held = stream.launch(MetaStep(StepKind.SWAP_LAUNCH_OFFLOAD, 0, 0), held_job)
+        assert await anyio.to_thread.run_sync(running.wait, 10)  # the held copy is running
+        queued = stream.launch(MetaStep(StepKind.SWAP_LAUNCH_OFFLOAD, 1, 0), queued_job)
+        failed = stream.launch(MetaStep(StepKind.SWAP_LAUNCH_LOAD, 2, 0), failing_job)
+        assert await failed.wait_async(10)
+        gate.set()
+        assert await held.wait_async(10) and await queued.wait_async(10)
+    finally:
+        gate.set()
+        stream.close()
+        with anyio.fail_after(10), pytest.raises(Exception) as raised:
+            await stream.finished()
+        await stream.join(10)
+    assert order == ["offload"]  # the held copy ran; the queued one did not
+    assert failed.error is not None and (failed.error.actor, failed.error.step) == ("copy", "LL0.2")
+    assert queued.error is failed.error
+    assert raised.value is failed.error
+    assert stream.stats().copies == 1
