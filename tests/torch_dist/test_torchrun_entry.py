@@ -1,7 +1,7 @@
 """torchrun without writing a script: ``ppswap demo --transport torch`` under torchrun, and
 ``examples/torchrun_pipeline.py``; a world size that does not fit the stages is one line
-per rank, naming ``--nproc-per-node``, and no traceback of ours (torchrun's own failure
-summary follows it)."""
+on each rank that reaches the check before torchrun stops the rest, naming
+``--nproc-per-node``, and no traceback of ours (torchrun's own failure summary follows it)."""
 
 from __future__ import annotations
 
@@ -47,11 +47,14 @@ def test_the_demo_runs_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_world_size_that_does_not_fit_is_one_line_per_rank(tmp_path: Path) -> None:
+def test_a_world_size_that_does_not_fit_is_one_line_on_each_rank(tmp_path: Path) -> None:
     example = torchrun(3, str(REPO / "examples" / "torchrun_pipeline.py"))
     assert example.returncode != 0
+    # torchrun stops the other ranks when the first one exits, so a loaded host may see
+    # fewer than three lines; each rank that prints says the same one line, once.
     errors = re.findall(r"^rank (\d): error: (.*)$", example.output, re.MULTILINE)
-    assert sorted(rank for rank, _ in errors) == ["0", "1", "2"], example.output
+    ranks = [rank for rank, _ in errors]
+    assert ranks and len(set(ranks)) == len(ranks) and set(ranks) <= {"0", "1", "2"}, example.output
     assert {message for _, message in errors} == {
         "pp=3 comes from the world size (torchrun --nproc-per-node, mpiexec -n); it must "
         "divide stage_num=8 (vpp = stage_num // pp)"
@@ -65,7 +68,7 @@ def test_a_world_size_that_does_not_fit_is_one_line_per_rank(tmp_path: Path) -> 
         "ppswap: error: pp=4 must equal the world size 3 (torchrun --nproc-per-node 3): "
         "launch with torchrun --nproc-per-node 4, or pass --pp 3"
     )
-    assert demo.output.splitlines().count(line) == 3, demo.output
+    assert 1 <= demo.output.splitlines().count(line) <= 3, demo.output
     assert_no_traceback_of_ours(demo.output)
 
 
