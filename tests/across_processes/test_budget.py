@@ -3,7 +3,8 @@
 (in one process: ``tests/budget/test_budget_runs.py``).
 
 The script (``tests/torch_dist/scripts/budget.py`` for torch, with dropout;
-``tests/mpi/scripts/run_budget.py`` for MindSpore) calibrates a cost model and the budgets
+``tests/mpi/scripts/run_budget.py`` for MindSpore; both check with
+``tests/budget_checks.py``) calibrates a cost model and the budgets
 from runs of the whole pipeline in its own process (half each rank's keep-everything peak,
 and recompute-everything's peak), then runs GPipe, 1F1B, 1F1B + overlap_b_f and
 Interleaved (1F1B alone at 3 ranks) under each budget across the processes. Each rank
