@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import TextIO
 
 from ppswap import PipelineStage, run_schedule
 from ppswap.swap import swap_wrapper
@@ -77,6 +78,13 @@ def build_stages() -> list[nn.Sequential]:
     return stages
 
 
+def say(line: str, stream: TextIO = sys.stdout) -> None:
+    """Write ``line`` in one write: every rank shares the terminal, so a line written in
+    pieces (``print`` writes its end apart when unbuffered) could be split by another's."""
+    stream.write(f"{line}\n")
+    stream.flush()
+
+
 def make_data() -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed regression task: targets from a random teacher (the same in every process)."""
     generator = torch.Generator().manual_seed(1)
@@ -107,17 +115,16 @@ async def train(transport: TorchDistTransport) -> int:
                 transport=transport,
             )
         except ValueError as exc:  # a bad configuration, refused before anything ran
-            print(f"rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+            say(f"rank {rank}: error: {exc}", sys.stderr)
             return 2
         optimizer.step()
         optimizer.zero_grad()
         if rank == 0:
-            print(f"step {step}: loss {result.loss:.6f}", flush=True)
+            say(f"step {step}: loss {result.loss:.6f}")
     stats = result.ranks[rank]
-    print(
+    say(
         f"rank {rank}: stages {[stage.stage_index for stage in mine]}, peak saved "
-        f"{stats.peak_saved_bytes} B, offloaded {stats.offloaded_bytes} B",
-        flush=True,
+        f"{stats.peak_saved_bytes} B, offloaded {stats.offloaded_bytes} B"
     )
     return 0
 

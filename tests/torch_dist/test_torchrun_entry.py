@@ -76,8 +76,9 @@ def test_a_world_size_that_does_not_fit_is_one_line_on_each_rank(tmp_path: Path)
 def test_the_example_trains_under_torchrun() -> None:
     result = torchrun(2, str(REPO / "examples" / "torchrun_pipeline.py"))
     assert result.returncode == 0, result.output
-    losses = [float(v) for v in re.findall(r"^step \d: loss ([0-9.]+)$", result.output, re.M)]
-    assert len(losses) == 3 and losses[-1] < losses[0]
-    offloaded = re.findall(r"^rank (\d): stages .* offloaded (\d+) B$", result.output, re.M)
-    assert sorted(rank for rank, _ in offloaded) == ["0", "1"]
+    # Each line is one write, but another process's unfinished line may precede it.
+    losses = [float(v) for v in re.findall(r"step \d: loss ([0-9.]+)$", result.output, re.M)]
+    assert len(losses) == 3 and losses[-1] < losses[0], result.output
+    offloaded = re.findall(r"rank (\d): stages .* offloaded (\d+) B$", result.output, re.M)
+    assert sorted(rank for rank, _ in offloaded) == ["0", "1"], result.output
     assert all(int(moved) > 0 for _, moved in offloaded)
