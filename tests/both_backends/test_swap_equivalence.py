@@ -155,7 +155,7 @@ async def test_swap_is_bit_identical_and_matches_unsplit(backend: str, case: Cas
     """Losses and every gradient bit-identical with and without swap; equal to the unsplit
     model within rtol 1e-5; per rank, bytes moved exactly where the plan swaps, all of
     them loaded back, nothing left held, and a lower measured peak where the plan
-    predicts one."""
+    predicts one (no higher one under overlap_b_f, whose leaf order follows timing)."""
     runs = runs_of(backend)
     stages, base, base_grads = await run(runs, case, swap=False)
     _, swapped, swap_grads = await run(runs, case, swap=True)
@@ -183,7 +183,12 @@ async def test_swap_is_bit_identical_and_matches_unsplit(backend: str, case: Cas
         assert (on.offloaded_bytes > 0) == p.eligible, (on.rank, p)
         assert on.loaded_bytes == on.offloaded_bytes
         assert on.groups_left == on.saved_bytes_left == 0
-        if p.cuts_peak:
+        if p.cuts_peak and case.overlap_b_f:
+            # The runtime runs whichever leaf of an OVERLAP_B_F composite is ready first,
+            # so each run's measured peak may sit a chunk below the planned one (which
+            # counts both): the two runs' leaf orders differ with the host's timing.
+            assert on.peak_saved_bytes <= off.peak_saved_bytes, (on.rank, p)
+        elif p.cuts_peak:
             assert on.peak_saved_bytes < off.peak_saved_bytes, (on.rank, p)
     assert stage_runs_holding_chunks() == 0
 
