@@ -13,7 +13,8 @@ layer's phases), so the two queues need no ordering between them.
 :class:`CopyCompletion`, which
 SWAP_WAIT_* awaits; a failed copy sets it with the ``PipelineError`` this actor reports
 (naming the rank, ``copy`` and the launch step), so the run reports the copy, not the
-compute step that waited for it.
+compute step that waited for it. A copy cancelled unrun because another copy failed
+carries that failure too: a wait on it reports the root cause.
 
 The actor owns the stream's lifecycle: ``run()`` starts its threads and returns when the
 compute actor has closed the stream (``close()``, after its last step) and every launched
