@@ -97,8 +97,10 @@ def test_a_job_that_reports_progress_is_timed_out_only_when_the_progress_stops()
         release = threading.Event()
 
         def advancing() -> str:
-            for n in range(1, 6):  # 0.5 s in all, a new step every 0.1 s
-                time.sleep(0.1)
+            # 0.5 s in all, a new step every 10 ms: a loaded host would have to keep
+            # this thread off the CPU for a whole 0.25 s window to stop its progress
+            for n in range(1, 51):
+                time.sleep(0.01)
                 moving[0] = f"step {n}"
             return "done"
 

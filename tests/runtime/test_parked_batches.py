@@ -10,7 +10,9 @@ turns the batches off).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from typing import Any
 
 import anyio
@@ -59,8 +61,10 @@ async def test_a_parked_job_lets_the_thread_serve_others_and_resumes_when_ready(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(call, "consumer", consumer)
-            await anyio.sleep(0.05)  # parked: the thread is free
-            assert not thread.has_waiting()
+            with anyio.fail_after(10):  # the thread took the consumer, which parked
+                while not thread._parked:
+                    await anyio.sleep(0.005)
+            assert not thread.has_waiting()  # a parked job is not waiting: the thread is free
             tg.start_soon(call, "producer", producer)
     assert results == {"consumer": "payload", "producer": "made"}
     assert served == ["consumer parks", "producer", "consumer resumed"]
@@ -201,15 +205,22 @@ def test_a_blocking_pair_runs_the_leaf_whose_input_came_first(forward_first: boo
     first, second = (activation, "f2"), (grad, "b0")
     if not forward_first:
         first, second = second, first
-    timers = [
-        threading.Timer(0.05, first[0].land, (first[1],)),
-        threading.Timer(0.15, second[0].land, (second[1],)),
-    ]
-    for timer in timers:
-        timer.start()
+    # The second input lands only once the leaf of the first has run (its hand-off), so
+    # the order the batch sees does not hang on how soon its thread wakes.
+    ran_first = threading.Event()
+    index = 1 if forward_first else 0
+    jobs[index] = dataclasses.replace(jobs[index], hand_offs=(lambda _: ran_first.set(),))
+
+    def land_in_order() -> None:
+        time.sleep(0.05)  # mostly the batch waits for both by then (either way: first)
+        first[0].land(first[1])
+        ran_first.wait(10)
+        second[0].land(second[1])
+
+    lander = threading.Thread(target=land_in_order)
+    lander.start()
     outcome = BatchRun(jobs, None, None, 5.0, parks=False, pairs=frozenset({0})).run()
-    for timer in timers:
-        timer.join()
+    lander.join()
     assert isinstance(outcome, BatchOutcome) and outcome.error is None
     if forward_first:
         assert outcome.results == ["f2", "B0"] and list(outcome.order) == [1, 0]
