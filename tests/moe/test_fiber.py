@@ -5,6 +5,7 @@ runs meanwhile (peers may run a composite's two leaves in the other order)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -142,14 +143,25 @@ def test_a_blocking_batch_runs_the_partner_of_a_suspended_leaf() -> None:
         StepJob(MetaStep(StepKind.FWD, 0, 1), "forward", first, arrival=_landed("in-f")),
         StepJob(MetaStep(StepKind.BWD, 0, 0), "backward", second, arrival=_landed("in-b")),
     ]
-    timers = [threading.Timer(0.2, y.land, ("dy",)), threading.Timer(0.4, x.land, ("dx",))]
-    for timer in timers:
-        timer.start()
+
+    def land_after(entry: str, arrival: Arrival, payload: str) -> None:
+        # Each exchange lands once the batch got where it waits for it, however slowly
+        # a loaded host runs the batch's thread (a landed arrival is not waited for).
+        deadline = time.monotonic() + 10.0
+        while entry not in log and time.monotonic() < deadline:
+            time.sleep(0.005)
+        arrival.land(payload)
+
+    def lands() -> None:
+        land_after("bwd starts", y, "dy")
+        land_after("bwd got dy", x, "dx")
+
+    lander = threading.Thread(target=lands, name="test-lander")
+    lander.start()
     try:
         outcome = BatchRun(jobs, None, None, 10.0, parks=False, pairs=frozenset({0})).run()
     finally:
-        for timer in timers:
-            timer.join()
+        lander.join()
     assert isinstance(outcome, BatchOutcome) and outcome.error is None
     assert outcome.results == ["bwd", "fwd"] and list(outcome.order) == [1, 0]
     assert log == ["fwd starts", "bwd starts", "bwd got dy", "fwd got dx"]

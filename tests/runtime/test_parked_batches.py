@@ -61,8 +61,8 @@ async def test_a_parked_job_lets_the_thread_serve_others_and_resumes_when_ready(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(call, "consumer", consumer)
-            with anyio.fail_after(10):  # the thread took the consumer, which parked
-                while not thread._parked:
+            with anyio.fail_after(10):  # the thread took the consumer, which parks
+                while "consumer parks" not in served:
                     await anyio.sleep(0.005)
             assert not thread.has_waiting()  # a parked job is not waiting: the thread is free
             tg.start_soon(call, "producer", producer)
