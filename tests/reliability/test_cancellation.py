@@ -126,12 +126,19 @@ def test_cancel_after_a_random_delay_then_run_again(case: Case, fraction: float)
         # Time a run on these stages, then cancel a second one somewhere inside its span.
         started = time.perf_counter()
         await run_case(stages, case, device=device)
-        span = time.perf_counter() - started
-        with anyio.move_on_after(fraction * span * 1.2) as scope:
-            await run_case(stages, case, device=device)
-        if fraction * 1.2 < 0.5:  # no second run is twice as fast as the first
+        delay = fraction * (time.perf_counter() - started) * 1.2
+        must_cancel = fraction * 1.2 < 0.5
+        # A loaded host may have slowed the timed run more than this one: a run that
+        # finished first is tried again, within half the delay, up to six times.
+        for _ in range(6):
+            with anyio.move_on_after(delay) as scope:
+                await run_case(stages, case, device=device)
+            assert_clean(stages, device, baseline)
+            if scope.cancelled_caught or not must_cancel:
+                break
+            delay /= 2
+        if must_cancel:
             assert scope.cancelled_caught
-        assert_clean(stages, device, baseline)
         await _rerun_matches_reference(case, stages, device)
         assert_clean(stages, device, baseline)
 
