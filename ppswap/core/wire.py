@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from sys import getrefcount
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
     "decode_header",
     "digest",
     "encode_message",
+    "exchange_per_member",
     "p2p_identity",
     "wire_array",
 ]
@@ -208,6 +210,20 @@ def wire_array(payload: object, name: str) -> Array:
         raise ValueError(f"{name} has ndim {payload.ndim}; at most {MAX_NDIM} allowed")
     # np.ascontiguousarray would turn a 0-d array into a 1-d one
     return payload if payload.flags.c_contiguous else payload.copy(order="C")
+
+
+async def exchange_per_member(
+    arrays: Sequence[object],
+    index: int,
+    exchange: Callable[[dict[int, Array]], Awaitable[dict[int, Array]]],
+) -> tuple[Array, list[Array]]:
+    """``reduce_scatter_sum``'s and ``all_to_all``'s sending, for the member at ``index``
+    of the group: ``arrays[j]`` (as a wire array) goes to member ``j`` through
+    ``exchange`` (outgoing by member index -> received by member index), its own stays
+    here. Returns its own array and what every member gave it, in group order."""
+    bodies = [wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
+    received = await exchange({j: body for j, body in enumerate(bodies) if j != index})
+    return bodies[index], [bodies[j] if j == index else received[j] for j in range(len(bodies))]
 
 
 def encode_message(

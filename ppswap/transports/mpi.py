@@ -64,6 +64,7 @@ from ppswap.core.wire import (
     decode_header,
     digest,
     encode_message,
+    exchange_per_member,
     wire_array,
 )
 from ppswap.transports.mpi_requests import FIRST_BYTES, InFlightRequests, StartedRecv
@@ -217,9 +218,8 @@ class MPITransport:
         """
         index = self._check_collective(rank, group)
         body = wire_array(array, "array")
-        tag, identity = self._collective_tag("all_gather", group, key)
         outgoing = {j: body for j in range(len(group)) if j != index}
-        received = await self._exchange(group, tag, identity, key, outgoing)
+        received = await self._exchange("all_gather", group, key, outgoing)
         return [array if j == index else received[j] for j in range(len(group))]
 
     async def reduce_scatter_sum(
@@ -256,12 +256,7 @@ class MPITransport:
                 f"arrays has {len(arrays)} entries; allowed: {len(group)}, one per member "
                 f"of group {group}"
             )
-        bodies = [wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
-        tag, identity = self._collective_tag(op, group, key)
-        outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
-        received = await self._exchange(group, tag, identity, key, outgoing)
-        parts = [bodies[j] if j == index else received[j] for j in range(len(group))]
-        return bodies[index], parts
+        return await exchange_per_member(arrays, index, partial(self._exchange, op, group, key))
 
     # -- failure and shutdown -----------------------------------------------------------------
 
@@ -338,15 +333,12 @@ class MPITransport:
         return 2 * tag_hash, digest(op, group, key, call)
 
     async def _exchange(
-        self,
-        group: tuple[int, ...],
-        tag: int,
-        identity: int,
-        key: str,
-        outgoing: dict[int, Array],
+        self, op: str, group: tuple[int, ...], key: str, outgoing: dict[int, Array]
     ) -> dict[int, Array]:
         """Send ``outgoing[j]`` to and receive from ``group[j]`` for every ``j``, at once
-        (every message started, no task each). The first failure is raised as itself."""
+        (every message started, no task each), as this rank's next ``op`` call on
+        ``(group, key)`` (``_collective_tag``). The first failure is raised as itself."""
+        tag, identity = self._collective_tag(op, group, key)
         comm = self._coll_comm
         header = (self._tags.epoch, identity)
         buffers = (self._header_buffers, self._recv_pool)

@@ -56,7 +56,7 @@ from ppswap.core.transport import (
     complete_all,
     sum_contributions,
 )
-from ppswap.core.wire import WireCounters, digest, wire_array
+from ppswap.core.wire import WireCounters, digest, exchange_per_member, wire_array
 
 __all__ = ["P2P_TAGS", "TorchDistTransport"]
 
@@ -353,11 +353,7 @@ class TorchDistTransport:
         index = self._check_collective(rank, group)
         if not isinstance(arrays, Sequence) or len(arrays) != len(group):
             raise ValueError(f"arrays must be a list of {len(group)} arrays, one per member")
-        bodies = [wire_array(a, f"arrays[{j}]") for j, a in enumerate(arrays)]
-        outgoing = {j: bodies[j] for j in range(len(group)) if j != index}
-        received = await self._exchange(op, group, key, outgoing)
-        parts = [bodies[j] if j == index else received[j] for j in range(len(group))]
-        return bodies[index], parts
+        return await exchange_per_member(arrays, index, partial(self._exchange, op, group, key))
 
     # -- failure and shutdown -----------------------------------------------------------------
 
