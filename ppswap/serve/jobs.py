@@ -247,9 +247,6 @@ class JobManager:
         job.post("JobState", state="running")
         log.info("job_running")
         events = RunEvents(timeline=True)
-        losses: list[float] = []
-        step_times: list[float] = []
-        checkpoints = JobCheckpoints(self.checkpoint_root, job.id)
         error: str | None = None
         scope = anyio.CancelScope()
         job.scope = scope
@@ -269,32 +266,7 @@ class JobManager:
                             ]
                             job.post("SavedBytesWithoutSwap", ranks=rows)
                         training = await anyio.to_thread.run_sync(Training, job.spec)
-                        # the framework and the model are built: keep them out of the
-                        # full collections the steps would pay for (ppswap.serve.heap)
-                        with heap_frozen():
-                            if job.resume_from is not None:
-                                start = job.resume_from
-                                await anyio.to_thread.run_sync(checkpoints.restore, training, start)
-                                losses, step_times = list(start.losses), list(start.step_times)
-                                await self.store.update(
-                                    job.id, losses=losses, step_times=step_times
-                                )
-                                log.info("job_restored", steps_done=start.steps_done)
-                            while training.steps_done < job.spec.steps:
-                                step = training.steps_done
-                                self._lag.take_max_s()
-                                result = await training.step(events)
-                                metrics = rank_metrics(result, loop_lag_s=self._lag.take_max_s())
-                                losses.append(result.loss)
-                                step_times.append(result.step_time_s)
-                                with anyio.CancelScope(shield=True):  # a completed step is kept
-                                    await anyio.to_thread.run_sync(
-                                        checkpoints.save, training, losses, step_times
-                                    )
-                                    await self._record_step(
-                                        job, step, result, metrics, losses, step_times
-                                    )
-                                log.info("step_finished", step=step, loss=result.loss)
+                        await self._steps(job, training, events, log)
                 finally:
                     events.close()
         except Exception as exc:  # a failed run (PipelineError) or a failed build
@@ -310,6 +282,35 @@ class JobManager:
             await self._end(job, "cancelled")
         else:
             await self._end(job, "finished")
+
+    async def _steps(
+        self, job: Job, training: Training, events: RunEvents, log: structlog.BoundLogger
+    ) -> None:
+        """The job's steps, from its checkpoint (``job.resume_from``) or the first, each
+        kept (checkpoint and store, shielded) before the next begins. The framework and
+        the model are built by now: the steps run on a frozen heap (``ppswap.serve.heap``)
+        so that full collections do not scan them."""
+        checkpoints = JobCheckpoints(self.checkpoint_root, job.id)
+        losses: list[float] = []
+        step_times: list[float] = []
+        with heap_frozen():
+            if job.resume_from is not None:
+                start = job.resume_from
+                await anyio.to_thread.run_sync(checkpoints.restore, training, start)
+                losses, step_times = list(start.losses), list(start.step_times)
+                await self.store.update(job.id, losses=losses, step_times=step_times)
+                log.info("job_restored", steps_done=start.steps_done)
+            while training.steps_done < job.spec.steps:
+                step = training.steps_done
+                self._lag.take_max_s()
+                result = await training.step(events)
+                metrics = rank_metrics(result, loop_lag_s=self._lag.take_max_s())
+                losses.append(result.loss)
+                step_times.append(result.step_time_s)
+                with anyio.CancelScope(shield=True):  # a completed step is kept
+                    await anyio.to_thread.run_sync(checkpoints.save, training, losses, step_times)
+                    await self._record_step(job, step, result, metrics, losses, step_times)
+                log.info("step_finished", step=step, loss=result.loss)
 
     async def _record_step(
         self,
